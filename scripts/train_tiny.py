@@ -1,0 +1,308 @@
+"""Train attnkit's bundled model (`tiny`) or its draft sibling (`tiny-draft`) on this CPU.
+
+    python scripts/train_tiny.py --model tiny            # full curriculum, resumes from runs/<model>/ckpt.pt
+    python scripts/train_tiny.py --model tiny-draft
+
+What the data is: Python standard-library source (the training split of attnkit.eval.corpus; the
+held-out files are never read) and the synthetic tasks of attnkit.eval.tasks (split="train", a random
+stream disjoint from evaluation), plus a copy task. Why the curriculum: a first probe on this machine
+showed that retrieval does not form from a plain mixture; the copying (induction) mechanism has to form
+first on many cheap short sequences, with the loss weighted on answer tokens and the learning rate held
+up, before the context is lengthened to 4096 (see shared/notes/training-probe.md).
+
+Every `--save-every` steps it writes a checkpoint (model, optimizer, step) under runs/<model>/ and
+exports the model and tokenizer to src/attnkit/assets/<model>/, so the newest export is always usable
+and an interrupted run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from attnkit.eval import corpus  # noqa: E402
+from attnkit.eval.tasks import TASKS  # noqa: E402
+from attnkit.tokenizer import build_byte_tokenizer  # noqa: E402
+
+BOS, EOS, PAD = 0, 1, 2
+
+GEOMETRIES = {
+    # ~4.8M parameters: 6 layers, 8 query heads sharing 2 kv heads (GQA 4:1), head_dim 32
+    "tiny": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+                 intermediate_size=768),
+    # ~0.5M parameters, several times cheaper per token, same tokenizer
+    "tiny-draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=384),
+}
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    steps: int
+    seq_len: int
+    batch: int
+    mix: dict  # row kind -> weight
+
+
+SHORT_MIX = {"copy": 45, "passkey": 15, "kv_retrieval": 15, "code": 25}
+LONG_MIX = {"copy": 8, "passkey": 12, "niah_multikey": 15, "niah_multivalue": 10, "kv_retrieval": 18,
+            "variable_tracking": 12, "code": 25}
+
+CURRICULA = {
+    "tiny": [
+        Phase("A-induction-256", 1500, 256, 16, SHORT_MIX),
+        Phase("B-1024", 1300, 1024, 8, LONG_MIX),
+        Phase("C-2048", 1000, 2048, 4, LONG_MIX),
+        Phase("D-4096", 1300, 4096, 2, LONG_MIX),
+    ],
+    "tiny-draft": [
+        Phase("A-256", 400, 256, 16, {"copy": 30, "code": 70}),
+        Phase("B-1024", 400, 1024, 8, {"copy": 10, "code": 70, "passkey": 10, "kv_retrieval": 10}),
+    ],
+}
+
+ANSWER_WEIGHT = 5.0
+
+
+def encode_bytes(text: str) -> list[int]:
+    """Byte tokenizer fast path (checked against the real tokenizer at start-up)."""
+    return [b + 3 for b in text.encode("utf-8")]
+
+
+class Batches:
+    """Deterministic rows: batch `step` is a pure function of (model name, step)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.tokenizer = build_byte_tokenizer()
+        self.code = encode_bytes(corpus.haystack_text("train"))
+        probe = "def f(x):\n    return 'é' * x\n"
+        assert encode_bytes(probe) == self.tokenizer.encode(probe, add_special_tokens=False)
+
+    def row(self, kind: str, seq_len: int, rng: random.Random) -> tuple[list[int], list[float]]:
+        n = seq_len + 1  # inputs and shifted targets
+        if kind == "code":
+            start = rng.randrange(0, len(self.code) - n)
+            ids = [BOS] + self.code[start : start + n - 1]
+            return ids, [1.0] * (n - 1)
+        if kind == "copy":
+            half = (n - 2) // 2
+            style = rng.random()
+            if style < 0.5:
+                alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 -.,"
+                seg = encode_bytes("".join(rng.choice(alphabet) for _ in range(half)))
+                first_weight = 0.0
+            else:
+                start = rng.randrange(0, len(self.code) - half)
+                seg = self.code[start : start + half]
+                first_weight = 1.0
+            ids = [BOS] + seg + encode_bytes("\n") + seg
+            ids += [PAD] * (n - len(ids))
+            weights = [first_weight] * (len(seg) + 1) + [1.0] * len(seg)
+            weights += [0.0] * (n - 1 - len(weights))
+            return ids, weights
+        task = TASKS[kind]
+        # reserve room for the longest target of this task, then pad after it
+        reserve = {"niah_multivalue": 34, "variable_tracking": 40}.get(kind, 16)
+        sample = task.make(self.tokenizer, seq_len + 1 - reserve, rng.random(), rng.randrange(2**31), "train")
+        prompt = [BOS] + encode_bytes(sample.prompt)
+        target = encode_bytes(sample.target)
+        ids = (prompt + target)[:n]
+        # the filler is code, so the model keeps learning language on task rows too
+        weights = [1.0] * (len(prompt) - 1) + [ANSWER_WEIGHT] * (len(ids) - len(prompt))
+        ids += [PAD] * (n - len(ids))
+        weights += [0.0] * (n - 1 - len(weights))
+        return ids, weights
+
+    def batch(self, phase: Phase, step: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        rng = random.Random(f"train|{self.model_name}|{step}")
+        kinds = list(phase.mix)
+        picks = rng.choices(kinds, weights=[phase.mix[k] for k in kinds], k=phase.batch)
+        rows = [self.row(k, phase.seq_len, rng) for k in picks]
+        ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        weights = torch.tensor([r[1] for r in rows], dtype=torch.float32)
+        return ids, weights, picks
+
+
+def make_model(name: str) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=259, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=True,
+        attention_bias=False, mlp_bias=False, **GEOMETRIES[name],
+    )
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config)
+    return model
+
+
+def lr_at(step: int, phases: list[Phase], peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    last = phases[-1]
+    last_start = sum(p.steps for p in phases[:-1])
+    if step < last_start:
+        return peak
+    t = min(1.0, (step - last_start) / max(1, last.steps))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def phase_at(step: int, phases: list[Phase]) -> Phase:
+    end = 0
+    for p in phases:
+        end += p.steps
+        if step < end:
+            return p
+    return phases[-1]
+
+
+@torch.no_grad()
+def probe(model, batches: Batches, seq_len: int, n: int = 6) -> dict:
+    """Teacher-forced answer accuracy on evaluation-split samples (first answer token; whole answer)."""
+    model.eval()
+    out = {}
+    tok = batches.tokenizer
+    for kind in ("passkey", "niah_multikey", "kv_retrieval", "variable_tracking"):
+        first = exact = 0
+        try:
+            for seed in range(n):
+                s = TASKS[kind].make(tok, seq_len - 40, (seed + 0.5) / n, 10_000 + seed, "eval")
+                prompt = [BOS] + encode_bytes(s.prompt)
+                target = encode_bytes(s.target)
+                ids = torch.tensor([prompt + target])
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = model(ids[:, :-1]).logits
+                pred = logits[0, len(prompt) - 1 :].argmax(-1).tolist()
+                first += pred[0] == target[0]
+                exact += pred == target
+        except ValueError:
+            continue
+        out[kind] = (round(first / n, 2), round(exact / n, 2))
+    model.train()
+    return out
+
+
+def export(model, out_dir: Path, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_byte_tokenizer().save_pretrained(out_dir)
+    (out_dir / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(GEOMETRIES), default="tiny")
+    ap.add_argument("--run-dir", type=Path, default=None, help="checkpoints (default runs/<model>)")
+    ap.add_argument("--out", type=Path, default=None, help="export dir (default src/attnkit/assets/<model>)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--probe-every", type=int, default=250)
+    ap.add_argument("--extra-final-steps", type=int, default=0,
+                    help="lengthen the last phase (to continue training in a later session)")
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop (after saving) past this wall time")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    run_dir = args.run_dir or ROOT / "runs" / args.model
+    out_dir = args.out or ROOT / "src" / "attnkit" / "assets" / args.model
+    run_dir.mkdir(parents=True, exist_ok=True)
+    phases = list(CURRICULA[args.model])
+    if args.extra_final_steps:
+        last = phases[-1]
+        phases[-1] = Phase(last.name, last.steps + args.extra_final_steps, last.seq_len, last.batch, last.mix)
+    total = sum(p.steps for p in phases)
+
+    model = make_model(args.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    step, trained_seconds, tokens_seen = 0, 0.0, 0
+    ckpt = run_dir / "ckpt.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, trained_seconds, tokens_seen = state["step"], state["seconds"], state["tokens"]
+        print(f"resumed at step {step} ({trained_seconds / 60:.1f} min trained)", flush=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.model}: {n_params / 1e6:.2f}M parameters, {total} steps planned", flush=True)
+
+    batches = Batches(args.model)
+    log = (run_dir / "log.jsonl").open("a")
+    started = time.time()
+    model.train()
+    window: dict[str, list[float]] = {}
+
+    def save():
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "seconds": trained_seconds, "tokens": tokens_seen}, ckpt)
+        export(model, out_dir, {"model": args.model, "step": step, "parameters": n_params,
+                                "train_minutes": round(trained_seconds / 60, 1), "tokens": tokens_seen,
+                                "phases": [p.__dict__ for p in phases],
+                                "command": f"python scripts/train_tiny.py --model {args.model}"})
+
+    while step < total:
+        t0 = time.time()
+        phase = phase_at(step, phases)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, phases, args.lr)
+        ids, weights, kinds = batches.batch(phase, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids[:, :-1]).logits
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                             reduction="none").view(ids.shape[0], -1)
+        loss = (ce * weights).sum() / weights.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        trained_seconds += time.time() - t0
+        tokens_seen += ids.numel()
+        # per-kind answer loss (answer tokens only for tasks, second copy for copy rows)
+        with torch.no_grad():
+            for r, kind in enumerate(kinds):
+                mask = weights[r] >= (ANSWER_WEIGHT if kind not in ("code", "copy") else 1.0)
+                if kind == "copy":
+                    half = (ids.shape[1] - 2) // 2
+                    mask = torch.zeros_like(mask)
+                    mask[half + 1 : 2 * half] = True
+                if mask.any():
+                    window.setdefault(kind, []).append(ce[r][mask].mean().item())
+        if step % 25 == 0 or step == total:
+            per_kind = {k: round(sum(v) / len(v), 3) for k, v in window.items()}
+            window.clear()
+            rec = {"step": step, "phase": phase.name, "lr": round(lr_at(step - 1, phases, args.lr), 6),
+                   "loss": round(loss.item(), 4), "answer_loss": per_kind,
+                   "tok_per_s": round(ids.numel() / (time.time() - t0)), "minutes": round(trained_seconds / 60, 1)}
+            print(json.dumps(rec), flush=True)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        if step % args.probe_every == 0 or step == total:
+            rec = {"step": step, "probe_len": phase.seq_len, "probe": probe(model, batches, phase.seq_len)}
+            print(json.dumps(rec), flush=True)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        if step % args.save_every == 0 or step == total:
+            save()
+        if args.max_minutes and (time.time() - started) / 60 > args.max_minutes:
+            save()
+            print(f"stopping at step {step}: --max-minutes reached", flush=True)
+            break
+    print(f"done: step {step}, {trained_seconds / 60:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()

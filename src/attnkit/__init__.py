@@ -1,0 +1,18 @@
+"""attnkit: faster, lighter long-context inference for Hugging Face causal LMs.
+
+    import attnkit
+    model = attnkit.load_model("tiny")
+    out = attnkit.generate(model, "some long prompt", "window", params={"window": 512}, max_new_tokens=32)
+"""
+
+from attnkit.errors import AttnkitError
+from attnkit.methods import METHODS, Method, make_method, parse_method_spec
+from attnkit.model import Geometry, LoadedModel, load_model, prepare
+from attnkit.runner import Generation, GenerationStats, generate, score_tokens
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttnkitError", "METHODS", "Method", "make_method", "parse_method_spec", "Geometry", "LoadedModel",
+    "load_model", "prepare", "Generation", "GenerationStats", "generate", "score_tokens", "__version__",
+]

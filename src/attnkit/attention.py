@@ -1,0 +1,127 @@
+"""Attention primitives and the attention function attnkit registers with transformers.
+
+Shapes follow transformers: queries ``[batch, q_heads, q_len, head_dim]``, keys and values
+``[batch, kv_heads, k_len, head_dim]`` (GQA: ``q_heads`` is a multiple of ``kv_heads``; the kv heads
+are never expanded in memory by the callers). Positions are the ORIGINAL token positions, which is
+what every mask here is built from: attention does not care in which slot a key sits.
+
+The function :func:`attnkit_attention` is registered under the name ``"attnkit"`` in transformers'
+``AttentionInterface`` (its public extension point, no patching). When a forward pass carries an
+``attnkit_step`` keyword (the runner's), each layer's q, k, v after RoPE go to the active method;
+otherwise it behaves exactly like transformers' SDPA attention, so ``model.generate`` still works.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_IMPLEMENTATION = "attnkit"
+
+# Above this many query x key entries a windowed prefill is computed block by block.
+_BANDED_BLOCK = 1024
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+         mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention with grouped kv heads (no copy of the kv heads when avoidable)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and q.shape[2] == 1 and mask is None:
+        # decode: fold the query heads of a group into the query-length axis; one matmul per kv head
+        b, hq, _, d = q.shape
+        folded = q.view(b, k.shape[1], groups, d)
+        out = F.scaled_dot_product_attention(folded, k, v, scale=scaling)
+        return out.view(b, hq, 1, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scaling,
+                                          enable_gqa=groups > 1)
+
+
+def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean mask (True = attend): causal by original position, optionally within `window`.
+
+    `q_pos` is ``[q_len]``; `k_pos` is ``[k_len]`` or per kv head ``[batch, kv_heads, k_len]``.
+    The seed 004 mask ``triu(1) + tril(-window)`` masks exactly the pairs this leaves False.
+    """
+    if k_pos.dim() == 1:
+        diff = q_pos[:, None] - k_pos[None, :]
+    else:
+        diff = q_pos[None, None, :, None] - k_pos[:, :, None, :]
+    allowed = diff >= 0
+    if window is not None:
+        allowed &= diff < window
+    return allowed
+
+
+def expand_kv_mask(mask: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """Per-kv-head mask [b, kv, q, k] -> per-query-head [b, q_heads, q, k] (a view where possible)."""
+    if mask.dim() == 2 or mask.shape[1] in (1, q_heads):
+        return mask
+    return mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, q_pos: torch.Tensor,
+           k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Dense attention of queries at `q_pos` to keys at `k_pos` (causal by position, optional window).
+
+    Uses the cheapest exact path: no mask when every key is visible to every query, SDPA's causal
+    kernel when queries and keys are the same contiguous run of positions, a banded block loop for a
+    long windowed prefill, and an explicit boolean mask otherwise.
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    shared_pos = k_pos if k_pos.dim() == 1 else None
+    if k_pos.dim() == 3 and bool((k_pos == k_pos[:, :1]).all()):
+        shared_pos = k_pos[0, 0]
+    if shared_pos is not None:
+        lo, hi = int(shared_pos.min()), int(shared_pos.max())
+        q_lo = int(q_pos[0])
+        if q_len == 1 and hi <= q_lo and (window is None or q_lo - lo < window):
+            return sdpa(q, k, v, scaling)
+        contiguous = hi - lo + 1 == k_len and bool((shared_pos[1:] > shared_pos[:-1]).all()) if k_len > 1 else True
+        if window is None and contiguous and q_len == k_len and lo == q_lo:
+            return sdpa(q, k, v, scaling, is_causal=True)
+        if window is not None and contiguous and q_len * k_len > _BANDED_BLOCK * _BANDED_BLOCK:
+            return banded_attention(q, k, v, scaling, q_lo, lo, window)
+        return sdpa(q, k, v, scaling, mask=position_mask(q_pos, shared_pos, window))
+    mask = expand_kv_mask(position_mask(q_pos, k_pos, window), q.shape[1])
+    return sdpa(q, k, v, scaling, mask=mask)
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, q_start: int,
+                     k_start: int, window: int) -> torch.Tensor:
+    """Sliding-window causal attention computed one block of queries at a time.
+
+    Queries are the positions ``q_start ..``, keys the contiguous positions ``k_start ..``. Each block of
+    queries sees only the keys of its band, so the cost is O(q_len * (window + block)), not O(n^2).
+    """
+    q_len = q.shape[2]
+    block = max(_BANDED_BLOCK, min(window, 4 * _BANDED_BLOCK))
+    outs = []
+    for s in range(0, q_len, block):
+        e = min(q_len, s + block)
+        first_key = max(k_start, q_start + s - window + 1)
+        last_key = q_start + e - 1
+        ks, ke = first_key - k_start, last_key - k_start + 1
+        q_pos = torch.arange(q_start + s, q_start + e, device=q.device)
+        k_pos = torch.arange(first_key, last_key + 1, device=q.device)
+        outs.append(sdpa(q[:, :, s:e], k[:, :, ks:ke], v[:, :, ks:ke], scaling,
+                         mask=position_mask(q_pos, k_pos, window)))
+    return torch.cat(outs, dim=2)
+
+
+def attnkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The ``"attnkit"`` attention implementation (see the module docstring)."""
+    step = kwargs.pop("attnkit_step", None)
+    if step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = step.attention(module.layer_idx, query, key, value, scaling, kwargs.get("sliding_window"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, attnkit_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -1,0 +1,1 @@
+"""Speed and memory benchmarks (ratios measured side by side in one process)."""

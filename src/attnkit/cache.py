@@ -1,0 +1,128 @@
+"""The KV cache: per layer, keys and values of the kv heads only, with the original position of every slot.
+
+Layout per layer: ``keys``/``values`` ``[batch, kv_heads, capacity, head_dim]``, ``positions``
+``[batch, kv_heads, capacity]`` (-1 marks an empty slot). The first ``length`` slots are filled, the
+same count in every head, but each head may hold different positions (per-head eviction). Keys are
+stored after RoPE at their original positions, so slot order is irrelevant to attention.
+
+Capacity is allocated up front (the runner knows the prompt length and the token budget), so
+decoding never reallocates. ``keep`` compacts a layer to a chosen subset per head into fresh, smaller
+tensors: evicted entries really leave memory, and :meth:`KVCache.nbytes` shows it. In ring mode a
+layer holds at most ``capacity`` entries and a token at position p lands in slot p mod capacity,
+overwriting the oldest (Mistral's rolling buffer cache, seed 004).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LayerKV:
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    length: int = 0
+    ring: bool = False
+    # per-slot statistics a method keeps beside the entries (e.g. accumulated attention);
+    # each is [batch, kv_heads, capacity] and moves with its slot on keep()
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def allocate(cls, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device,
+                 ring: bool = False) -> "LayerKV":
+        if capacity <= 0:
+            raise ValueError(f"cache capacity must be positive, got {capacity}")
+        shape = (batch, kv_heads, capacity, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   torch.full(shape[:3], -1, dtype=torch.long, device=device), 0, ring)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def nbytes(self) -> int:
+        """Bytes of key and value storage this layer holds (allocated, not just filled)."""
+        return self.keys.nbytes + self.values.nbytes
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Filled slots: keys, values ``[b, kv, length, d]`` and positions ``[b, kv, length]``."""
+        n = self.length
+        return self.keys[:, :, :n], self.values[:, :, :n], self.positions[:, :, :n]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write new entries (same positions `pos` [n] for every head) after the filled slots."""
+        if self.ring:
+            return self._write_ring(k, v, pos)
+        n = k.shape[2]
+        end = self.length + n
+        if end > self.capacity:
+            self._grow(max(end, 2 * self.capacity))
+        self.keys[:, :, self.length:end] = k
+        self.values[:, :, self.length:end] = v
+        self.positions[:, :, self.length:end] = pos
+        self.length = end
+
+    def _write_ring(self, k, v, pos) -> None:
+        cap = self.capacity
+        if k.shape[2] > cap:  # only the newest `cap` entries survive anyway
+            k, v, pos = k[:, :, -cap:], v[:, :, -cap:], pos[-cap:]
+        slots = pos % cap
+        self.keys[:, :, slots] = k
+        self.values[:, :, slots] = v
+        self.positions[:, :, slots] = pos
+        self.length = min(cap, max(self.length, int(slots.max()) + 1))
+
+    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Overwrite chosen slots in place, per head: `slots` ``[b, kv, n]`` (entries that were evicted)."""
+        idx = slots.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys.scatter_(2, idx, k)
+        self.values.scatter_(2, idx, v)
+        self.positions.scatter_(2, slots, pos.expand_as(slots) if pos.dim() == 1 else pos)
+        for name, stat in self.extras.items():
+            stat.scatter_(2, slots, torch.zeros_like(slots, dtype=stat.dtype))
+
+    def keep(self, indices: torch.Tensor, spare: int = 0) -> None:
+        """Keep only the slots `indices` ``[b, kv, n]`` per head, compacted into new tensors of
+        capacity ``n + spare``. The old tensors are released."""
+        n = indices.shape[-1]
+        idx = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
+        new = LayerKV.allocate(self.keys.shape[0], self.keys.shape[1], n + spare, self.keys.shape[-1],
+                               self.keys.dtype, self.keys.device, self.ring)
+        new.keys[:, :, :n] = self.keys.gather(2, idx)
+        new.values[:, :, :n] = self.values.gather(2, idx)
+        new.positions[:, :, :n] = self.positions.gather(2, indices)
+        for name, stat in self.extras.items():
+            grown = stat.new_zeros(stat.shape[:2] + (n + spare,))
+            grown[:, :, :n] = stat.gather(2, indices)
+            new.extras[name] = grown
+        self.keys, self.values, self.positions, self.extras = new.keys, new.values, new.positions, new.extras
+        self.length = n
+
+    def _grow(self, capacity: int) -> None:
+        pad = capacity - self.capacity
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(self.keys.shape[:2] + (pad, self.keys.shape[3]))], 2)
+        self.values = torch.cat([self.values, self.values.new_zeros(self.values.shape[:2] + (pad, self.values.shape[3]))], 2)
+        self.positions = torch.cat([self.positions, self.positions.new_full(self.positions.shape[:2] + (pad,), -1)], 2)
+        for name, stat in self.extras.items():
+            self.extras[name] = torch.cat([stat, stat.new_zeros(stat.shape[:2] + (pad,))], 2)
+
+
+class KVCache:
+    """All layers' :class:`LayerKV` (``None`` for a layer that keeps no cache), with a peak byte count."""
+
+    def __init__(self, n_layers: int):
+        self.layers: list[LayerKV | None] = [None] * n_layers
+        self.peak_bytes = 0
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers if layer is not None)
+
+    def track_peak(self) -> None:
+        """Record the current size as a candidate peak (call after every allocation change)."""
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+    def lengths(self) -> list[int]:
+        return [0 if layer is None else layer.length for layer in self.layers]

@@ -1,0 +1,220 @@
+"""The ``attnkit`` command: methods, generate, eval, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from attnkit.errors import AttnkitError
+
+
+def _method_from_args(args):
+    from attnkit.methods.base import make_method
+    from attnkit.recipe import load_recipe
+
+    if args.recipe:
+        if args.method != "full" or args.param:
+            raise AttnkitError("give either --recipe or --method/--param, not both")
+        return load_recipe(args.recipe)
+    params = {}
+    for item in args.param or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise AttnkitError(f"--param expects key=value, got {item!r}")
+        params[key] = value
+    return make_method(args.method, **params)
+
+
+def _load(spec: str, context: int | None = None):
+    from attnkit.model import load_model
+
+    if context and spec.startswith("random:") and "context=" not in spec:
+        return load_model(spec, context=context)
+    return load_model(spec)
+
+
+def cmd_methods(args) -> int:
+    from attnkit.methods import METHODS
+
+    for name in sorted(METHODS):
+        cls = METHODS[name]
+        print(f"{name:<12} {cls.summary}")
+        for f in cls.parameters():
+            default = f.default if f.default is not dataclasses.MISSING else "(required)"
+            print(f"    {f.name} = {default!r}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from attnkit.runner import generate
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise AttnkitError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise AttnkitError(f"prompt file {args.prompt_file!r} does not exist")
+        prompt = path.read_text()
+    else:
+        prompt = args.prompt
+    method = _method_from_args(args)
+    model = _load(args.model)
+    stream = None if args.json else (lambda _tok, delta: print(delta, end="", flush=True))
+    out = generate(model, prompt, method, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
+                   do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, stop=args.stop, on_token=stream)
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.as_dict()}))
+    else:
+        print()
+        s = out.stats
+        print(f"[{s.method}] {s.prompt_tokens} prompt tokens, {s.new_tokens} new; prefill {s.prefill_s:.3f} s, "
+              f"decode {s.decode_tokens_per_s:.1f} tok/s, peak KV {s.peak_kv_bytes / 2**20:.2f} MiB, "
+              f"final KV {s.final_kv_bytes / 2**20:.2f} MiB ({s.finish_reason})", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from attnkit.bench.speed import format_bench, run_bench
+
+    methods = _split_methods(args.methods)
+    model = _load(args.model, context=args.context + args.new_tokens)
+
+    def progress(r, spec, stats):
+        print(f"  repeat {r + 1}/{args.repeats} {spec}: prefill {stats.prefill_s:.3f} s, "
+              f"decode {stats.decode_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+
+    print(f"bench {model.spec}: {args.context} prompt tokens, {args.new_tokens} new tokens, "
+          f"{args.repeats} interleaved repeats", file=sys.stderr)
+    rows = run_bench(model, args.context, args.new_tokens, methods, args.repeats, args.seed, progress)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(format_bench(rows))
+    return 0
+
+
+def _split_methods(text: str) -> list[str]:
+    """Split "full,window:window=1024,foo:a=1,b=2" into method specs (a part with '=' but no ':'
+    continues the previous method's parameters)."""
+    specs: list[str] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    if not specs:
+        raise AttnkitError("--methods is empty; give e.g. full,window:window=1024")
+    return specs
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise AttnkitError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise AttnkitError(f"{what} is empty")
+    return values
+
+
+def cmd_eval(args) -> int:
+    from attnkit.eval.harness import format_table, run_eval
+
+    model = _load(args.model)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    rows = run_eval(model, tasks, _int_list(args.lengths, "--lengths"), _split_methods(args.methods),
+                    args.samples, seed=args.seed, out_dir=Path(args.out) if args.out else None,
+                    progress=not args.no_progress)
+    print(format_table(rows))
+    if args.out:
+        print(f"results: {Path(args.out) / 'results.jsonl'}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """A few-minute evaluation of the bundled model: full attention vs a small sliding window."""
+    from attnkit.eval.harness import format_table, run_eval
+
+    model = _load(args.model)
+    print(f"attnkit demo: {model.spec} ({model.geometry.n_layers} layers, {model.geometry.n_q_heads} query / "
+          f"{model.geometry.n_kv_heads} kv heads), retrieval at 1k and 2k tokens, full vs window:window=256")
+    t0 = time.time()
+    rows = run_eval(model, ["passkey", "kv_retrieval", "code_completion"], [1024, 2048],
+                    ["full", "window:window=256"], args.samples, seed=0,
+                    out_dir=Path(args.out) if args.out else None, progress=True)
+    print(format_table(rows))
+    print(f"demo finished in {time.time() - t0:.0f} s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnkit", description="Faster, lighter long-context inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("methods", help="list the registered methods and their parameters")
+    p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser("generate", help="generate text with a method")
+    p.add_argument("--model", default="tiny", help="tiny, tiny-draft, random:<arch>[:k=v,..], or a model dir")
+    p.add_argument("--prompt")
+    p.add_argument("--prompt-file")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--method", default="full")
+    p.add_argument("--param", action="append", metavar="KEY=VALUE", help="method parameter (repeatable)")
+    p.add_argument("--recipe", help="JSON/YAML recipe file (instead of --method/--param)")
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill the prompt in chunks of N tokens")
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="prefill/decode time and KV memory of methods vs full, interleaved")
+    p.add_argument("--model", default="random:llama")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--methods", default="full,window:window=1024")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("eval", help="task scores of methods relative to full")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--tasks", default="passkey")
+    p.add_argument("--lengths", default="1024")
+    p.add_argument("--methods", default="full")
+    p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory for results.jsonl and table.txt")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("demo", help="the main job: a short evaluation of the bundled model")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--out", default="attnkit-results/demo")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except AttnkitError as exc:
+        print(f"attnkit: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

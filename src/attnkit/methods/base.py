@@ -1,0 +1,209 @@
+"""The method contract, the registry of methods, and the per-forward step the attention function sees.
+
+A method is a small dataclass of its hyper-parameters (validated in ``__post_init__``) registered by
+name with :func:`register`. During a forward pass the runner hands a :class:`Step` to every layer's
+attention call; the step wraps the layer in a :class:`LayerContext` and calls the method's hooks:
+
+- ``prefill_attention(ctx, q, k, v) -> out``: attention for a prompt chunk; it also stores the chunk's
+  keys and values in ``ctx.kv`` (the layer's cache) as the method sees fit.
+- ``after_prefill(ctx, q, k, v)``: once, on the last prompt chunk of each layer (cache compression).
+- ``decode_attention(ctx, q, k, v) -> out``: attention for a generated token, storing it.
+- ``after_decode(ctx)``: keep the cache inside its budget.
+- ``layer_capacity(ctx) -> (slots, ring)``: how the layer's cache is allocated.
+
+q is ``[b, q_heads, n, d]``, k and v ``[b, kv_heads, n, d]``, all after RoPE, at positions ``ctx.q_pos``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from attnkit.attention import attend
+from attnkit.cache import KVCache, LayerKV
+from attnkit.errors import AttnkitError
+
+METHODS: dict[str, type["Method"]] = {}
+
+
+def register(cls: type["Method"]) -> type["Method"]:
+    """Class decorator: add a method dataclass to the registry under ``cls.name``."""
+    if cls.name in METHODS:
+        raise ValueError(f"method {cls.name!r} registered twice")
+    METHODS[cls.name] = cls
+    return cls
+
+
+@dataclass
+class Session:
+    """State of one generation: the method, the cache, and what the method keeps per layer."""
+
+    method: "Method"
+    cache: KVCache
+    n_layers: int
+    prompt_len: int
+    max_new_tokens: int
+    layer_state: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.layer_state = [{} for _ in range(self.n_layers)]
+
+
+@dataclass
+class Step:
+    """One forward pass: which phase, which positions, and whether it ends the prompt."""
+
+    session: Session
+    phase: str  # "prefill" or "decode"
+    q_pos: torch.Tensor  # [n] original positions of the new tokens
+    last_chunk: bool = True
+
+    def attention(self, layer: int, q, k, v, scaling: float, native_window: int | None) -> torch.Tensor:
+        ctx = LayerContext(self, layer, scaling, native_window)
+        method = self.session.method
+        if ctx.kv is None:
+            slots, ring = method.layer_capacity(ctx)
+            self.session.cache.layers[layer] = LayerKV.allocate(k.shape[0], k.shape[1], slots, k.shape[-1],
+                                                                k.dtype, k.device, ring)
+        if self.phase == "prefill":
+            out = method.prefill_attention(ctx, q, k, v)
+            self.session.cache.track_peak()
+            if self.last_chunk:
+                method.after_prefill(ctx, q, k, v)
+        else:
+            out = method.decode_attention(ctx, q, k, v)
+            self.session.cache.track_peak()
+            method.after_decode(ctx)
+        self.session.cache.track_peak()
+        return out
+
+
+@dataclass
+class LayerContext:
+    step: Step
+    index: int
+    scaling: float
+    native_window: int | None  # the model's own sliding window for this layer, if any
+
+    @property
+    def kv(self) -> LayerKV:
+        return self.step.session.cache.layers[self.index]
+
+    @property
+    def q_pos(self) -> torch.Tensor:
+        return self.step.q_pos
+
+    @property
+    def state(self) -> dict:
+        return self.step.session.layer_state[self.index]
+
+    @property
+    def session(self) -> Session:
+        return self.step.session
+
+
+class Method:
+    """Base class: full attention (every token kept, the model's own masking)."""
+
+    name: ClassVar[str] = "base"
+    summary: ClassVar[str] = ""
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
+        s = ctx.session
+        return s.prompt_len + s.max_new_tokens, False
+
+    def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        return self._store_and_attend(ctx, q, k, v)
+
+    def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
+        pass
+
+    def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        return self._store_and_attend(ctx, q, k, v)
+
+    def after_decode(self, ctx: LayerContext) -> None:
+        pass
+
+    # ---- shared machinery ------------------------------------------------------------------------
+    def _store_and_attend(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        ctx.kv.append(k, v, ctx.q_pos)
+        keys, values, positions = ctx.kv.view()
+        return attend(q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window)
+
+    # ---- parameters ------------------------------------------------------------------------------
+    @classmethod
+    def parameters(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if f.init]
+
+    def params(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in self.parameters()}
+
+    def describe(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.params().items())
+        return f"{self.name}({inner})" if inner else self.name
+
+
+def _coerce(name: str, method: str, hint, raw):
+    """Turn a command-line string into the dataclass field's type `hint`, with a clear error."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if not isinstance(raw, str):
+        return raw
+    if raw.lower() in ("none", "null") and type(None) in options:
+        return None
+    for typ in options:
+        if typ is type(None):
+            continue
+        try:
+            if typ is bool:
+                if raw.lower() in ("1", "true", "yes"):
+                    return True
+                if raw.lower() in ("0", "false", "no"):
+                    return False
+                raise ValueError
+            if typ in (int, float, str):
+                return typ(raw)
+            if typing.get_origin(typ) is typing.Literal:
+                if raw in typing.get_args(typ):
+                    return raw
+                raise ValueError
+        except ValueError:
+            continue
+    raise AttnkitError(f"method {method!r}: parameter {name}={raw!r} is not a valid {hint}")
+
+
+def make_method(name: str, **params) -> Method:
+    """Build a registered method by name; string values (from the CLI) are converted to the field types."""
+    from attnkit import methods as _  # noqa: F401  (registers the built-in methods)
+
+    if name not in METHODS:
+        raise AttnkitError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+    cls = METHODS[name]
+    fields = {f.name: f for f in cls.parameters()}
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        allowed = ", ".join(fields) or "none"
+        raise AttnkitError(f"method {name!r} has no parameter {', '.join(unknown)}; its parameters: {allowed}")
+    hints = typing.get_type_hints(cls)
+    values = {k: _coerce(k, name, hints.get(k, str), v) for k, v in params.items()}
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as exc:
+        raise AttnkitError(f"method {name!r}: {exc}") from None
+
+
+def parse_method_spec(spec: str) -> Method:
+    """``"window:window=1024"`` or ``"window:window=1024,foo=bar"`` -> a method instance."""
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise AttnkitError(f"method spec {spec!r}: expected key=value, got {item!r}")
+        params[key.strip()] = value.strip()
+    return make_method(name.strip(), **params)

@@ -1,0 +1,188 @@
+"""Loading causal LMs and reading their geometry.
+
+``load_model(spec)`` accepts:
+
+- ``"tiny"`` / ``"tiny-draft"``: the models bundled in ``attnkit/assets`` (trained by
+  ``scripts/train_tiny.py``), loaded offline;
+- ``"random:<arch>[:key=value,...]"`` with arch in llama, mistral, qwen2, qwen3: a small random-weight
+  model built in memory from a config (GQA, seedable), with the byte tokenizer so text prompts work.
+  Keys: layers, hidden, heads, kv_heads, head_dim, intermediate, context, seed, sliding_window, rope_theta;
+- a local Hugging Face model directory, or a hub id (needs the network or a local hub cache).
+
+Supported architectures are the Llama-family decoders whose modules the runner drives directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from attnkit.attention import ATTN_IMPLEMENTATION
+from attnkit.errors import AttnkitError
+from attnkit.tokenizer import build_byte_tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+BUNDLED = ("tiny", "tiny-draft")
+
+_RANDOM_CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+_RANDOM_DEFAULTS = dict(layers=2, hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512, context=4096,
+                        seed=0, sliding_window=0, rope_theta=10000.0)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the methods need to know about a model's attention."""
+
+    architecture: str
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_positions: int
+    rope_theta: float
+    vocab_size: int
+    sliding_window: int | None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers at float32."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 4
+
+
+@dataclass
+class LoadedModel:
+    """A Hugging Face causal LM prepared for attnkit, with its tokenizer and geometry."""
+
+    hf: PreTrainedModel
+    tokenizer: object
+    geometry: Geometry
+    spec: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf.parameters()).dtype
+
+
+def read_geometry(hf: PreTrainedModel) -> Geometry:
+    """Geometry of a supported model; a clear error for anything else."""
+    config = hf.config
+    arch = getattr(config, "model_type", "?")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise AttnkitError(
+            f"unsupported architecture {arch!r}; attnkit supports {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(Llama-family decoders with RoPE)"
+        )
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+    window = getattr(config, "sliding_window", None)
+    if arch in ("qwen2", "qwen3") and "sliding_attention" not in (getattr(config, "layer_types", None) or []):
+        window = None
+    return Geometry(arch, config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", heads) or heads,
+                    head_dim, config.max_position_embeddings, float(theta), config.vocab_size, window or None)
+
+
+def prepare(hf: PreTrainedModel, tokenizer, spec: str = "custom") -> LoadedModel:
+    """Wrap an already loaded transformers model: checks the architecture, switches its attention
+    implementation to attnkit's (which behaves as SDPA unless attnkit drives the forward)."""
+    geometry = read_geometry(hf)
+    hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+    hf.eval()
+    return LoadedModel(hf, tokenizer, geometry, spec)
+
+
+def bundled_path(name: str) -> Path:
+    return Path(str(resources.files("attnkit") / "assets" / name))
+
+
+def _parse_options(spec: str, text: str) -> dict:
+    options = dict(_RANDOM_DEFAULTS)
+    for item in filter(None, text.split(",")):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in _RANDOM_DEFAULTS:
+            raise AttnkitError(f"model spec {spec!r}: bad option {item!r}; options: {', '.join(_RANDOM_DEFAULTS)}")
+        try:
+            options[key] = type(_RANDOM_DEFAULTS[key])(value)
+        except ValueError:
+            raise AttnkitError(f"model spec {spec!r}: option {key} needs a number, got {value!r}") from None
+    return options
+
+
+def random_model(arch: str, spec: str = "", **overrides) -> LoadedModel:
+    """A small random-weight model of `arch` with the byte tokenizer (for tests and benchmarks)."""
+    if arch not in _RANDOM_CONFIGS:
+        raise AttnkitError(f"unknown random architecture {arch!r}; choose from {', '.join(_RANDOM_CONFIGS)}")
+    o = dict(_RANDOM_DEFAULTS, **overrides)
+    if o["heads"] % o["kv_heads"]:
+        raise AttnkitError(f"heads ({o['heads']}) must be a multiple of kv_heads ({o['kv_heads']})")
+    tokenizer = build_byte_tokenizer()
+    kwargs = dict(
+        vocab_size=len(tokenizer), hidden_size=o["hidden"], num_hidden_layers=o["layers"],
+        num_attention_heads=o["heads"], num_key_value_heads=o["kv_heads"], head_dim=o["head_dim"],
+        intermediate_size=o["intermediate"], max_position_embeddings=o["context"], rope_theta=o["rope_theta"],
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = o["sliding_window"] or None
+    elif arch in ("qwen2", "qwen3"):
+        kwargs["use_sliding_window"] = bool(o["sliding_window"])
+        kwargs["sliding_window"] = o["sliding_window"] or None
+        kwargs["max_window_layers"] = o["layers"]  # every layer full attention unless asked otherwise
+    elif o["sliding_window"]:
+        raise AttnkitError(f"sliding_window is only an option of mistral, qwen2 and qwen3, not {arch}")
+    config = _RANDOM_CONFIGS[arch](**kwargs)
+    torch.manual_seed(o["seed"])
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return prepare(hf, tokenizer, spec or f"random:{arch}")
+
+
+def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               **random_options) -> LoadedModel:
+    """Load a model by spec (see the module docstring)."""
+    if not isinstance(spec, str) or not spec:
+        raise AttnkitError(f"model spec must be a non-empty string, got {spec!r}")
+    if spec.startswith("random:"):
+        arch, _, opts = spec[len("random:"):].partition(":")
+        options = _parse_options(spec, opts)
+        options.update(random_options)
+        model = random_model(arch, spec, **{k: v for k, v in options.items()})
+        model.hf.to(device=device, dtype=dtype)
+        return model
+    if spec in BUNDLED:
+        path = bundled_path(spec)
+        if not (path / "config.json").is_file():
+            raise AttnkitError(f"the bundled model {spec!r} is missing at {path}; train it with "
+                               f"`python scripts/train_tiny.py --model {spec}`")
+    else:
+        path = Path(spec)
+    source = str(path) if path.is_dir() else spec
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        if path.is_dir():
+            raise AttnkitError(f"could not load the model directory {spec!r}: {exc}") from None
+        raise AttnkitError(
+            f"model spec {spec!r} is not 'tiny', 'tiny-draft', 'random:<arch>' or a local model directory, "
+            f"and loading it as a hub id failed ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from None
+    model = prepare(hf.to(device), tokenizer, spec)
+    return model

@@ -1,0 +1,227 @@
+"""The generation loop: prefill (optionally chunked), decode, sampling, stop conditions, statistics.
+
+The runner drives the Hugging Face modules itself (embeddings, rotary embedding, decoder layers,
+final norm, LM head) and owns the KV cache; every layer's attention reaches the active method through
+attnkit's attention function (see :mod:`attnkit.attention`). Batch size is 1.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from attnkit.cache import KVCache
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import Method, Session, Step, make_method
+from attnkit.model import LoadedModel
+from attnkit.sampling import SamplingConfig, choose_token
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    ttft_s: float  # time to first token: prefill + choosing the first token
+    decode_s: float
+    decode_tokens_per_s: float  # tokens after the first, per second of decoding
+    peak_kv_bytes: int
+    final_kv_bytes: int
+    peak_rss_bytes: int
+    finish_reason: str  # "length", "eos" or "stop"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    logits: list[torch.Tensor] | None = None  # per generated token, when asked for with keep_logits
+
+
+def resolve_method(method: "str | Method | None", params: dict | None = None) -> Method:
+    """A method instance from a name (+ params), an instance, or None (= full)."""
+    if method is None:
+        method = "full"
+    if isinstance(method, Method):
+        if params:
+            raise AttnkitError("params are given with a method instance; set them on the instance instead")
+        return method
+    if isinstance(method, str):
+        return make_method(method, **(params or {}))
+    raise AttnkitError(f"method must be a name or a Method, got {type(method).__name__}")
+
+
+def encode_prompt(model: LoadedModel, prompt) -> torch.Tensor:
+    """Prompt text or token ids -> a 1-D LongTensor of ids, with clear errors for what is not allowed."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise AttnkitError("the prompt is empty")
+        ids = model.tokenizer(prompt).input_ids
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2:
+            if prompt.shape[0] != 1:
+                raise AttnkitError(f"batch size {prompt.shape[0]} is not supported yet; give one prompt at a time")
+            prompt = prompt[0]
+        ids = prompt.tolist()
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise AttnkitError(f"batch size {len(prompt)} is not supported yet; give one prompt at a time")
+        return encode_prompt(model, prompt[0])
+    elif isinstance(prompt, Sequence):
+        ids = list(prompt)
+    else:
+        raise AttnkitError(f"prompt must be text or token ids, got {type(prompt).__name__}")
+    if len(ids) == 0:
+        raise AttnkitError("the prompt is empty")
+    vocab = model.geometry.vocab_size
+    bad = [i for i in ids if not 0 <= int(i) < vocab]
+    if bad:
+        raise AttnkitError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    return torch.tensor(ids, dtype=torch.long, device=model.device)
+
+
+def check_length(model: LoadedModel, prompt_len: int, max_new_tokens: int) -> None:
+    limit = model.geometry.max_positions
+    if prompt_len > limit:
+        raise AttnkitError(f"the prompt has {prompt_len} tokens; model {model.spec!r} allows at most {limit}")
+    if prompt_len + max_new_tokens > limit:
+        raise AttnkitError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+                           f"{prompt_len + max_new_tokens} exceeds the {limit} positions model {model.spec!r} allows")
+
+
+def forward(model: LoadedModel, ids: torch.Tensor, start: int, step_factory: Callable[[torch.Tensor], Step],
+            all_logits: bool = False) -> torch.Tensor:
+    """Run the decoder on `ids` ([n]) at positions start.., returning logits of the last (or every) position."""
+    base = model.hf.model
+    positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+    hidden = base.embed_tokens(ids[None])
+    position_embeddings = base.rotary_emb(hidden, positions[None])
+    step = step_factory(positions)
+    for layer in base.layers:
+        hidden = layer(hidden, attention_mask=None, position_ids=positions[None], past_key_values=None,
+                       use_cache=False, position_embeddings=position_embeddings, attnkit_step=step)
+    hidden = base.norm(hidden if all_logits else hidden[:, -1:])
+    return model.hf.lm_head(hidden)[0].float()
+
+
+def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size: int | None = None,
+            all_logits: bool = False) -> torch.Tensor:
+    """Feed the prompt (in chunks of `chunk_size` tokens if given); logits of the last (or every) position."""
+    n = ids.shape[0]
+    if chunk_size is not None and chunk_size <= 0:
+        raise AttnkitError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    chunk = chunk_size or n
+    outputs = []
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        logits = forward(model, ids[start:end], start,
+                         lambda pos, last=(end == n): Step(session, "prefill", pos, last), all_logits)
+        if all_logits or end == n:
+            outputs.append(logits)
+    return torch.cat(outputs) if all_logits else outputs[-1][-1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def new_session(model: LoadedModel, method: Method, prompt_len: int, max_new_tokens: int) -> Session:
+    n_layers = model.geometry.n_layers
+    return Session(method, KVCache(n_layers), n_layers, prompt_len, max_new_tokens)
+
+
+@torch.inference_mode()
+def generate(model: LoadedModel, prompt, method: "str | Method | None" = "full", *, params: dict | None = None,
+             max_new_tokens: int = 64, chunk_size: int | None = None, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, stop: Sequence[str] | str | None = None, stop_at_eos: bool = True,
+             on_token: Callable[[int, str], None] | None = None, keep_logits: bool = False) -> Generation:
+    """Generate up to `max_new_tokens` tokens after `prompt` with attention method `method`.
+
+    `prompt` is text or token ids (batch size 1). `method` is a registered name (with `params`) or a
+    method instance. Generation stops at EOS (unless `stop_at_eos=False`), at any `stop` string (the
+    returned text ends before it), or after `max_new_tokens`. `on_token(token_id, text_delta)` streams.
+    `keep_logits` returns the logits each token was chosen from (float32, ``[vocab]`` each).
+    """
+    method = resolve_method(method, params)
+    if max_new_tokens < 1:
+        raise AttnkitError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise AttnkitError("stop strings must be non-empty")
+    ids = encode_prompt(model, prompt)
+    check_length(model, ids.shape[0], max_new_tokens)
+    device = model.device
+    generator = sampling.generator(device)
+    tokenizer = model.tokenizer
+    eos = getattr(tokenizer, "eos_token_id", None) if stop_at_eos else None
+    session = new_session(model, method, ids.shape[0], max_new_tokens)
+
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = prefill(model, session, ids, chunk_size)
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    token = choose_token(logits, sampling, generator)
+    ttft_s = time.perf_counter() - t0
+
+    generated: list[int] = []
+    kept_logits = [logits] if keep_logits else None
+    text, finish = "", "length"
+    t_decode = time.perf_counter()
+    for i in range(max_new_tokens):
+        if i > 0:
+            logits = forward(model, torch.tensor([generated[-1]], device=device), ids.shape[0] + i - 1,
+                             lambda pos: Step(session, "decode", pos))[-1]
+            token = choose_token(logits, sampling, generator)
+            if keep_logits:
+                kept_logits.append(logits)
+        if eos is not None and token == eos:
+            finish = "eos"
+            break
+        generated.append(token)
+        if stops or on_token:
+            new_text = tokenizer.decode(generated, skip_special_tokens=True)
+            cut = min((new_text.find(s) for s in stops if s in new_text), default=-1)
+            if cut >= 0:
+                new_text, finish = new_text[:cut], "stop"
+            if on_token and len(new_text) > len(text):
+                on_token(token, new_text[len(text):])
+            text = new_text
+            if finish == "stop":
+                break
+    _sync(device)
+    decode_s = time.perf_counter() - t_decode
+    if not (stops or on_token):
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+    decode_steps = max(0, len(generated) - 1 + (finish == "eos"))
+    stats = GenerationStats(
+        method=method.describe(), prompt_tokens=ids.shape[0], new_tokens=len(generated), prefill_s=prefill_s,
+        ttft_s=ttft_s, decode_s=decode_s,
+        decode_tokens_per_s=decode_steps / decode_s if decode_steps and decode_s > 0 else 0.0,
+        peak_kv_bytes=session.cache.peak_bytes, final_kv_bytes=session.cache.nbytes(),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, finish_reason=finish,
+    )
+    return Generation(text, generated, stats, kept_logits)
+
+
+@torch.inference_mode()
+def score_tokens(model: LoadedModel, ids, method: "str | Method | None" = "full", *, params: dict | None = None,
+                 chunk_size: int | None = None) -> torch.Tensor:
+    """Logits ``[n, vocab]`` at every prompt position under `method`'s prefill (for perplexity)."""
+    method = resolve_method(method, params)
+    ids = encode_prompt(model, ids)
+    check_length(model, ids.shape[0], 0)
+    session = new_session(model, method, ids.shape[0], 0)
+    return prefill(model, session, ids, chunk_size, all_logits=True)
