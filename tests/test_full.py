@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import random_ids
 
 import attnkit
+from conftest import random_ids
 
 NEW = 12
 

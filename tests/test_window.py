@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import SMALL, random_ids
 
 import attnkit
+from conftest import SMALL, random_ids
 
 
 def seed_mask(n: int, window: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ class LayerKV:
 
     @classmethod
     def allocate(cls, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device,
-                 ring: bool = False) -> "LayerKV":
+                 ring: bool = False) -> LayerKV:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be positive, got {capacity}")
         shape = (batch, kv_heads, capacity, head_dim)
@@ -81,7 +81,7 @@ class LayerKV:
         self.keys.scatter_(2, idx, k)
         self.values.scatter_(2, idx, v)
         self.positions.scatter_(2, slots, pos.expand_as(slots) if pos.dim() == 1 else pos)
-        for name, stat in self.extras.items():
+        for stat in self.extras.values():
             stat.scatter_(2, slots, torch.zeros_like(slots, dtype=stat.dtype))
 
     def keep(self, indices: torch.Tensor, spare: int = 0) -> None:

@@ -79,8 +79,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    import torch
+
     from attnkit.bench.speed import format_bench, run_bench
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise AttnkitError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     methods = _split_methods(args.methods)
     model = _load(args.model, context=args.context + args.new_tokens)
 
@@ -184,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="full,window:window=1024")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ class Generation:
     logits: list[torch.Tensor] | None = None  # per generated token, when asked for with keep_logits
 
 
-def resolve_method(method: "str | Method | None", params: dict | None = None) -> Method:
+def resolve_method(method: str | Method | None, params: dict | None = None) -> Method:
     """A method instance from a name (+ params), an instance, or None (= full)."""
     if method is None:
         method = "full"
@@ -130,6 +130,17 @@ def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size:
     return torch.cat(outputs) if all_logits else outputs[-1][-1]
 
 
+def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that is a proper beginning of some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -141,7 +152,7 @@ def new_session(model: LoadedModel, method: Method, prompt_len: int, max_new_tok
 
 
 @torch.inference_mode()
-def generate(model: LoadedModel, prompt, method: "str | Method | None" = "full", *, params: dict | None = None,
+def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *, params: dict | None = None,
              max_new_tokens: int = 64, chunk_size: int | None = None, do_sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, stop: Sequence[str] | str | None = None, stop_at_eos: bool = True,
@@ -178,7 +189,7 @@ def generate(model: LoadedModel, prompt, method: "str | Method | None" = "full",
 
     generated: list[int] = []
     kept_logits = [logits] if keep_logits else None
-    text, finish = "", "length"
+    text, finish, streamed = "", "length", 0
     t_decode = time.perf_counter()
     for i in range(max_new_tokens):
         if i > 0:
@@ -192,19 +203,24 @@ def generate(model: LoadedModel, prompt, method: "str | Method | None" = "full",
             break
         generated.append(token)
         if stops or on_token:
-            new_text = tokenizer.decode(generated, skip_special_tokens=True)
-            cut = min((new_text.find(s) for s in stops if s in new_text), default=-1)
+            text = tokenizer.decode(generated, skip_special_tokens=True)
+            cut = min((text.find(s) for s in stops if s in text), default=-1)
             if cut >= 0:
-                new_text, finish = new_text[:cut], "stop"
-            if on_token and len(new_text) > len(text):
-                on_token(token, new_text[len(text):])
-            text = new_text
+                text, finish = text[:cut], "stop"
+            if on_token:
+                # hold back a tail that may still grow into a stop string
+                safe = len(text) if finish == "stop" else len(text) - _stop_prefix_overlap(text, stops)
+                if safe > streamed:
+                    on_token(token, text[streamed:safe])
+                    streamed = safe
             if finish == "stop":
                 break
     _sync(device)
     decode_s = time.perf_counter() - t_decode
     if not (stops or on_token):
         text = tokenizer.decode(generated, skip_special_tokens=True)
+    if on_token and len(text) > streamed:
+        on_token(generated[-1], text[streamed:])
     decode_steps = max(0, len(generated) - 1 + (finish == "eos"))
     stats = GenerationStats(
         method=method.describe(), prompt_tokens=ids.shape[0], new_tokens=len(generated), prefill_s=prefill_s,
@@ -217,7 +233,7 @@ def generate(model: LoadedModel, prompt, method: "str | Method | None" = "full",
 
 
 @torch.inference_mode()
-def score_tokens(model: LoadedModel, ids, method: "str | Method | None" = "full", *, params: dict | None = None,
+def score_tokens(model: LoadedModel, ids, method: str | Method | None = "full", *, params: dict | None = None,
                  chunk_size: int | None = None) -> torch.Tensor:
     """Logits ``[n, vocab]`` at every prompt position under `method`'s prefill (for perplexity)."""
     method = resolve_method(method, params)

@@ -38,7 +38,7 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stdlib_files(split: str) -> tuple[Path, ...]:
     """Source files of the standard library for `split` ("train" or "heldout"), sorted by path."""
     if split not in ("train", "heldout"):
@@ -59,7 +59,7 @@ def stdlib_files(split: str) -> tuple[Path, ...]:
     return tuple(files)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 

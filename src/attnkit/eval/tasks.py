@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 import random
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from attnkit.eval import corpus
 

@@ -28,10 +28,10 @@ from attnkit.attention import attend
 from attnkit.cache import KVCache, LayerKV
 from attnkit.errors import AttnkitError
 
-METHODS: dict[str, type["Method"]] = {}
+METHODS: dict[str, type[Method]] = {}
 
 
-def register(cls: type["Method"]) -> type["Method"]:
+def register(cls: type[Method]) -> type[Method]:
     """Class decorator: add a method dataclass to the registry under ``cls.name``."""
     if cls.name in METHODS:
         raise ValueError(f"method {cls.name!r} registered twice")
@@ -43,7 +43,7 @@ def register(cls: type["Method"]) -> type["Method"]:
 class Session:
     """State of one generation: the method, the cache, and what the method keeps per layer."""
 
-    method: "Method"
+    method: Method
     cache: KVCache
     n_layers: int
     prompt_len: int

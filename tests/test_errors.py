@@ -1,0 +1,109 @@
+"""Bad input gets one clear error naming the value and what is allowed."""
+
+import json
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import AttnkitError
+from attnkit.recipe import load_recipe
+from conftest import SMALL, random_ids
+
+
+def test_unknown_method(small_llama):
+    with pytest.raises(AttnkitError, match="unknown method 'nope'.*full.*window"):
+        attnkit.generate(small_llama, "hi", "nope")
+
+
+def test_unknown_parameter():
+    with pytest.raises(AttnkitError, match="no parameter size.*window"):
+        attnkit.make_method("window", size=3)
+
+
+@pytest.mark.parametrize("value", [0, -5, "0", "abc", 2.5])
+def test_bad_window(value):
+    with pytest.raises(AttnkitError, match="window"):
+        attnkit.make_method("window", window=value)
+
+
+def test_empty_prompt(small_llama):
+    with pytest.raises(AttnkitError, match="empty"):
+        attnkit.generate(small_llama, "")
+    with pytest.raises(AttnkitError, match="empty"):
+        attnkit.generate(small_llama, [])
+
+
+def test_prompt_too_long():
+    model = attnkit.load_model(f"random:llama:{SMALL},context=128")
+    with pytest.raises(AttnkitError, match="200 tokens.*at most 128"):
+        attnkit.generate(model, random_ids(200), max_new_tokens=1)
+    with pytest.raises(AttnkitError, match="exceeds the 128 positions"):
+        attnkit.generate(model, random_ids(100), max_new_tokens=50)
+
+
+def test_batch_of_prompts_refused(small_llama):
+    with pytest.raises(AttnkitError, match="batch size 2"):
+        attnkit.generate(small_llama, ["a", "b"])
+    with pytest.raises(AttnkitError, match="batch size 2"):
+        attnkit.generate(small_llama, torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_token_outside_vocabulary(small_llama):
+    with pytest.raises(AttnkitError, match="token id 999"):
+        attnkit.generate(small_llama, [5, 999])
+
+
+def test_unsupported_architecture():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(AttnkitError, match="unsupported architecture 'gpt2'.*llama, mistral, qwen2, qwen3"):
+        attnkit.prepare(gpt2, None)
+
+
+def test_bad_model_specs(tmp_path):
+    with pytest.raises(AttnkitError, match="unknown random architecture 'gpt9'"):
+        attnkit.load_model("random:gpt9")
+    with pytest.raises(AttnkitError, match="bad option 'depth=3'"):
+        attnkit.load_model("random:llama:depth=3")
+    with pytest.raises(AttnkitError, match="not 'tiny'.*local model directory"):
+        attnkit.load_model(str(tmp_path / "missing-model"))
+
+
+@pytest.mark.parametrize("content,match", [
+    ("{not json", "malformed"),
+    ("[1, 2]", "must be a mapping"),
+    ('{"params": {}}', "'method' must be"),
+    ('{"method": "window", "extra": 1}', "unknown key"),
+    ('{"method": "window", "params": {"window": 0}}', "window must be a positive"),
+    ('{"method": "window", "params": [1]}', "'params' must be a mapping"),
+])
+def test_malformed_recipe(tmp_path, content, match):
+    path = tmp_path / "recipe.json"
+    path.write_text(content)
+    with pytest.raises(AttnkitError, match=match):
+        load_recipe(path)
+
+
+def test_recipe_roundtrip(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("method: window\nparams:\n  window: 77\n")
+    method = load_recipe(path)
+    assert method.name == "window" and method.window == 77
+    json_path = tmp_path / "r.json"
+    json_path.write_text(json.dumps({"method": "window", "params": {"window": 5}}))
+    assert load_recipe(json_path).window == 5
+    with pytest.raises(AttnkitError, match="does not exist"):
+        load_recipe(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"temperature": 0.0, "do_sample": True}, "temperature"),
+    ({"top_p": 1.5, "do_sample": True}, "top_p"),
+    ({"chunk_size": 0}, "chunk_size"),
+])
+def test_bad_generation_options(small_llama, kwargs, match):
+    with pytest.raises(AttnkitError, match=match):
+        attnkit.generate(small_llama, "hello", **kwargs)
