@@ -18,6 +18,8 @@ and an interrupted run continues where it stopped.
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import json
 import math
 import random
@@ -52,22 +54,26 @@ GEOMETRIES = {
 @dataclass(frozen=True)
 class Phase:
     name: str
-    steps: int
+    steps: int  # at least this many steps
     seq_len: int
     batch: int
     mix: dict  # row kind -> weight
+    # stay in the phase until the mean answer loss of this row kind over the last 100 rows falls
+    # below the threshold (the induction mechanism has formed), but at most max_steps
+    gate: tuple[str, float] | None = None
+    max_steps: int | None = None
 
 
-SHORT_MIX = {"copy": 45, "passkey": 15, "kv_retrieval": 15, "code": 25}
+SHORT_MIX = {"copy": 60, "passkey": 20, "kv_retrieval": 20}
 LONG_MIX = {"copy": 8, "passkey": 12, "niah_multikey": 15, "niah_multivalue": 10, "kv_retrieval": 18,
             "variable_tracking": 12, "code": 25}
 
 CURRICULA = {
     "tiny": [
-        Phase("A-induction-256", 1500, 256, 16, SHORT_MIX),
-        Phase("B-1024", 1300, 1024, 8, LONG_MIX),
-        Phase("C-2048", 1000, 2048, 4, LONG_MIX),
-        Phase("D-4096", 1300, 4096, 2, LONG_MIX),
+        Phase("A-induction-256", 600, 256, 16, SHORT_MIX, gate=("copy", 1.0), max_steps=3000),
+        Phase("B-1024", 1100, 1024, 8, LONG_MIX),
+        Phase("C-2048", 900, 2048, 4, LONG_MIX),
+        Phase("D-4096", 1000, 4096, 2, LONG_MIX),
     ],
     "tiny-draft": [
         Phase("A-256", 400, 256, 16, {"copy": 30, "code": 70}),
@@ -93,28 +99,16 @@ class Batches:
         probe = "def f(x):\n    return 'é' * x\n"
         assert encode_bytes(probe) == self.tokenizer.encode(probe, add_special_tokens=False)
 
-    def row(self, kind: str, seq_len: int, rng: random.Random) -> tuple[list[int], list[float]]:
+    def row(self, kind: str, seq_len: int, rng: random.Random) -> tuple[list[int], list[float], list[bool]]:
+        """One training row of seq_len + 1 ids, per-target loss weights, and which targets are "answers"
+        (the tokens whose loss shows whether retrieval works: task answers, repeated spans of copy rows)."""
         n = seq_len + 1  # inputs and shifted targets
         if kind == "code":
             start = rng.randrange(0, len(self.code) - n)
             ids = [BOS] + self.code[start : start + n - 1]
-            return ids, [1.0] * (n - 1)
+            return ids, [1.0] * (n - 1), [True] * (n - 1)
         if kind == "copy":
-            half = (n - 2) // 2
-            style = rng.random()
-            if style < 0.5:
-                alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 -.,"
-                seg = encode_bytes("".join(rng.choice(alphabet) for _ in range(half)))
-                first_weight = 0.0
-            else:
-                start = rng.randrange(0, len(self.code) - half)
-                seg = self.code[start : start + half]
-                first_weight = 1.0
-            ids = [BOS] + seg + encode_bytes("\n") + seg
-            ids += [PAD] * (n - len(ids))
-            weights = [first_weight] * (len(seg) + 1) + [1.0] * len(seg)
-            weights += [0.0] * (n - 1 - len(weights))
-            return ids, weights
+            return self._copy_row(n, rng)
         task = TASKS[kind]
         # reserve room for the longest target of this task, then pad after it
         reserve = {"niah_multivalue": 34, "variable_tracking": 40}.get(kind, 16)
@@ -122,20 +116,53 @@ class Batches:
         prompt = [BOS] + encode_bytes(sample.prompt)
         target = encode_bytes(sample.target)
         ids = (prompt + target)[:n]
+        n_answer = len(ids) - len(prompt)
         # the filler is code, so the model keeps learning language on task rows too
-        weights = [1.0] * (len(prompt) - 1) + [ANSWER_WEIGHT] * (len(ids) - len(prompt))
-        ids += [PAD] * (n - len(ids))
-        weights += [0.0] * (n - 1 - len(weights))
-        return ids, weights
+        weights = [1.0] * (len(prompt) - 1) + [ANSWER_WEIGHT] * n_answer
+        answer = [False] * (len(prompt) - 1) + [True] * n_answer
+        pad = n - len(ids)
+        return ids + [PAD] * pad, weights + [0.0] * pad, answer + [False] * pad
 
-    def batch(self, phase: Phase, step: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    def _copy_row(self, n: int, rng: random.Random) -> tuple[list[int], list[float], list[bool]]:
+        """Spans that reappear later in shuffled order at varying distances, so that copying needs a
+        content lookup (an induction head), not a fixed positional offset."""
+        ids, weights, answer = [BOS], [], []
+
+        def put(tokens, weight, is_answer):
+            ids.extend(tokens)
+            weights.extend([weight] * len(tokens))
+            answer.extend([is_answer] * len(tokens))
+
+        alphabet = "abcdefghijklmnopqrstuvwxyz0123456789-"
+        while len(ids) < n:
+            spans = []
+            for _ in range(rng.randint(2, 4)):
+                m = rng.randint(6, 40)
+                span = encode_bytes("".join(rng.choice(alphabet) for _ in range(m)))
+                spans.append(span)
+                put(span, 0.0, False)  # a random span is unpredictable the first time
+                put(self._gap(rng), 1.0, False)
+            rng.shuffle(spans)
+            for span in spans:
+                put(span[:1], 1.0, False)  # the first token of a repeat is not predictable
+                put(span[1:], 1.0, True)
+                put(self._gap(rng), 1.0, False)
+        return ids[:n], weights[: n - 1], answer[: n - 1]
+
+    def _gap(self, rng: random.Random) -> list[int]:
+        m = rng.randint(1, 48)
+        start = rng.randrange(0, len(self.code) - m)
+        return encode_bytes("\n") + self.code[start : start + m] + encode_bytes("\n")
+
+    def batch(self, phase: Phase, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
         rng = random.Random(f"train|{self.model_name}|{step}")
         kinds = list(phase.mix)
         picks = rng.choices(kinds, weights=[phase.mix[k] for k in kinds], k=phase.batch)
         rows = [self.row(k, phase.seq_len, rng) for k in picks]
         ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
         weights = torch.tensor([r[1] for r in rows], dtype=torch.float32)
-        return ids, weights, picks
+        answer = torch.tensor([r[2] for r in rows], dtype=torch.bool)
+        return ids, weights, answer, picks
 
 
 def make_model(name: str) -> LlamaForCausalLM:
@@ -149,24 +176,14 @@ def make_model(name: str) -> LlamaForCausalLM:
     return model
 
 
-def lr_at(step: int, phases: list[Phase], peak: float, warmup: int = 100) -> float:
+def lr_at(step: int, final_phase_start: int | None, final_steps: int, peak: float, warmup: int = 100) -> float:
+    """Linear warm-up, then the peak rate held until the final phase, cosine to 10 % over it."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    last = phases[-1]
-    last_start = sum(p.steps for p in phases[:-1])
-    if step < last_start:
+    if final_phase_start is None or step < final_phase_start:
         return peak
-    t = min(1.0, (step - last_start) / max(1, last.steps))
+    t = min(1.0, (step - final_phase_start) / max(1, final_steps))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def phase_at(step: int, phases: list[Phase]) -> Phase:
-    end = 0
-    for p in phases:
-        end += p.steps
-        if step < end:
-            return p
-    return phases[-1]
 
 
 @torch.no_grad()
@@ -207,7 +224,7 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(GEOMETRIES), default="tiny")
     ap.add_argument("--run-dir", type=Path, default=None, help="checkpoints (default runs/<model>)")
     ap.add_argument("--out", type=Path, default=None, help="export dir (default src/attnkit/assets/<model>)")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--probe-every", type=int, default=250)
     ap.add_argument("--extra-final-steps", type=int, default=0,
@@ -223,42 +240,53 @@ def main() -> None:
     phases = list(CURRICULA[args.model])
     if args.extra_final_steps:
         last = phases[-1]
-        phases[-1] = Phase(last.name, last.steps + args.extra_final_steps, last.seq_len, last.batch, last.mix)
-    total = sum(p.steps for p in phases)
+        phases[-1] = dataclasses.replace(last, steps=last.steps + args.extra_final_steps)
 
     model = make_model(args.model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     step, trained_seconds, tokens_seen = 0, 0.0, 0
+    phase_idx, phase_start, final_start = 0, 0, None
     ckpt = run_dir / "ckpt.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, trained_seconds, tokens_seen = state["step"], state["seconds"], state["tokens"]
-        print(f"resumed at step {step} ({trained_seconds / 60:.1f} min trained)", flush=True)
+        phase_idx, phase_start = state["phase_idx"], state["phase_start"]
+        final_start = phase_start if phase_idx == len(phases) - 1 else None
+        print(f"resumed at step {step}, phase {phases[min(phase_idx, len(phases) - 1)].name} "
+              f"({trained_seconds / 60:.1f} min trained)", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{args.model}: {n_params / 1e6:.2f}M parameters, {total} steps planned", flush=True)
+    print(f"{args.model}: {n_params / 1e6:.2f}M parameters, phases {[p.name for p in phases]}", flush=True)
 
     batches = Batches(args.model)
     log = (run_dir / "log.jsonl").open("a")
     started = time.time()
     model.train()
     window: dict[str, list[float]] = {}
+    recent: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=100))
+
+    def record(rec: dict) -> None:
+        print(json.dumps(rec), flush=True)
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
 
     def save():
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "seconds": trained_seconds, "tokens": tokens_seen}, ckpt)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": trained_seconds,
+                    "tokens": tokens_seen, "phase_idx": phase_idx, "phase_start": phase_start}, ckpt)
         export(model, out_dir, {"model": args.model, "step": step, "parameters": n_params,
                                 "train_minutes": round(trained_seconds / 60, 1), "tokens": tokens_seen,
-                                "phases": [p.__dict__ for p in phases],
+                                "phase": phases[min(phase_idx, len(phases) - 1)].name,
+                                "phases": [dataclasses.asdict(p) for p in phases],
                                 "command": f"python scripts/train_tiny.py --model {args.model}"})
 
-    while step < total:
+    while phase_idx < len(phases):
         t0 = time.time()
-        phase = phase_at(step, phases)
+        phase = phases[phase_idx]
+        lr = lr_at(step, final_start, phase.steps, args.lr)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, phases, args.lr)
-        ids, weights, kinds = batches.batch(phase, step)
+            group["lr"] = lr
+        ids, weights, answer, kinds = batches.batch(phase, step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(ids[:, :-1]).logits
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
@@ -271,31 +299,32 @@ def main() -> None:
         step += 1
         trained_seconds += time.time() - t0
         tokens_seen += ids.numel()
-        # per-kind answer loss (answer tokens only for tasks, second copy for copy rows)
+        # per-kind answer loss: task answers, repeated spans of copy rows, every token of code rows
         with torch.no_grad():
             for r, kind in enumerate(kinds):
-                mask = weights[r] >= (ANSWER_WEIGHT if kind not in ("code", "copy") else 1.0)
-                if kind == "copy":
-                    half = (ids.shape[1] - 2) // 2
-                    mask = torch.zeros_like(mask)
-                    mask[half + 1 : 2 * half] = True
-                if mask.any():
-                    window.setdefault(kind, []).append(ce[r][mask].mean().item())
-        if step % 25 == 0 or step == total:
+                if answer[r].any():
+                    value = ce[r][answer[r]].mean().item()
+                    window.setdefault(kind, []).append(value)
+                    recent[kind].append(value)
+        if step % 25 == 0:
             per_kind = {k: round(sum(v) / len(v), 3) for k, v in window.items()}
             window.clear()
-            rec = {"step": step, "phase": phase.name, "lr": round(lr_at(step - 1, phases, args.lr), 6),
-                   "loss": round(loss.item(), 4), "answer_loss": per_kind,
-                   "tok_per_s": round(ids.numel() / (time.time() - t0)), "minutes": round(trained_seconds / 60, 1)}
-            print(json.dumps(rec), flush=True)
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-        if step % args.probe_every == 0 or step == total:
-            rec = {"step": step, "probe_len": phase.seq_len, "probe": probe(model, batches, phase.seq_len)}
-            print(json.dumps(rec), flush=True)
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-        if step % args.save_every == 0 or step == total:
+            record({"step": step, "phase": phase.name, "lr": round(lr, 6), "loss": round(loss.item(), 4),
+                    "answer_loss": per_kind, "tok_per_s": round(ids.numel() / (time.time() - t0)),
+                    "minutes": round(trained_seconds / 60, 1)})
+        if step % args.probe_every == 0:
+            record({"step": step, "probe_len": phase.seq_len, "probe": probe(model, batches, phase.seq_len)})
+        # advance the curriculum
+        in_phase = step - phase_start
+        losses = recent[phase.gate[0]] if phase.gate else ()
+        gate_open = phase.gate is None or (len(losses) >= 50 and sum(losses) / len(losses) < phase.gate[1])
+        if (in_phase >= phase.steps and gate_open) or in_phase >= (phase.max_steps or phase.steps):
+            record({"step": step, "event": f"phase {phase.name} done after {in_phase} steps", "gate_open": gate_open})
+            phase_idx, phase_start = phase_idx + 1, step
+            if phase_idx == len(phases) - 1:
+                final_start = step
+            save()
+        elif step % args.save_every == 0:
             save()
         if args.max_minutes and (time.time() - started) / 60 > args.max_minutes:
             save()

@@ -6,13 +6,14 @@
 """
 
 from attnkit.errors import AttnkitError
+from attnkit.hf_cache import AttnkitCache
 from attnkit.methods import METHODS, Method, make_method, parse_method_spec
 from attnkit.model import Geometry, LoadedModel, load_model, prepare
-from attnkit.runner import Generation, GenerationStats, generate, score_tokens
+from attnkit.runner import Generation, GenerationStats, generate, score_tokens, token_nll
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttnkitError", "METHODS", "Method", "make_method", "parse_method_spec", "Geometry", "LoadedModel",
-    "load_model", "prepare", "Generation", "GenerationStats", "generate", "score_tokens", "__version__",
+    "AttnkitError", "AttnkitCache", "METHODS", "Method", "make_method", "parse_method_spec", "Geometry", "LoadedModel",
+    "load_model", "prepare", "Generation", "GenerationStats", "generate", "score_tokens", "token_nll", "__version__",
 ]

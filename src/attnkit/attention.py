@@ -9,15 +9,21 @@ The function :func:`attnkit_attention` is registered under the name ``"attnkit"`
 ``AttentionInterface`` (its public extension point, no patching). When a forward pass carries an
 ``attnkit_step`` keyword (the runner's), each layer's q, k, v after RoPE go to the active method;
 otherwise it behaves exactly like transformers' SDPA attention, so ``model.generate`` still works.
+A third route serves ``model.generate`` with an :class:`attnkit.hf_cache.AttnkitCache`: the cache's
+``update`` defers the layer's call (:func:`defer_attention`) and this function hands it to the cache.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from attnkit.errors import AttnkitError
 
 ATTN_IMPLEMENTATION = "attnkit"
 
@@ -113,9 +119,44 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     return torch.cat(outs, dim=2)
 
 
+# ---- deferred layer calls: a transformers Cache that routes attention to attnkit methods -------------
+# transformers' attention modules call ``past_key_values.update(k, v, layer_idx)`` and then the attention
+# function, which does not receive the cache. A cache that wants the attention call (attnkit.hf_cache.
+# AttnkitCache) records it here from `update`, keyed by the very key tensor `update` returns; the
+# attention function below claims it by identity. The slot is per thread, so concurrent generations in
+# different threads do not see each other's calls.
+_DEFERRED = threading.local()
+
+
+def defer_attention(handler, layer_idx: int, key: torch.Tensor) -> None:
+    """Route the next attention call (in this thread) whose key tensor *is* `key` to
+    ``handler.layer_attention(layer_idx, query, key, value, scaling, sliding_window)``."""
+    pending = getattr(_DEFERRED, "call", None)
+    if pending is not None and pending[0] is handler:
+        raise AttnkitError(
+            f"layer {pending[1]}'s attention never reached attnkit's attention function: the model must use "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} (attnkit.prepare(model, tokenizer) sets it)")
+    _DEFERRED.call = (handler, layer_idx, key)
+
+
+def claim_deferred(key: torch.Tensor):
+    """The ``(handler, layer_idx)`` deferred for this key tensor, removed from the slot; None if none."""
+    pending = getattr(_DEFERRED, "call", None)
+    if pending is None or pending[2] is not key:
+        return None
+    _DEFERRED.call = None
+    return pending[0], pending[1]
+
+
 def attnkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The ``"attnkit"`` attention implementation (see the module docstring)."""
     step = kwargs.pop("attnkit_step", None)
+    if step is None and (deferred := claim_deferred(key)) is not None:
+        handler, layer_idx = deferred
+        out = handler.layer_attention(layer_idx, query, key, value,
+                                      query.shape[-1] ** -0.5 if scaling is None else scaling,
+                                      kwargs.get("sliding_window"))
+        return out.transpose(1, 2).contiguous(), None
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)

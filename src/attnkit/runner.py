@@ -18,6 +18,7 @@ from attnkit.cache import KVCache
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method, Session, Step, make_method
 from attnkit.model import LoadedModel
+from attnkit.rope import Rope
 from attnkit.sampling import SamplingConfig, choose_token
 
 
@@ -99,8 +100,9 @@ def check_length(model: LoadedModel, prompt_len: int, max_new_tokens: int) -> No
 
 
 def forward(model: LoadedModel, ids: torch.Tensor, start: int, step_factory: Callable[[torch.Tensor], Step],
-            all_logits: bool = False) -> torch.Tensor:
-    """Run the decoder on `ids` ([n]) at positions start.., returning logits of the last (or every) position."""
+            all_positions: bool = False) -> torch.Tensor:
+    """Run the decoder on `ids` ([n]) at positions start..; final-norm hidden states ``[n or 1, hidden]``
+    of every position (or only the last)."""
     base = model.hf.model
     positions = torch.arange(start, start + ids.shape[0], device=ids.device)
     hidden = base.embed_tokens(ids[None])
@@ -109,13 +111,18 @@ def forward(model: LoadedModel, ids: torch.Tensor, start: int, step_factory: Cal
     for layer in base.layers:
         hidden = layer(hidden, attention_mask=None, position_ids=positions[None], past_key_values=None,
                        use_cache=False, position_embeddings=position_embeddings, attnkit_step=step)
-    hidden = base.norm(hidden if all_logits else hidden[:, -1:])
-    return model.hf.lm_head(hidden)[0].float()
+    return base.norm(hidden[0] if all_positions else hidden[0, -1:])
+
+
+def logits_of(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """LM-head logits (float32) of final hidden states ``[n, hidden]``."""
+    return model.hf.lm_head(hidden).float()
 
 
 def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size: int | None = None,
-            all_logits: bool = False) -> torch.Tensor:
-    """Feed the prompt (in chunks of `chunk_size` tokens if given); logits of the last (or every) position."""
+            all_positions: bool = False) -> torch.Tensor:
+    """Feed the prompt (in chunks of `chunk_size` tokens if given); final hidden states of the last
+    position ``[1, hidden]``, or of every position ``[n, hidden]``."""
     n = ids.shape[0]
     if chunk_size is not None and chunk_size <= 0:
         raise AttnkitError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
@@ -123,11 +130,11 @@ def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size:
     outputs = []
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        logits = forward(model, ids[start:end], start,
-                         lambda pos, last=(end == n): Step(session, "prefill", pos, last), all_logits)
-        if all_logits or end == n:
-            outputs.append(logits)
-    return torch.cat(outputs) if all_logits else outputs[-1][-1]
+        hidden = forward(model, ids[start:end], start,
+                         lambda pos, last=(end == n): Step(session, "prefill", pos, last), all_positions)
+        if all_positions or end == n:
+            outputs.append(hidden)
+    return torch.cat(outputs) if all_positions else outputs[-1]
 
 
 def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
@@ -148,7 +155,7 @@ def _sync(device: torch.device) -> None:
 
 def new_session(model: LoadedModel, method: Method, prompt_len: int, max_new_tokens: int) -> Session:
     n_layers = model.geometry.n_layers
-    return Session(method, KVCache(n_layers), n_layers, prompt_len, max_new_tokens)
+    return Session(method, KVCache(n_layers), n_layers, prompt_len, max_new_tokens, rope=Rope.from_model(model))
 
 
 @torch.inference_mode()
@@ -181,7 +188,7 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
 
     _sync(device)
     t0 = time.perf_counter()
-    logits = prefill(model, session, ids, chunk_size)
+    logits = logits_of(model, prefill(model, session, ids, chunk_size))[-1]
     _sync(device)
     prefill_s = time.perf_counter() - t0
     token = choose_token(logits, sampling, generator)
@@ -193,8 +200,9 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
     t_decode = time.perf_counter()
     for i in range(max_new_tokens):
         if i > 0:
-            logits = forward(model, torch.tensor([generated[-1]], device=device), ids.shape[0] + i - 1,
-                             lambda pos: Step(session, "decode", pos))[-1]
+            hidden = forward(model, torch.tensor([generated[-1]], device=device), ids.shape[0] + i - 1,
+                             lambda pos: Step(session, "decode", pos))
+            logits = logits_of(model, hidden)[-1]
             token = choose_token(logits, sampling, generator)
             if keep_logits:
                 kept_logits.append(logits)
@@ -232,12 +240,33 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
     return Generation(text, generated, stats, kept_logits)
 
 
-@torch.inference_mode()
-def score_tokens(model: LoadedModel, ids, method: str | Method | None = "full", *, params: dict | None = None,
-                 chunk_size: int | None = None) -> torch.Tensor:
-    """Logits ``[n, vocab]`` at every prompt position under `method`'s prefill (for perplexity)."""
+def _prefill_all(model: LoadedModel, ids, method, params, chunk_size) -> tuple[torch.Tensor, torch.Tensor]:
     method = resolve_method(method, params)
     ids = encode_prompt(model, ids)
     check_length(model, ids.shape[0], 0)
     session = new_session(model, method, ids.shape[0], 0)
-    return prefill(model, session, ids, chunk_size, all_logits=True)
+    return ids, prefill(model, session, ids, chunk_size, all_positions=True)
+
+
+@torch.inference_mode()
+def score_tokens(model: LoadedModel, ids, method: "str | Method | None" = "full", *, params: dict | None = None,
+                 chunk_size: int | None = None) -> torch.Tensor:
+    """Logits ``[n, vocab]`` at every prompt position under `method`'s prefill."""
+    _, hidden = _prefill_all(model, ids, method, params, chunk_size)
+    return logits_of(model, hidden)
+
+
+@torch.inference_mode()
+def token_nll(model: LoadedModel, ids, method: "str | Method | None" = "full", *, params: dict | None = None,
+              chunk_size: int | None = None, slice_tokens: int = 1024) -> torch.Tensor:
+    """Negative log-likelihood (nats) of tokens 1..n-1 given what precedes them, under `method`'s prefill.
+
+    Logits are formed `slice_tokens` positions at a time, so a long text never holds ``[n, vocab]``.
+    """
+    ids, hidden = _prefill_all(model, ids, method, params, chunk_size)
+    nll = []
+    for s in range(0, ids.shape[0] - 1, slice_tokens):
+        e = min(ids.shape[0] - 1, s + slice_tokens)
+        nll.append(torch.nn.functional.cross_entropy(logits_of(model, hidden[s:e]), ids[s + 1:e + 1],
+                                                     reduction="none"))
+    return torch.cat(nll)

@@ -30,7 +30,7 @@ from attnkit.eval import corpus
 from attnkit.eval.tasks import ALL_TASKS, TASKS, Sample
 from attnkit.methods.base import Method, parse_method_spec
 from attnkit.model import LoadedModel
-from attnkit.runner import generate, score_tokens
+from attnkit.runner import generate, token_nll
 
 PERPLEXITY = "perplexity"
 RESULTS_FILE = "results.jsonl"
@@ -166,9 +166,7 @@ def perplexity_windows(model: LoadedModel, length: int, seed: int, count: int) -
 
 def bits_per_byte(model: LoadedModel, ids: list[int], method: Method) -> float:
     """Next-token NLL of ids[1:] under `method`'s prefill, in bits per UTF-8 byte of their text."""
-    logits = score_tokens(model, ids, method)
-    targets = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
-    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), targets, reduction="sum").item()
+    nll = token_nll(model, ids, method).sum().item()
     n_bytes = len(model.tokenizer.decode(ids[1:], skip_special_tokens=True).encode("utf-8"))
     if n_bytes == 0:
         raise AttnkitError("perplexity window decodes to no text")

@@ -49,6 +49,11 @@ class Session:
     prompt_len: int
     max_new_tokens: int
     layer_state: list[dict] = field(default_factory=list)
+    # rotations by position offsets with the model's RoPE frequencies (attnkit.rope.Rope), filled in by
+    # the runner / AttnkitCache; methods that re-index key positions need it
+    rope: Any = None
+    # state a method shares across layers (e.g. Keyformer's shared score), keyed by the method
+    shared: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.layer_state = [{} for _ in range(self.n_layers)]
@@ -172,6 +177,10 @@ def _coerce(name: str, method: str, hint, raw):
                 if raw in typing.get_args(typ):
                     return raw
                 raise ValueError
+            if typing.get_origin(typ) is list and "/" in raw:
+                # a per-layer list on the command line: values separated by "/" ("512/256/256")
+                (item,) = typing.get_args(typ) or (str,)
+                return [item(x) for x in raw.split("/")]
         except ValueError:
             continue
     raise AttnkitError(f"method {method!r}: parameter {name}={raw!r} is not a valid {hint}")

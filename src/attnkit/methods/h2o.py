@@ -1,0 +1,79 @@
+"""``h2o``: heavy hitters + recent window (H2O; Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for
+Efficient Generative Inference of Large Language Models").
+
+Every cached entry carries its accumulated attention: the attention probabilities it received from
+every prompt query and from every generated token's query (H2O's accumulated attention score),
+reduced over the query heads of its kv group (``gqa_reduce``). The cache keeps a recent window of
+``recent`` x budget tokens (or ``recent_tokens``) and fills the rest of the budget with the entries of
+highest accumulated attention, per kv head: after prefill the prompt is compressed to that shape, and
+at each decode step the lowest-scored entry outside the recent window leaves and the new token takes
+its slot. H2O's default splits the budget half heavy hitters, half recent tokens (``recent=0.5``).
+
+Prompt scores are computed in blocks of queries beside SDPA's attention output, so any attention
+backend works and no N x N matrix is materialised; decode computes its one row of probabilities
+itself (:func:`attnkit.methods.eviction.attend_with_logits`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.methods.base import LayerContext, register
+from attnkit.methods.eviction import (
+    GQA_REDUCTIONS,
+    EvictionMethod,
+    attend_with_logits,
+    attention_statistics,
+    check_choice,
+    check_recent,
+    recent_window,
+    reduce_heads,
+)
+
+
+@register
+@dataclass
+class HeavyHitters(EvictionMethod):
+    """Accumulated-attention heavy hitters + recent window, per kv head."""
+
+    recent: float | None = None
+    recent_tokens: int | None = None
+    gqa_reduce: str = "mean"
+
+    name = "h2o"
+    summary = "heavy hitters by accumulated attention + recent window (H2O, Zhang et al. 2023)"
+    default_recent = 0.5
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_recent(self.recent, self.recent_tokens, self.budget_tokens)
+        check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
+
+    def recent_tokens_for(self, ctx: LayerContext) -> int:
+        if "recent" not in ctx.state:
+            ctx.state["recent"] = recent_window(self.recent, self.recent_tokens, self.default_recent,
+                                                self.layer_budget(ctx), ctx.index)
+        return ctx.state["recent"]
+
+    def check_layer(self, ctx: LayerContext, budget: int) -> None:
+        recent_window(self.recent, self.recent_tokens, self.default_recent, budget, ctx.index)
+
+    def rank(self, ctx: LayerContext) -> torch.Tensor:
+        return self.score_buffer(ctx)[:, :, :ctx.kv.length]
+
+    def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor | None:
+        return self.recent_mask(ctx, self.recent_tokens_for(ctx), next_pos)
+
+    def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
+        keys, _, positions = ctx.kv.view()
+        stats = attention_statistics(q, keys, ctx.scaling, ctx.q_pos, positions[0, 0], reduce=self.gqa_reduce,
+                                     window=ctx.native_window)
+        self.score_buffer(ctx)[:, :, :ctx.kv.length] += stats
+
+    def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
+        keys, values, _ = ctx.kv.view()
+        out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
+        self.score_buffer(ctx)[:, :, :ctx.kv.length] += reduce_heads(probs, self.gqa_reduce).sum(dim=2)
+        return out

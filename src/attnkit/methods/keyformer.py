@@ -1,0 +1,240 @@
+"""``keyformer``: key tokens chosen by a Gumbel-regularised, temperature-scheduled score (Keyformer;
+Adnan et al., MLSys 2024, "Keyformer: KV Cache Reduction through Key Tokens Selection for Efficient
+Generative Inference" -- the seed paper; equation numbers below are the seed's).
+
+The budget ``k`` is a fraction of the prompt (``budget``) or a token count (``budget_tokens``); a recent
+window of ``w`` tokens (``recent`` x budget, default 20 %; the seed finds 20-30 % best, section 4.6.4)
+is always kept and the other ``k - w`` slots hold the *key tokens*: the entries with the highest
+accumulated Keyformer score (section 3.3.2, Figure 6)
+
+    f(x_i) = exp((x_i + zeta_i) / tau) / sum_j exp((x_j + zeta_j) / tau)      (eq. 9)
+
+where ``x_i = q . k_i / sqrt(d)`` are the unnormalised logits of a query (eq. 4), ``zeta_i`` the
+regularising noise added to them (eq. 4-6: Gumbel by default) and ``tau`` the temperature, which is
+``tau_init`` during the prompt and rises by ``(tau_end - tau_init) / T`` with every generated token,
+``T`` being the generation length (eq. 10; ``tau = tau_init + t * delta_tau``, t = 1 for the first
+generated token fed back). f is accumulated over every prompt query and every decode step. The
+attention output itself is ordinary softmax attention; the noise only steers which tokens stay.
+
+As in the seed's Figure 6 the prompt is reduced to ``k`` after prefill ("n - k tokens dropped from
+the n - w window") and every decode step drops one token so the cache stays at ``k``. In attnkit's
+terms (see :mod:`attnkit.methods.eviction`) ``B`` slots hold the ``k`` kept entries plus the incoming
+one, so the seed's ``k`` is ``B - 1``.
+
+Ablations (section 4.6): ``noise`` gumbel | gaussian (mu = 0.5772, sigma = 1.2825: the Gumbel's mean
+and standard deviation, eq. 11-12) | constant (c = 0.5772; a constant leaves the softmax unchanged,
+so it selects exactly as ``none``) | none (the H2O-like accumulated attention); ``score`` per_layer
+(each layer accumulates and chooses its own key tokens, per kv head) | shared (one score per token
+accumulated over all layers, heads and steps; every layer keeps the same tokens, decided at each step
+from the scores of all layers up to the previous step, so the prompt is compressed at the first decode
+step instead of right after prefill); ``positions`` original | new (keys are seen at their rank in the
+cache, the query last: "Keyformer (new positions)"; the kept keys are re-rotated for attention each
+step, which costs one pass over the cache). ``seed`` fixes the noise: each draw is a hash of (seed,
+layer, head, query position, key position), so results do not depend on prompt chunking or device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import LayerContext, register
+from attnkit.methods.eviction import (
+    GQA_REDUCTIONS,
+    EvictionMethod,
+    attend_with_logits,
+    attention_statistics,
+    check_choice,
+    check_recent,
+    counter_uniforms,
+    recent_window,
+    reduce_heads,
+    resolve_budget,
+)
+
+NOISES = ("gumbel", "gaussian", "constant", "none")
+EULER_GAMMA = 0.5772  # mean of the standard Gumbel distribution (seed, section 4.6.3)
+GUMBEL_STD = 1.2825   # its standard deviation, pi / sqrt(6)
+
+
+def keyformer_tau(t: int, T: int, tau_init: float = 1.0, tau_end: float = 2.0) -> float:
+    """Temperature at decode iteration `t` of a generation of `T` tokens (eq. 10); `t` = 0 is the prompt."""
+    if T <= 0:
+        return tau_init
+    return tau_init + t * (tau_end - tau_init) / T
+
+
+def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
+                    k_pos: torch.Tensor) -> torch.Tensor | float:
+    """The noise zeta added to the logits (eq. 4), broadcastable to ``[b, kv, g, queries, keys]``.
+
+    `q_pos` is ``[queries]``; `k_pos` is ``[keys]`` or per kv head ``[b, kv, keys]``. Gumbel draws are
+    ``-log(-log(u))`` (density eq. 5), Gaussian ones ``N(0.5772, 1.2825^2)`` (eq. 11, Box-Muller), with
+    ``u`` hashed from (seed, layer, head, query position, key position).
+    """
+    if kind == "none":
+        return 0.0
+    if kind == "constant":
+        return EULER_GAMMA
+    device = q_pos.device
+    heads = torch.arange(kv_heads * groups, device=device).view(1, kv_heads, groups, 1, 1)
+    qp = q_pos.view(1, 1, 1, -1, 1)
+    kp = k_pos.view(1, 1, 1, 1, -1) if k_pos.dim() == 1 else k_pos[:, :, None, None, :]
+    u = counter_uniforms(seed, layer, heads, qp, kp)
+    if kind == "gumbel":
+        return u.log_().neg_().log_().neg_()  # -log(-log(u))
+    u2 = counter_uniforms(seed, layer, heads, qp, kp, second=True)
+    return u.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2 * math.pi).cos_()).mul_(GUMBEL_STD).add_(EULER_GAMMA)
+
+
+@register
+@dataclass
+class Keyformer(EvictionMethod):
+    """Key tokens by the accumulated Gumbel-softmax score f (eq. 9-10) + recent window."""
+
+    recent: float | None = None
+    recent_tokens: int | None = None
+    tau_init: float = 1.0
+    tau_end: float = 2.0
+    noise: str = "gumbel"
+    score: str = "per_layer"
+    positions: str = "original"
+    seed: int = 0
+    gqa_reduce: str = "mean"
+
+    name = "keyformer"
+    summary = "key tokens by Gumbel-softmax score + recent window (Keyformer, seed 001)"
+    default_recent = 0.2
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_recent(self.recent, self.recent_tokens, self.budget_tokens)
+        for name in ("tau_init", "tau_end"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a temperature > 0, got {value!r}")
+        check_choice("noise", self.noise, NOISES)
+        check_choice("score", self.score, ("per_layer", "shared"))
+        check_choice("positions", self.positions, ("original", "new"))
+        check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be a whole number >= 0, got {self.seed!r}")
+
+    # ---- parameters per layer ------------------------------------------------------------------------
+    def recent_tokens_for(self, ctx: LayerContext) -> int:
+        if "recent" not in ctx.state:
+            ctx.state["recent"] = recent_window(self.recent, self.recent_tokens, self.default_recent,
+                                                self.layer_budget(ctx), ctx.index)
+        return ctx.state["recent"]
+
+    def check_layer(self, ctx: LayerContext, budget: int) -> None:
+        recent_window(self.recent, self.recent_tokens, self.default_recent, budget, ctx.index)
+        if self.positions == "new" and ctx.session.rope is None:
+            raise AttnkitError("keyformer positions='new' needs the model's rotary embedding (session.rope)")
+
+    def tau(self, t: int, T: int) -> float:
+        """eq. 10 with this method's tau_init and tau_end."""
+        return keyformer_tau(t, T, self.tau_init, self.tau_end)
+
+    # ---- the score f (eq. 9) ---------------------------------------------------------------------------
+    def _weights(self, ctx: LayerContext, tau: float):
+        kv_heads = ctx.kv.keys.shape[1]
+
+        def f(logits: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+            # overwrites `logits` (a fresh tensor): y = x + zeta (eq. 4; masked logits stay -inf), then eq. 9
+            if self.noise in ("gumbel", "gaussian"):
+                logits += keyformer_noise(self.noise, self.seed, ctx.index, kv_heads, logits.shape[2], q_pos, k_pos)
+            elif self.noise == "constant":
+                logits += EULER_GAMMA
+            if tau != 1.0:
+                logits /= tau
+            return torch.softmax(logits, dim=-1)
+
+        return f
+
+    def _shared(self, ctx: LayerContext) -> dict:
+        """Keyformer's shared score: one value per token position, summed over layers and heads."""
+        shared = ctx.session.shared.get(self.name)
+        if shared is None:
+            s = ctx.session
+            b, device = ctx.kv.keys.shape[0], ctx.kv.keys.device
+            size = s.prompt_len + s.max_new_tokens
+            shared = ctx.session.shared[self.name] = {
+                "score": torch.zeros(b, size, dtype=torch.float32, device=device),  # through the previous step
+                "pending": torch.zeros(b, size, dtype=torch.float32, device=device),  # this step so far
+                "step": None,
+            }
+        return shared
+
+    def _accumulate(self, ctx: LayerContext, contribution: torch.Tensor) -> None:
+        """Add this layer's ``[b, kv, length]`` (already GQA-reduced) score to what decides eviction."""
+        length = ctx.kv.length
+        if self.score == "per_layer":
+            self.score_buffer(ctx)[:, :, :length] += contribution
+            return
+        shared = self._shared(ctx)
+        positions = ctx.kv.view()[2][:, 0]  # shared mode: every head holds the same positions
+        shared["pending"].scatter_add_(1, positions, contribution.sum(dim=1))
+
+    def rank(self, ctx: LayerContext) -> torch.Tensor:
+        length = ctx.kv.length
+        if self.score == "per_layer":
+            return self.score_buffer(ctx)[:, :, :length]
+        positions = ctx.kv.view()[2]
+        b = positions.shape[0]
+        return self._shared(ctx)["score"].gather(1, positions.reshape(b, -1)).view(positions.shape)
+
+    def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor | None:
+        return self.recent_mask(ctx, self.recent_tokens_for(ctx), next_pos)
+
+    def evicts(self, ctx: LayerContext) -> bool:
+        if self.score == "shared" and "evicts" not in ctx.state:
+            # every layer adds to the shared score as soon as any layer can evict
+            s = ctx.session
+            total = s.prompt_len + s.max_new_tokens
+            ctx.state["evicts"] = any(
+                resolve_budget(self.budget, self.budget_tokens, i, s.n_layers, s.prompt_len) < total
+                for i in range(s.n_layers))
+        return super().evicts(ctx)
+
+    def defer_prefill_eviction(self, ctx: LayerContext) -> bool:
+        return self.score == "shared"  # later layers have not scored the prompt yet
+
+    def before_write(self, ctx: LayerContext) -> None:
+        ctx.state["t"] = ctx.state.get("t", 0) + 1
+        if self.score == "shared":
+            shared = self._shared(ctx)
+            if shared["step"] is not ctx.step:  # first layer of a new step: the last step's scores are complete
+                shared["score"] += shared["pending"]
+                shared["pending"].zero_()
+                shared["step"] = ctx.step
+
+    # ---- hooks ---------------------------------------------------------------------------------------
+    def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
+        keys, _, positions = ctx.kv.view()
+        tau = self.tau(0, ctx.session.max_new_tokens)  # tau_init: the prompt is scored without extra smoothing
+        stats = attention_statistics(q, keys, ctx.scaling, ctx.q_pos, positions[0, 0], reduce=self.gqa_reduce,
+                                     weights=self._weights(ctx, tau), window=ctx.native_window)
+        self._accumulate(ctx, stats)
+
+    def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
+        keys, values, positions = ctx.kv.view()
+        if self.positions == "new":
+            keys = self._at_new_positions(ctx, keys, positions)
+        out, logits, _ = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
+        t = ctx.state.get("t", 1)
+        tau = self.tau(t, ctx.session.max_new_tokens)
+        ctx.state["tau"] = tau
+        f = self._weights(ctx, tau)(logits, ctx.q_pos, positions)
+        self._accumulate(ctx, reduce_heads(f, self.gqa_reduce).sum(dim=2))
+        return out
+
+    def _at_new_positions(self, ctx: LayerContext, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys rotated to their rank in the cache, the query (rank length-1) keeping its own rotation:
+        the key of rank r is seen at ``P - (length - 1 - r)`` instead of its original position."""
+        rank = positions.argsort(dim=-1).argsort(dim=-1)
+        seen_at = ctx.q_pos[0] - (positions.shape[-1] - 1) + rank
+        return ctx.session.rope.rotate(keys, seen_at - positions)

@@ -1,0 +1,114 @@
+"""``snapkv``: prompt compression voted by an observation window (SnapKV; Li et al., 2024, "SnapKV: LLM
+Knows What You are Looking for Before Generation").
+
+After prefill, the last ``window_size`` prompt queries (the observation window) vote for the prompt
+keys before them: their attention probabilities are summed over the window's queries, reduced over
+the query heads of each kv group (``gqa_reduce``), and smoothed along the sequence with a pooling
+kernel (``kernel_size``, ``pooling`` avg or max; SnapKV's clustering, so that a selected token brings
+its neighbours). Each kv head keeps its ``budget - window_size`` best-voted prefix entries plus the
+observation window itself, so the prompt occupies ``budget`` slots per kv head. Only the window's
+queries are scored (a ``window_size`` x prompt product, in blocks), beside SDPA's prefill.
+
+Decoding then appends every generated token (SnapKV does not evict during generation). With
+``decode_budget=m`` the generated tokens are capped to a rolling window of the last ``m`` (the incoming
+one included) so the cache stays at ``budget + m`` slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import LayerContext, register
+from attnkit.methods.eviction import (
+    GQA_REDUCTIONS,
+    EvictionMethod,
+    attention_statistics,
+    avg_or_max_pool,
+    check_choice,
+)
+
+
+@register
+@dataclass
+class SnapKV(EvictionMethod):
+    """Observation-window votes, pooled, top entries per kv head after prefill; decode appends."""
+
+    window_size: int = 32
+    kernel_size: int = 7
+    pooling: str = "avg"
+    gqa_reduce: str = "mean"
+    decode_budget: int | None = None
+
+    name = "snapkv"
+    summary = "prompt compression by observation-window votes + pooling (SnapKV, Li et al. 2024)"
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("window_size", "kernel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd so the pooling is centred, got {self.kernel_size}")
+        check_choice("pooling", self.pooling, ("avg", "max"))
+        check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
+        if self.decode_budget is not None and (not isinstance(self.decode_budget, int)
+                                               or isinstance(self.decode_budget, bool) or self.decode_budget < 1):
+            raise ValueError(f"decode_budget must be a positive number of generated tokens, got {self.decode_budget!r}")
+        if self.budget_tokens is not None:
+            smallest = min(self.budget_tokens) if isinstance(self.budget_tokens, list) else self.budget_tokens
+            if self.window_size > smallest:
+                raise ValueError(f"window_size={self.window_size} is larger than budget_tokens={self.budget_tokens!r}; "
+                                 f"the observation window is always kept, so it must fit in the budget")
+
+    def check_layer(self, ctx: LayerContext, budget: int) -> None:
+        n = ctx.session.prompt_len
+        if budget < n and min(self.window_size, n) > budget:
+            raise AttnkitError(f"snapkv: the observation window ({self.window_size} tokens) does not fit in the "
+                               f"{budget}-slot budget of layer {ctx.index}; lower window_size or raise the budget")
+
+    def decode_limit(self, ctx: LayerContext) -> int | None:
+        if self.decode_budget is None:
+            return None
+        return min(ctx.session.prompt_len, self.layer_budget(ctx)) + self.decode_budget
+
+    # ---- prompt: votes of the observation window ---------------------------------------------------
+    def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
+        # the window may straddle prompt chunks: keep the last window_size queries seen
+        st = ctx.state
+        prev_q, prev_pos = st.get("window_q"), st.get("window_pos")
+        if prev_q is not None:
+            q = torch.cat([prev_q, q], dim=2)
+            pos = torch.cat([prev_pos, ctx.q_pos])
+        else:
+            pos = ctx.q_pos
+        st["window_q"], st["window_pos"] = q[:, :, -self.window_size:], pos[-self.window_size:]
+
+    def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
+        if self.evicts(ctx) and ctx.kv.length > self.prefill_keep(ctx):
+            keys, _, positions = ctx.kv.view()
+            votes = attention_statistics(ctx.state["window_q"], keys, ctx.scaling, ctx.state["window_pos"],
+                                         positions[0, 0], reduce=self.gqa_reduce, window=ctx.native_window)
+            prefix = keys.shape[2] - ctx.state["window_q"].shape[2]
+            votes[:, :, :prefix] = avg_or_max_pool(votes[:, :, :prefix], self.kernel_size, self.pooling)
+            ctx.state["votes"] = votes
+        ctx.state.pop("window_q", None)
+        ctx.state.pop("window_pos", None)
+        super().after_prefill(ctx, q, k, v)
+        ctx.state.pop("votes", None)
+
+    def rank(self, ctx: LayerContext) -> torch.Tensor:
+        votes = ctx.state.get("votes")
+        if votes is not None:  # compressing the prompt
+            return votes
+        return ctx.kv.view()[2]  # decoding with a decode_budget: the oldest generated token leaves
+
+    def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor:
+        positions = ctx.kv.view()[2]
+        n = ctx.session.prompt_len
+        if ctx.state.get("votes") is not None:
+            return positions >= n - self.window_size  # the observation window
+        return positions < n  # decoding: the compressed prompt stays

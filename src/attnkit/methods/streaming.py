@@ -1,0 +1,78 @@
+"""``streaming``: attention sinks + a recent window (StreamingLLM; Xiao et al., 2023, "Efficient
+Streaming Language Models with Attention Sinks").
+
+The cache holds the first ``sinks`` tokens of the sequence (the attention sinks) and the most recent
+``B - sinks`` tokens, the incoming one included, ``B`` being the budget: exactly StreamingLLM's
+rolling KV cache of size ``start_size + recent_size``. When the layer is full the oldest non-sink entry
+is evicted and the new token written into its slot; the prompt is compressed to the same shape after
+prefill.
+
+Positions: by default every key keeps its original position (``positions="original"``). With
+``positions="reindex"`` keys are placed at their positions *inside the cache* (sinks at 0..s-1, then
+the window in order, the query last), StreamingLLM's own variant (its section 3.2). Attention with
+RoPE depends only on query-key distances, and the window is a contiguous run ending at the query,
+whose distances are the same either way; only the sinks move: sink ``j`` is seen at
+``oldest_window_position - sinks + j``. So each step re-rotates just the ``sinks`` sink keys from
+copies saved when the first entry was evicted (:class:`attnkit.rope.Rope`), instead of re-rotating
+the whole cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import LayerContext, register
+from attnkit.methods.eviction import EvictionMethod, check_choice
+
+
+@register
+@dataclass
+class StreamingLLM(EvictionMethod):
+    """Attention sinks + recent window; positions original or re-indexed in the cache."""
+
+    sinks: int = 4
+    positions: str = "original"
+
+    name = "streaming"
+    summary = "attention sinks + recent window (StreamingLLM, Xiao et al. 2023)"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
+            raise ValueError(f"sinks must be a whole number of tokens >= 0, got {self.sinks!r}")
+        check_choice("positions", self.positions, ("original", "reindex"))
+        if self.budget_tokens is not None:
+            smallest = min(self.budget_tokens) if isinstance(self.budget_tokens, list) else self.budget_tokens
+            if self.sinks >= smallest:
+                raise ValueError(f"sinks={self.sinks} leaves no room for the recent window in "
+                                 f"budget_tokens={self.budget_tokens!r}; sinks must be smaller than the budget")
+
+    def check_layer(self, ctx: LayerContext, budget: int) -> None:
+        if self.sinks >= budget and budget < ctx.session.prompt_len + ctx.session.max_new_tokens:
+            raise AttnkitError(f"streaming: sinks={self.sinks} leaves no room for the recent window in the "
+                               f"{budget}-slot budget of layer {ctx.index}")
+        if self.positions == "reindex" and ctx.session.rope is None:
+            raise AttnkitError("streaming positions='reindex' needs the model's rotary embedding (session.rope)")
+
+    def rank(self, ctx: LayerContext) -> torch.Tensor:
+        return ctx.kv.view()[2]  # newer is kept first
+
+    def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor:
+        return ctx.kv.view()[2] < self.sinks
+
+    def on_evict(self, ctx: LayerContext) -> None:
+        if self.positions == "reindex" and self.sinks:
+            # sinks are the lowest positions, so they sit in the first slots of every head
+            ctx.state["sink_keys"] = ctx.kv.keys[:, :, :self.sinks].clone()
+
+    def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
+        saved = ctx.state.get("sink_keys")
+        if saved is not None:
+            # in-cache positions: the window is positions P-m+1..P (m = length - sinks), so sink j is seen at
+            # P-m+1-sinks+j, i.e. shifted by P - length + 1 from where it was stored
+            shift = ctx.q_pos[0] - (ctx.kv.length - 1)
+            ctx.kv.keys[:, :, :self.sinks] = ctx.session.rope.rotate(saved, shift)
+        return super().attend_decode(ctx, q)
