@@ -249,7 +249,7 @@ def _prefill_all(model: LoadedModel, ids, method, params, chunk_size) -> tuple[t
 
 
 @torch.inference_mode()
-def score_tokens(model: LoadedModel, ids, method: "str | Method | None" = "full", *, params: dict | None = None,
+def score_tokens(model: LoadedModel, ids, method: str | Method | None = "full", *, params: dict | None = None,
                  chunk_size: int | None = None) -> torch.Tensor:
     """Logits ``[n, vocab]`` at every prompt position under `method`'s prefill."""
     _, hidden = _prefill_all(model, ids, method, params, chunk_size)
@@ -257,7 +257,7 @@ def score_tokens(model: LoadedModel, ids, method: "str | Method | None" = "full"
 
 
 @torch.inference_mode()
-def token_nll(model: LoadedModel, ids, method: "str | Method | None" = "full", *, params: dict | None = None,
+def token_nll(model: LoadedModel, ids, method: str | Method | None = "full", *, params: dict | None = None,
               chunk_size: int | None = None, slice_tokens: int = 1024) -> torch.Tensor:
     """Negative log-likelihood (nats) of tokens 1..n-1 given what precedes them, under `method`'s prefill.
 
