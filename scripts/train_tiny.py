@@ -70,7 +70,7 @@ LONG_MIX = {"copy": 8, "passkey": 12, "niah_multikey": 15, "niah_multivalue": 10
 
 CURRICULA = {
     "tiny": [
-        Phase("A-induction-256", 600, 256, 16, SHORT_MIX, gate=("copy", 1.0), max_steps=3000),
+        Phase("A-induction-256", 600, 256, 16, SHORT_MIX, gate=("passkey", 0.8), max_steps=3000),
         Phase("B-1024", 1100, 1024, 8, LONG_MIX),
         Phase("C-2048", 900, 2048, 4, LONG_MIX),
         Phase("D-4096", 1000, 4096, 2, LONG_MIX),
@@ -124,8 +124,19 @@ class Batches:
         return ids + [PAD] * pad, weights + [0.0] * pad, answer + [False] * pad
 
     def _copy_row(self, n: int, rng: random.Random) -> tuple[list[int], list[float], list[bool]]:
-        """Spans that reappear later in shuffled order at varying distances, so that copying needs a
-        content lookup (an induction head), not a fixed positional offset."""
+        """Copy rows. Half are a random string followed by itself (a fixed offset: attention-based copying
+        forms within a few hundred steps); half hold spans that reappear later in shuffled order at
+        varying distances, so that copying needs a content lookup (an induction head)."""
+        if rng.random() < 0.5:
+            half = (n - 2) // 2
+            alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 -.,"
+            seg = encode_bytes("".join(rng.choice(alphabet) for _ in range(half)))
+            ids = [BOS] + seg + encode_bytes("\n") + seg
+            ids += [PAD] * (n - len(ids))
+            weights = [0.0] * (half + 1) + [1.0] * half
+            answer = [False] * (half + 2) + [True] * (half - 1)
+            pad = n - 1 - len(weights)
+            return ids, weights + [0.0] * pad, answer[: n - 1] + [False] * (n - 1 - len(answer[: n - 1]))
         ids, weights, answer = [BOS], [], []
 
         def put(tokens, weight, is_answer):
@@ -231,6 +242,9 @@ def main() -> None:
                     help="lengthen the last phase (to continue training in a later session)")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (after saving) past this wall time")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--from-export", action="store_true",
+                    help="with no checkpoint in the run dir, continue from the exported weights in --out (step and "
+                         "phase from its training.json; a fresh optimizer, re-warmed over 100 steps)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -246,6 +260,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     step, trained_seconds, tokens_seen = 0, 0.0, 0
     phase_idx, phase_start, final_start = 0, 0, None
+    rewarm_from = None
     ckpt = run_dir / "ckpt.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
@@ -256,6 +271,14 @@ def main() -> None:
         final_start = phase_start if phase_idx == len(phases) - 1 else None
         print(f"resumed at step {step}, phase {phases[min(phase_idx, len(phases) - 1)].name} "
               f"({trained_seconds / 60:.1f} min trained)", flush=True)
+    elif args.from_export:
+        meta = json.loads((out_dir / "training.json").read_text())
+        model.load_state_dict(LlamaForCausalLM.from_pretrained(out_dir).state_dict())
+        step, trained_seconds, tokens_seen = meta["step"], meta["train_minutes"] * 60, meta["tokens"]
+        phase_idx, phase_start = meta["phase_idx"], meta["phase_start"]
+        final_start = phase_start if phase_idx == len(phases) - 1 else None
+        rewarm_from = step
+        print(f"continuing from the export at step {step} with a fresh optimizer", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.model}: {n_params / 1e6:.2f}M parameters, phases {[p.name for p in phases]}", flush=True)
 
@@ -277,6 +300,7 @@ def main() -> None:
         export(model, out_dir, {"model": args.model, "step": step, "parameters": n_params,
                                 "train_minutes": round(trained_seconds / 60, 1), "tokens": tokens_seen,
                                 "phase": phases[min(phase_idx, len(phases) - 1)].name,
+                                "phase_idx": phase_idx, "phase_start": phase_start,
                                 "phases": [dataclasses.asdict(p) for p in phases],
                                 "command": f"python scripts/train_tiny.py --model {args.model}"})
 
@@ -284,6 +308,8 @@ def main() -> None:
         t0 = time.time()
         phase = phases[phase_idx]
         lr = lr_at(step, final_start, phase.steps, args.lr)
+        if rewarm_from is not None:
+            lr *= min(1.0, (step - rewarm_from + 1) / 100)
         for group in opt.param_groups:
             group["lr"] = lr
         ids, weights, answer, kinds = batches.batch(phase, step)

@@ -10,6 +10,7 @@ from attnkit.hf_cache import AttnkitCache
 from attnkit.methods import METHODS, Method, make_method, parse_method_spec
 from attnkit.model import Geometry, LoadedModel, load_model, prepare
 from attnkit.runner import Generation, GenerationStats, generate, score_tokens, token_nll
+from attnkit.speculative import speculative_generate  # noqa: F401  (speculative decoding, seed 003)
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""The ``attnkit`` command: methods, generate, eval, bench, demo."""
+"""The ``attnkit`` command: methods, generate, eval, bench, calibrate, demo."""
 
 from __future__ import annotations
 
@@ -64,9 +64,19 @@ def cmd_generate(args) -> int:
     method = _method_from_args(args)
     model = _load(args.model)
     stream = None if args.json else (lambda _tok, delta: print(delta, end="", flush=True))
-    out = generate(model, prompt, method, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
-                   do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, stop=args.stop, on_token=stream)
+    sampling = dict(max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, do_sample=args.do_sample,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                    on_token=stream)
+    if args.speculate:
+        from attnkit.speculative import speculative_generate
+
+        if getattr(method, "name", None) != "full":
+            raise AttnkitError(f"--speculate verifies with full attention; --method {method.describe()} is not used "
+                               f"(for self-speculation give the draft's method with --draft)")
+        out = speculative_generate(model, prompt, args.speculate, draft_spec=args.draft, gamma=args.gamma,
+                                   adaptive_gamma=args.adaptive_gamma, **sampling)
+    else:
+        out = generate(model, prompt, method, **sampling)
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.as_dict()}))
     else:
@@ -75,6 +85,10 @@ def cmd_generate(args) -> int:
         print(f"[{s.method}] {s.prompt_tokens} prompt tokens, {s.new_tokens} new; prefill {s.prefill_s:.3f} s, "
               f"decode {s.decode_tokens_per_s:.1f} tok/s, peak KV {s.peak_kv_bytes / 2**20:.2f} MiB, "
               f"final KV {s.final_kv_bytes / 2**20:.2f} MiB ({s.finish_reason})", file=sys.stderr)
+        if args.speculate:
+            print(f"[speculate {s.draft}] acceptance {s.acceptance_rate:.2f}, {s.tokens_per_target_forward:.2f} "
+                  f"tokens per target forward, mean gamma {s.mean_gamma:.2f}, {s.tokens_per_s:.1f} tok/s end to end",
+                  file=sys.stderr)
     return 0
 
 
@@ -87,6 +101,10 @@ def cmd_bench(args) -> int:
         if args.threads < 1:
             raise AttnkitError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.speculate:
+        from attnkit.speculative.bench import bench_from_args
+
+        return bench_from_args(args)
     methods = _split_methods(args.methods)
     model = _load(args.model, context=args.context + args.new_tokens)
 
@@ -105,11 +123,12 @@ def cmd_bench(args) -> int:
 
 
 def _split_methods(text: str) -> list[str]:
-    """Split "full,window:window=1024,foo:a=1,b=2" into method specs (a part with '=' but no ':'
-    continues the previous method's parameters)."""
+    """Split "full,window:window=1024,foo:a=1,b=2" into method specs (a part with '=' before any ':'
+    continues the previous method's parameters; so does "a=1+snapkv:budget=0.3", the rest of a
+    composition "minference:config=f,a=1+snapkv:budget=0.3")."""
     specs: list[str] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
-        if "=" in part and ":" not in part and specs:
+        if "=" in part.split(":", 1)[0] and specs:
             specs[-1] += "," + part
         else:
             specs.append(part)
@@ -145,8 +164,14 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     """A few-minute evaluation of the bundled model: full attention vs a small sliding window."""
     from attnkit.eval.harness import format_table, run_eval
+    from attnkit.model import BUNDLED, bundled_path
 
-    model = _load(args.model)
+    spec = args.model
+    if spec in BUNDLED and not (bundled_path(spec) / "config.json").is_file():
+        spec = "random:llama"
+        print(f"the bundled model {args.model!r} is not built yet (scripts/train_tiny.py makes it): running the "
+              f"demo on {spec}, a random-weight model, whose scores mean nothing")
+    model = _load(spec)
     print(f"attnkit demo: {model.spec} ({model.geometry.n_layers} layers, {model.geometry.n_q_heads} query / "
           f"{model.geometry.n_kv_heads} kv heads), retrieval at 1k and 2k tokens, full vs window:window=256")
     t0 = time.time()
@@ -156,6 +181,23 @@ def cmd_demo(args) -> int:
     print(format_table(rows))
     print(f"demo finished in {time.time() - t0:.0f} s")
     return 0
+
+
+def _speculation_arguments(p) -> None:
+    g = p.add_argument_group("speculative decoding (lossless: output distributed as without it)")
+    g.add_argument("--speculate", choices=["draft_model", "prompt_lookup", "self"], default=None,
+                   help="draft source; the target verifies with full attention")
+    g.add_argument("--gamma", type=int, default=4, help="drafted tokens per target forward (default 4)")
+    g.add_argument("--adaptive-gamma", action="store_true", help="adapt gamma to the observed acceptance")
+    g.add_argument("--draft", default=None, metavar="SPEC",
+                   help="draft_model: model spec (default tiny-draft); prompt_lookup: max_ngram=N,min_ngram=M; "
+                        "self: the draft cache's method (default streaming:budget_tokens=256,sinks=4)")
+
+
+def cmd_calibrate_patterns(args) -> int:
+    from attnkit.calibrate.patterns import main
+
+    return main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    _speculation_arguments(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="prefill/decode time and KV memory of methods vs full, interleaved")
@@ -192,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
+    _speculation_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="task scores of methods relative to full")
@@ -204,6 +248,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for results.jsonl and table.txt")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("calibrate", help="offline calibration tools that write JSON configs")
+    calibrations = p.add_subparsers(dest="calibration", required=True)
+    c = calibrations.add_parser("patterns", help="MInference: search a sparse pattern per head (Alg. 1, Table 7)")
+    c.add_argument("--model", default="tiny")
+    c.add_argument("--length", type=int, required=True, help="calibration prompt length in tokens")
+    c.add_argument("--flops-budget", type=float, required=True,
+                   help="kernel FLOPs as a fraction of dense causal attention at --length (0 < f <= 1)")
+    c.add_argument("--out", required=True, help="the JSON config to write")
+    c.add_argument("--tasks", default="passkey,kv_retrieval,code_completion", help="calibration prompt tasks")
+    c.add_argument("--samples", type=int, default=1, help="prompts per task")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--block-size", type=int, default=64)
+    c.add_argument("--last-q", type=int, default=64, help="queries that estimate vertical/slash lines (Alg. 2)")
+    c.add_argument("--static", action="store_true", help="also store the first prompt's indices (minference_static)")
+    c.add_argument("--threads", type=int, default=None)
+    c.set_defaults(func=cmd_calibrate_patterns)
 
     p = sub.add_parser("demo", help="the main job: a short evaluation of the bundled model")
     p.add_argument("--model", default="tiny")

@@ -1,6 +1,16 @@
 """Registered attention methods, one file each (see :mod:`attnkit.methods.base` for the contract)."""
 
-from attnkit.methods import full, h2o, keyformer, snapkv, streaming, window  # noqa: F401  (registration)
+from attnkit.methods import (  # noqa: F401  (registration)
+    a_shape,
+    compose,
+    full,
+    h2o,
+    keyformer,
+    minference,
+    snapkv,
+    streaming,
+    window,
+)
 from attnkit.methods.base import METHODS, Method, make_method, parse_method_spec
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec"]

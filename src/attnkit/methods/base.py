@@ -6,6 +6,10 @@ attention call; the step wraps the layer in a :class:`LayerContext` and calls th
 
 - ``prefill_attention(ctx, q, k, v) -> out``: attention for a prompt chunk; it also stores the chunk's
   keys and values in ``ctx.kv`` (the layer's cache) as the method sees fit.
+- ``prefill_output(ctx, q, keys, values, positions) -> out``: the prompt chunk's attention output over
+  the stored keys; the base ``prefill_attention`` stores, then asks the session's method for this (dense
+  by default; sparse-prefill methods override it; ``compose`` routes it to its prefill method while its
+  cache method stores and observes).
 - ``after_prefill(ctx, q, k, v)``: once, on the last prompt chunk of each layer (cache compression).
 - ``decode_attention(ctx, q, k, v) -> out``: attention for a generated token, storing it.
 - ``after_decode(ctx)``: keep the cache inside its budget.
@@ -17,6 +21,7 @@ q is ``[b, q_heads, n, d]``, k and v ``[b, kv_heads, n, d]``, all after RoPE, at
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -136,9 +141,17 @@ class Method:
         pass
 
     # ---- shared machinery ------------------------------------------------------------------------
+    def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
+        """Output of a prompt chunk's queries over the layer's stored `keys`/`values` (at `positions`):
+        dense attention. The base store-then-attend path calls it on the SESSION's method, so a wrapper
+        (``compose``) can supply the outputs while another method keeps the cache."""
+        return attend(q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window)
+
     def _store_and_attend(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         ctx.kv.append(k, v, ctx.q_pos)
         keys, values, positions = ctx.kv.view()
+        if ctx.step.phase == "prefill":
+            return ctx.session.method.prefill_output(ctx, q, keys, values, positions)
         return attend(q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window)
 
     # ---- parameters ------------------------------------------------------------------------------
@@ -207,7 +220,16 @@ def make_method(name: str, **params) -> Method:
 
 
 def parse_method_spec(spec: str) -> Method:
-    """``"window:window=1024"`` or ``"window:window=1024,foo=bar"`` -> a method instance."""
+    """``"window:window=1024"`` or ``"window:window=1024,foo=bar"`` -> a method instance.
+
+    ``"PREFILL+CACHE"`` (two specs joined by ``+``, e.g. ``"minference:config=p.json+snapkv:budget=0.3"``)
+    is the ``compose`` method: prefill outputs from the first, the KV cache policy of the second.
+    """
+    parts = [p.strip() for p in re.split(r"\+(?=\s*[A-Za-z_]\w*\s*(?::|,|\+|$))", spec)]  # "+" before a method name
+    if len(parts) > 1:
+        if len(parts) != 2 or not all(parts):
+            raise AttnkitError(f"method spec {spec!r}: 'PREFILL+CACHE' joins exactly two method specs")
+        return make_method("compose", prefill=parts[0], cache=parts[1])
     name, _, rest = spec.partition(":")
     params = {}
     for item in filter(None, rest.split(",")):

@@ -243,7 +243,9 @@ def lowest(rank: torch.Tensor, protect: torch.Tensor | None) -> torch.Tensor:
 
 def avg_or_max_pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
     """Pool ``[..., L]`` along the last axis with an odd `kernel`, stride 1, same length (SnapKV's
-    clustering). Average pooling counts only the entries inside the sequence at the edges."""
+    clustering). At the edges average pooling divides by the full kernel, the zero padding counted, as the
+    SnapKV authors' code does (``avg_pool1d`` defaults); a side-by-side run with kvpress
+    (scripts/compare_kvpress.py) keeps the same positions only with this convention."""
     if kernel <= 1:
         return x
     shape = x.shape
@@ -252,7 +254,7 @@ def avg_or_max_pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
     if how == "max":
         pooled = torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=pad)
     else:
-        pooled = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=pad, count_include_pad=False)
+        pooled = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=pad, count_include_pad=True)
     return pooled.reshape(shape)
 
 

@@ -1,0 +1,202 @@
+"""Speculative decoding speed, side by side in one process: attnkit plain vs attnkit speculative vs
+transformers' plain ``generate`` vs transformers' own assisted generation, on the same model and prompts.
+
+    # prompt lookup on code completion (transformers: prompt_lookup_num_tokens)
+    python scripts/bench_speculative.py prompt_lookup --model tiny --context 2048 --new-tokens 128
+    # a draft model (transformers: assistant_model)
+    python scripts/bench_speculative.py draft_model --model tiny --draft tiny-draft --context 2048
+    # self-speculation with a compressed draft cache at long context (transformers has no equivalent:
+    # its plain decoding is the reference)
+    python scripts/bench_speculative.py self --model random:llama:layers=6,hidden=256,heads=8,kv_heads=2,\
+head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --context 16384 --new-tokens 64
+
+Greedy decoding throughout. Every decoder runs on every prompt in every repeat, in turn (interleaved,
+so machine drifts hit all alike); figures are medians over prompts x repeats. Decode tok/s counts the
+tokens after the first over the time after the first token (attnkit: its stats; transformers: a
+streamer timestamps the first new token). Prompts are held-out standard-library code (LongBench lcc
+style, :func:`attnkit.speculative.bench.code_prompt`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import attnkit  # noqa: E402
+from attnkit.speculative import make_draft, speculative_generate  # noqa: E402
+from attnkit.speculative.bench import code_prompt  # noqa: E402
+
+
+class _Clock:
+    """A transformers streamer that timestamps the first new token and counts the calls that bring
+    new tokens (one per target forward in assisted generation)."""
+
+    def __init__(self):
+        self.first = None
+        self.calls = 0
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:  # generate() first streams the prompt
+            self._prompt_seen = True
+            return
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.calls += 1
+
+    def end(self):
+        pass
+
+
+def hf_generate(model, ids: torch.Tensor, new_tokens: int, **assist) -> dict:
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(_Clock, BaseStreamer):
+        pass
+
+    clock = Clock()
+    inputs = ids[None]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                pad_token_id=model.hf.generation_config.pad_token_id or 0, streamer=clock, **assist)
+    end = time.perf_counter()
+    tokens = out[0, ids.shape[0]:].tolist()
+    decode_s = end - clock.first if clock.first else float("nan")
+    return {"tokens": tokens, "decode_tokens_per_s": (len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+            "tokens_per_s": len(tokens) / (end - t0), "tokens_per_target_forward": len(tokens) / max(1, clock.calls),
+            "acceptance_rate": None}
+
+
+def ours(result) -> dict:
+    s = result.stats
+    return {"tokens": result.token_ids, "decode_tokens_per_s": s.decode_tokens_per_s,
+            "tokens_per_s": s.new_tokens / (s.prefill_s + s.decode_s),
+            "tokens_per_target_forward": getattr(s, "tokens_per_target_forward", 1.0),
+            "acceptance_rate": getattr(s, "acceptance_rate", None)}
+
+
+def load(spec: str, context: int):
+    if spec.startswith("random:") and "context=" not in spec:
+        return attnkit.load_model(spec, context=context)
+    return attnkit.load_model(spec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=["prompt_lookup", "draft_model", "self"])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--draft", default=None, help="draft_model: model spec (default tiny-draft); self: draft cache "
+                                                  "method (default streaming:budget_tokens=256,sinks=4); "
+                                                  "prompt_lookup: max_ngram=N,min_ngram=M")
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--adaptive-gamma", action="store_true")
+    ap.add_argument("--prompts", type=int, default=3, help="different code prompts")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    ap.add_argument("--hf-confidence-threshold", type=float, default=None,
+                    help="transformers' assistant_confidence_threshold (default: transformers' own, 0.4)")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model = load(args.model, args.context + args.new_tokens + 64)
+    draft = make_draft(args.kind, args.draft, model)
+    prompts = [code_prompt(model, args.context, seed) for seed in range(args.prompts)]
+
+    decoders = {
+        "attnkit plain": lambda ids: ours(attnkit.generate(model, ids, max_new_tokens=args.new_tokens,
+                                                           stop_at_eos=False)),
+        f"attnkit speculative {draft.describe()}": lambda ids: ours(speculative_generate(
+            model, ids, draft, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma,
+            max_new_tokens=args.new_tokens, stop_at_eos=False)),
+    }
+    if not args.no_hf:
+        decoders["transformers plain"] = lambda ids: hf_generate(model, ids, args.new_tokens)
+        if args.kind == "prompt_lookup":
+            ngram = getattr(draft, "max_ngram", 2)
+            decoders[f"transformers prompt_lookup_num_tokens={args.gamma}"] = lambda ids: hf_generate(
+                model, ids, args.new_tokens, prompt_lookup_num_tokens=args.gamma, max_matching_ngram_size=ngram)
+        elif args.kind == "draft_model":
+            assistant = draft.model.hf
+            # the same number of drafted tokens per round as ours, held constant; the assistant's early
+            # stop on low confidence (transformers' default 0.4) stays as transformers ships it unless
+            # --hf-confidence-threshold is given (0 = always draft gamma tokens)
+            assistant.generation_config.num_assistant_tokens = args.gamma
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            if args.hf_confidence_threshold is not None:
+                assistant.generation_config.assistant_confidence_threshold = args.hf_confidence_threshold
+            decoders[f"transformers assistant_model={draft.model.spec}"] = lambda ids: hf_generate(
+                model, ids, args.new_tokens, assistant_model=assistant)
+
+    # warm-up on a short prompt, outside the measurement
+    for fn in decoders.values():
+        fn(prompts[0][-64:])
+    runs: dict[str, list[dict]] = {name: [] for name in decoders}
+    for r in range(args.repeats):
+        for p, ids in enumerate(prompts):
+            for name, fn in decoders.items():
+                res = fn(ids)
+                runs[name].append(res)
+                print(f"repeat {r + 1}/{args.repeats} prompt {p + 1}/{len(prompts)} {name}: "
+                      f"{res['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+
+    plain_name, spec_name = list(decoders)[:2]
+    reference = [res["tokens"] for res in runs[plain_name]]
+    rows = []
+    for name, results in runs.items():
+        acc = [r["acceptance_rate"] for r in results if r["acceptance_rate"] is not None]
+        rows.append({
+            "decoder": name, "model": model.spec, "context": args.context, "new_tokens": args.new_tokens,
+            "gamma": args.gamma, "prompts": args.prompts, "repeats": args.repeats,
+            "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in results),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
+            "tokens_per_target_forward": statistics.median(r["tokens_per_target_forward"] for r in results),
+            "acceptance_rate": statistics.median(acc) if acc else None,
+            "same_tokens_as_attnkit_plain": sum(r["tokens"] == ref for r, ref in zip(results, reference)) / len(results),
+        })
+    by = {row["decoder"]: row for row in rows}
+    for row in rows:
+        row["x_attnkit_plain"] = row["decode_tokens_per_s"] / by[plain_name]["decode_tokens_per_s"]
+        if "transformers plain" in by:
+            row["x_transformers_plain"] = row["decode_tokens_per_s"] / by["transformers plain"]["decode_tokens_per_s"]
+
+    head = (f"{'decoder':<64} {'decode tok/s':>12} {'x ak plain':>10} {'x hf plain':>10} {'e2e tok/s':>10} "
+            f"{'accept':>7} {'tok/fwd':>8} {'same':>5}")
+    print(f"{model.spec}: {args.kind}, {args.context}-token code prompts x{args.prompts}, {args.new_tokens} new "
+          f"tokens, gamma {args.gamma}{' adaptive' if args.adaptive_gamma else ''}, {args.repeats} repeats, "
+          f"{torch.get_num_threads()} threads")
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.2f}"
+        xhf = f"{row['x_transformers_plain']:.2f}" if "x_transformers_plain" in row else "-"
+        print(f"{row['decoder'][:64]:<64} {row['decode_tokens_per_s']:>12.1f} {row['x_attnkit_plain']:>10.2f} "
+              f"{xhf:>10} {row['tokens_per_s']:>10.1f} {acc:>7} {row['tokens_per_target_forward']:>8.2f} "
+              f"{row['same_tokens_as_attnkit_plain']:>5.2f}")
+    hf_assist = [n for n in by if n.startswith("transformers ") and n != "transformers plain"]
+    if hf_assist:
+        ratio = by[spec_name]["decode_tokens_per_s"] / by[hf_assist[0]]["decode_tokens_per_s"]
+        print(f"attnkit speculative / {hf_assist[0]}: {ratio:.2f}x decode tok/s")
+    print("same: share of runs whose tokens equal attnkit plain greedy (attnkit speculative must be 1.00)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if by[spec_name]["same_tokens_as_attnkit_plain"] == 1.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""attnkit's StreamingLLM and SnapKV side by side with NVIDIA's kvpress: same model, prompts, parameters.
+
+    python scripts/compare_kvpress.py --prompt-lens 2048,4096 --new-tokens 32 --repeats 3 \
+        --out results/compare_kvpress.json
+
+kvpress pins an older transformers, so it lives in its own virtual environment (``--kvpress-python``,
+default ``.venv-kvpress/bin/python``; ``pip install torch==2.13.0`` there first, then ``pip install
+kvpress``). This script (attnkit's environment) builds the model, saves it with ``save_pretrained``
+to a temporary directory, and starts two kinds of worker process on it: ``--worker attnkit`` (this
+file, in this environment) and ``scripts/kvpress_worker.py`` (kvpress's environment; it never imports
+attnkit). Both read the same token-id prompts from a JSON request and write JSON results.
+
+Both workers stay alive for the whole run (one JSON request per line on stdin, one answer line on
+stdout), each after one untimed warm-up generation. Every case runs first in "trace" mode (which
+positions every layer and kv head holds, the logits of every step) and then ``--repeats`` times in
+"timing" mode (instrumentation off: wall time of prefill + first token and of the remaining decode
+steps, and the process CPU time of the generation; medians reported), the attnkit and kvpress runs of
+a case back to back, which side goes first alternating, so both see the same load on the machine.
+Every generation is greedy for exactly ``--new-tokens`` tokens (no stop at EOS), one thread.
+
+Parameter mapping (kvpress -> attnkit), exact:
+
+- kept prompt entries: kvpress keeps ``n = int(L * (1 - compression_ratio))`` (``kvpress.utils.
+  compute_n_kept``; the worker checks it) -> attnkit ``budget_tokens = n``.
+- ``StreamingLLMPress(compression_ratio, n_sink)`` -> ``streaming(budget_tokens=n, sinks=n_sink)``.
+  kvpress compresses only the prompt and then appends every generated token; attnkit's streaming is a
+  rolling cache of ``n`` slots (incoming token included) for the whole generation. So the kept prompt
+  positions must agree exactly, the generations only up to where the caches start to differ.
+- "streaming-rolling": attnkit's same run against kvpress's rolling variant, ``PrefillDecodingPress(
+  StreamingLLMPress(ratio keeping n - 1), DecodingPress(StreamingLLMPress(n_sink), compression_interval=1,
+  target_size=n - 1))``: kvpress attends and then drops to ``n - 1``, attnkit drops and then attends, so
+  both attend to ``n`` entries at every decode step (attnkit still holds ``n`` prompt entries right after
+  prefill, kvpress ``n - 1``; the one more is evicted before attnkit's first decode attention).
+- ``SnapKVPress(compression_ratio, window_size, kernel_size)`` -> ``snapkv(budget_tokens=n,
+  window_size, kernel_size, pooling="avg", gqa_reduce="mean")``; both append every generated token.
+- "snapkv+pad": attnkit's SnapKV with the average pooling counting the zero padding
+  (``count_include_pad=True``, as ``F.avg_pool1d`` does by default in kvpress and in the SnapKV paper's
+  code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
+
+Kept positions: attnkit's are ``LayerKV.positions``; kvpress's are recovered from its cache contents by
+forward hooks that match every kept key row to the full cache's rows (see ``scripts/kvpress_worker.py``).
+"attended" compares, at every decode step, layer and kv head, the set of positions the new token
+attended to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the attnkit worker ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def pad_counting_pool():
+    """SnapKV's average pooling with count_include_pad=True (diagnostic; restored on exit)."""
+    import attnkit.methods.snapkv as snapkv_module
+
+    original = snapkv_module.avg_or_max_pool
+
+    def pooled(x, kernel, how):
+        if kernel <= 1 or how != "avg":
+            return original(x, kernel, how)
+        shape = x.shape
+        out = torch.nn.functional.avg_pool1d(x.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2,
+                                             count_include_pad=True)
+        return out.reshape(shape)
+
+    snapkv_module.avg_or_max_pool = pooled
+    try:
+        yield
+    finally:
+        snapkv_module.avg_or_max_pool = original
+
+
+def _held(session) -> dict[str, list[list[int]]]:
+    out = {}
+    for i, layer in enumerate(session.cache.layers):
+        pos = layer.view()[2][0]
+        out[str(i)] = [sorted(p.tolist()) for p in pos]
+    return out
+
+
+def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: bool) -> dict:
+    from attnkit.methods.base import Step, make_method
+    from attnkit.runner import forward, generate, logits_of, new_session, prefill
+
+    method = make_method(case["method"], **case["params"])
+    patch = pad_counting_pool() if case.get("pad_counting_pool") else contextlib.nullcontext()
+    with patch, torch.inference_mode():
+        if not trace:
+            c0 = time.process_time()
+            gen = generate(model, ids, method, max_new_tokens=new_tokens, stop_at_eos=False)
+            return {"tokens": gen.token_ids, "prefill_s": gen.stats.ttft_s, "decode_s": gen.stats.decode_s,
+                    "cpu_s": time.process_time() - c0}
+        x = torch.tensor(ids)
+        n = len(ids)
+        session = new_session(model, method, n, new_tokens)
+        logits = logits_of(model, prefill(model, session, x))[-1]
+        after_prefill = _held(session)
+        tokens, all_logits, attended = [int(logits.argmax())], [logits.tolist()], []
+        for i in range(1, new_tokens):
+            hidden = forward(model, torch.tensor([tokens[-1]]), n + i - 1, lambda pos: Step(session, "decode", pos))
+            logits = logits_of(model, hidden)[-1]
+            tokens.append(int(logits.argmax()))
+            all_logits.append(logits.tolist())
+            attended.append(_held(session))
+        return {"tokens": tokens, "after_prefill": after_prefill, "attended": attended, "logits": all_logits,
+                "final_cache_len": [layer.length for layer in session.cache.layers]}
+
+
+def attnkit_worker(setup_json: str) -> int:
+    """The attnkit side: the same line protocol as scripts/kvpress_worker.py."""
+    import transformers
+
+    from attnkit.model import load_model
+
+    setup = json.loads(setup_json)
+    protocol, sys.stdout = sys.stdout, sys.stderr  # stdout carries only the answers
+    torch.set_num_threads(setup["threads"])
+    model = load_model(setup["model_dir"])
+    attnkit_generate(model, setup["warmup"], {"method": "full", "params": {}}, 4, False)
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()}
+    protocol.write(json.dumps(meta) + "\n")
+    protocol.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        case = request["case"]
+        result = attnkit_generate(model, case["prompt"], case, setup["new_tokens"], request["mode"] == "trace")
+        protocol.write(json.dumps(result) + "\n")
+        protocol.flush()
+    return 0
+
+
+# ---- the driver ----------------------------------------------------------------------------------------
+def make_prompts(model, lens: list[int], kinds: list[str], seed: int) -> list[tuple[str, list[int]]]:
+    from attnkit.eval.tasks import make_passkey
+
+    vocab = model.geometry.vocab_size
+    bos = list(model.tokenizer("").input_ids)
+    out = []
+    for n in lens:
+        for kind in kinds:
+            if kind == "random":
+                g = torch.Generator().manual_seed(seed + n)
+                body = torch.randint(3, vocab, (n - len(bos),), generator=g).tolist()
+                ids = bos + body
+            elif kind == "passkey":
+                ids = list(model.tokenizer(make_passkey(model.tokenizer, n, seed=seed).prompt).input_ids)
+            else:
+                raise SystemExit(f"unknown prompt kind {kind!r}; use random or passkey")
+            out.append((f"{kind}-{len(ids)}", ids))
+    return out
+
+
+def ratio_keeping(n_prompt: int, keep: int) -> float:
+    """A compression_ratio r with int(n_prompt * (1 - r)) == keep (kvpress's rounding)."""
+    r = 1.0 - keep / n_prompt
+    for _ in range(64):
+        got = int(n_prompt * (1 - r))
+        if got == keep:
+            return r
+        r = math.nextafter(r, -math.inf if got < keep else math.inf)
+    raise SystemExit(f"no compression_ratio keeps exactly {keep} of {n_prompt}")
+
+
+def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
+    """(rows, attnkit cases, kvpress cases); a row pairs one attnkit case with one kvpress case."""
+    rows, ours, theirs = [], {}, {}
+    snap_sets = [tuple(int(v) for v in s.split(":")) for s in args.snapkv.split(",") if s]
+    for name, ids in prompts:
+        n = len(ids)
+        keep = int(n * (1 - args.compression_ratio))
+
+        def pair(label, a_id, a_case, k_id, k_case, note="", n=n, name=name, ids=ids, keep=keep):
+            ours.setdefault(a_id, dict(a_case, id=a_id, prompt=ids))
+            theirs.setdefault(k_id, dict(k_case, id=k_id, prompt=ids))
+            rows.append({"prompt": name, "prompt_len": n, "method": label, "kept": keep, "ours": a_id,
+                         "theirs": k_id, "note": note})
+
+        pair("full", f"{name}/full", {"method": "full", "params": {}},
+             f"{name}/none", {"press": {"kind": "none", "compression_ratio": 0.0, "expect_prefill_kept": n}},
+             "no compression: control")
+        s_id = f"{name}/streaming"
+        s_case = {"method": "streaming", "params": {"budget_tokens": keep, "sinks": args.n_sink}}
+        pair("streaming", s_id, s_case, f"{name}/streaming",
+             {"press": {"kind": "streaming", "compression_ratio": args.compression_ratio, "n_sink": args.n_sink,
+                        "expect_prefill_kept": keep}},
+             "kvpress prefill-only; attnkit rolls during decode")
+        r_ratio = ratio_keeping(n, keep - 1)
+        pair("streaming-rolling", s_id, s_case, f"{name}/streaming_rolling",
+             {"press": {"kind": "streaming_rolling", "compression_ratio": r_ratio, "n_sink": args.n_sink,
+                        "target_size": keep - 1, "expect_prefill_kept": keep - 1}},
+             "kvpress PrefillDecodingPress+DecodingPress(interval 1); prefill keeps n-1 by design")
+        if args.diagnose:
+            pair("streaming-rolling +sorted", s_id, s_case, f"{name}/streaming_rolling+sorted",
+                 {"diagnostic": True,
+                  "press": {"kind": "streaming_rolling", "compression_ratio": r_ratio, "n_sink": args.n_sink,
+                            "target_size": keep - 1, "expect_prefill_kept": keep - 1, "sorted": True}},
+                 "diagnostic: kvpress's kept entries put back in temporal order after each compression")
+        for w, k in snap_sets:
+            label = f"snapkv w{w} k{k}"
+            k_case = {"press": {"kind": "snapkv", "compression_ratio": args.compression_ratio, "window_size": w,
+                                "kernel_size": k, "expect_prefill_kept": keep}}
+            params = {"budget_tokens": keep, "window_size": w, "kernel_size": k, "pooling": "avg",
+                      "gqa_reduce": "mean"}
+            pair(label, f"{name}/snapkv-w{w}-k{k}", {"method": "snapkv", "params": params},
+                 f"{name}/snapkv-w{w}-k{k}", k_case)
+            if args.diagnose:
+                pair(label + " +pad", f"{name}/snapkv-w{w}-k{k}+pad",
+                     {"method": "snapkv", "params": params, "pad_counting_pool": True, "diagnostic": True},
+                     f"{name}/snapkv-w{w}-k{k}", k_case, "diagnostic: attnkit pooling with count_include_pad=True",
+                     )
+    return rows, list(ours.values()), list(theirs.values())
+
+
+class Worker:
+    """A worker process kept alive for the whole comparison: one JSON request line in, one answer line out."""
+
+    def __init__(self, side: str, args, model_dir: str, warmup: list[int], log):
+        setup = json.dumps({"model_dir": model_dir, "threads": args.threads, "new_tokens": args.new_tokens,
+                            "warmup": warmup})
+        if side == "attnkit":
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "attnkit", setup]
+        else:
+            cmd = [args.kvpress_python, str(ROOT / "scripts" / "kvpress_worker.py"), setup]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+                   TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+        self.side = side
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                     text=True)
+        self.meta = self._answer()
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the {self.side} worker stopped (exit code {self.proc.wait()}); see its log")
+        return json.loads(line)
+
+    def run(self, case: dict, mode: str) -> dict:
+        self.proc.stdin.write(json.dumps({"case": case, "mode": mode}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def compare_sets(a: dict[str, list[list[int]]], b: dict[str, list[list[int]]]) -> dict:
+    """Per (layer, kv head): equal sets?, and how many positions only one side holds."""
+    equal = total = only_a = only_b = 0
+    examples = []
+    for layer in sorted(a, key=int):
+        for h, (pa, pb) in enumerate(zip(a[layer], b[layer])):
+            sa, sb = set(pa), set(pb)
+            total += 1
+            equal += sa == sb
+            only_a += len(sa - sb)
+            only_b += len(sb - sa)
+            if sa != sb and len(examples) < 4:
+                examples.append({"layer": int(layer), "head": h, "only_ours": sorted(sa - sb)[:8],
+                                 "only_theirs": sorted(sb - sa)[:8]})
+    return {"equal": equal, "total": total, "only_ours": only_a, "only_theirs": only_b, "examples": examples}
+
+
+def summarize(rows, ours_trace, theirs_trace, ours_times, theirs_times, n_sink: int) -> None:
+    for row in rows:
+        a, b = ours_trace[row["ours"]], theirs_trace[row["theirs"]]
+        row["prefill_kept"] = compare_sets(a["after_prefill"], b["after_prefill"])
+        steps = [compare_sets(x, y) for x, y in zip(a["attended"], b["attended"])]
+        row["attended"] = {"equal": sum(s["equal"] for s in steps), "total": sum(s["total"] for s in steps),
+                           "first_unequal_step": next((i + 1 for i, s in enumerate(steps) if s["equal"] < s["total"]),
+                                                      None),
+                           "only_ours": sum(s["only_ours"] for s in steps),
+                           "only_theirs": sum(s["only_theirs"] for s in steps)}
+        ta, tb = a["tokens"], b["tokens"]
+        same = [x == y for x, y in zip(ta, tb)]
+        row["tokens"] = {"ours": ta, "theirs": tb, "equal": sum(same), "total": len(same),
+                         "first_diff": next((i for i, s in enumerate(same) if not s), None)}
+        la, lb = torch.tensor(a["logits"]), torch.tensor(b["logits"])
+        diff = (la - lb).abs().amax(dim=-1)
+        row["max_abs_logit_diff"] = {"first": float(diff[0]), "all": float(diff.max()),
+                                     "until_first_token_diff": float(diff[: row["tokens"]["first_diff"] or len(diff)]
+                                                                     .max())}
+        row["final_cache_len"] = {"ours": a["final_cache_len"], "theirs": b["final_cache_len"]}
+        if row["method"].startswith("streaming-rolling"):
+            row["decode_evictions"] = {"ours": eviction_stats(a["attended"], n_sink),
+                                       "theirs": eviction_stats(b["attended"], n_sink)}
+        for side, times, key in (("ours", ours_times, row["ours"]), ("theirs", theirs_times, row["theirs"])):
+            if not all(key in t for t in times):  # a diagnostic case: traced, not timed
+                row[f"time_{side}"] = None
+                continue
+            pre = [t[key]["prefill_s"] for t in times]
+            dec = [t[key]["decode_s"] for t in times]
+            tot = [p + d for p, d in zip(pre, dec)]
+            cpu = [t[key]["cpu_s"] for t in times]
+            row[f"time_{side}"] = {"prefill_s": statistics.median(pre), "decode_s": statistics.median(dec),
+                                   "total_s": statistics.median(tot), "cpu_s": statistics.median(cpu),
+                                   "prefill_all": pre, "decode_all": dec, "cpu_all": cpu}
+            toks = [t[key]["tokens"] for t in times]
+            row[f"timing_tokens_match_trace_{side}"] = all(t == (a if side == "ours" else b)["tokens"] for t in toks)
+        for part in ("prefill_s", "decode_s", "total_s", "cpu_s"):
+            timed = row["time_ours"] is not None and row["time_theirs"] is not None
+            row[f"ratio_{part}"] = row["time_ours"][part] / row["time_theirs"][part] if timed else None
+
+
+def eviction_stats(attended: list[dict[str, list[list[int]]]], n_sink: int) -> dict:
+    """Between consecutive decode steps of a rolling cache: how many entries left, how many of them were
+    the oldest non-sink entry (what StreamingLLM evicts), how many were sinks."""
+    total = oldest = sinks = 0
+    examples = []
+    for step, (before, after) in enumerate(zip(attended, attended[1:]), start=1):
+        for layer in before:
+            for h, (pb, pa) in enumerate(zip(before[layer], after[layer])):
+                gone = set(pb) - set(pa)
+                total += len(gone)
+                non_sink = [p for p in pb if p >= n_sink]
+                oldest += len(gone) == 1 and bool(non_sink) and gone == {min(non_sink)}
+                sinks += sum(p < n_sink for p in gone)
+                if len(examples) < 6 and layer == "0" and h == 0:
+                    examples.append({"after_step": step, "layer": 0, "head": 0, "evicted": sorted(gone),
+                                     "oldest_non_sink": min(non_sink) if non_sink else None})
+    return {"evicted": total, "oldest_non_sink": oldest, "sinks_evicted": sinks, "examples": examples}
+
+
+def format_table(rows) -> str:
+    head = (f"{'prompt':<13} {'method':<26} {'kept':>5} {'prefill kept =':>15} {'attended =':>12} "
+            f"{'tokens =':>9} {'1st':>4} {'|dlogit|':>8} {'prefill s':>19} {'decode s':>19} {'total':>6} {'cpu':>5}")
+    sub = (f"{'':<13} {'':<26} {'':>5} {'(layer x head)':>15} {'(steps)':>12} {'':>9} {'diff':>4} {'1st tok':>8} "
+           f"{'ours/theirs=ratio':>19} {'ours/theirs=ratio':>19} {'ratio':>6} {'ratio':>5}")
+    lines = [head, sub, "-" * len(head)]
+    for r in rows:
+        pk, at, tk = r["prefill_kept"], r["attended"], r["tokens"]
+        to, tt = r["time_ours"], r["time_theirs"]
+        if to is None or tt is None:
+            times = f"{'(diagnostic, not timed)':>39}"
+        else:
+            times = (f"{to['prefill_s']:>6.3f}/{tt['prefill_s']:<6.3f}={r['ratio_prefill_s']:<5.2f} "
+                     f"{to['decode_s']:>6.3f}/{tt['decode_s']:<6.3f}={r['ratio_decode_s']:<5.2f} "
+                     f"{r['ratio_total_s']:>6.2f} {r['ratio_cpu_s']:>5.2f}")
+        lines.append(
+            f"{r['prompt']:<13} {r['method']:<26} {r['kept']:>5} {pk['equal']:>4}/{pk['total']:<3}"
+            f"{'(+' + str(pk['only_ours']) + '/-' + str(pk['only_theirs']) + ')':>8} "
+            f"{at['equal']:>5}/{at['total']:<6} {tk['equal']:>3}/{tk['total']:<5} "
+            f"{'-' if tk['first_diff'] is None else tk['first_diff']:>4} {r['max_abs_logit_diff']['first']:>8.1e} "
+            f"{times}")
+    lines.append("prefill kept =: (layer, kv head) pairs whose kept prompt positions are the same set; (+a/-b): "
+                 "positions only attnkit / only kvpress holds, summed. attended =: (decode step, layer, kv head) "
+                 "triples attending to the same positions. tokens =: greedy tokens equal at the same index; 1st "
+                 "diff: index of the first different token. |dlogit| 1st tok: max abs difference of the first "
+                 "token's logits. Times: medians of the repeats (wall); ratio = attnkit / kvpress; prefill includes "
+                 "the first token, total = prefill + decode; cpu = the same ratio of the process CPU time of "
+                 "the whole generation (less sensitive to other load on the machine).")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", choices=["attnkit"], help=argparse.SUPPRESS)
+    p.add_argument("--model", default="random:llama:layers=2,hidden=256,heads=8,kv_heads=2,head_dim=32",
+                   help="attnkit model spec (random:... gets context = longest prompt + new tokens)")
+    p.add_argument("--prompt-lens", default="2048,4096")
+    p.add_argument("--prompts", default="random,passkey", help="prompt kinds: random token ids, passkey task")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compression-ratio", type=float, default=0.75)
+    p.add_argument("--n-sink", type=int, default=4)
+    p.add_argument("--snapkv", default="64:5,32:7", help="window_size:kernel_size sets, comma-separated")
+    p.add_argument("--no-diagnose", dest="diagnose", action="store_false",
+                   help="skip the diagnostic rows (snapkv +pad, streaming-rolling +sorted)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--kvpress-python", default=str(ROOT / ".venv-kvpress" / "bin" / "python"))
+    p.add_argument("--out", default=str(ROOT / "results" / "compare_kvpress.json"))
+    args, rest = p.parse_known_args(argv)
+    if args.worker:
+        return attnkit_worker(*rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if not Path(args.kvpress_python).exists():
+        raise SystemExit(f"no kvpress environment at {args.kvpress_python}; see the module docstring")
+
+    from attnkit.model import load_model
+
+    torch.set_num_threads(args.threads)
+    lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    kinds = [x for x in args.prompts.split(",") if x]
+    t_start = time.time()
+    if args.model.startswith("random:"):
+        model = load_model(args.model, context=max(lens) + args.new_tokens)
+    else:
+        model = load_model(args.model)
+    prompts = make_prompts(model, lens, kinds, args.seed)
+    rows, ours, theirs = build_cases(prompts, args)
+    warmup = min((ids for _, ids in prompts), key=len)  # a full-size warm-up generation (4 tokens), untimed
+    with tempfile.TemporaryDirectory(prefix="compare-kvpress-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        model_dir = str(tmp / "model")
+        model.hf.save_pretrained(model_dir)
+        model.tokenizer.save_pretrained(model_dir)
+        print(f"model {args.model} saved to {model_dir}; {len(ours)} attnkit cases, {len(theirs)} kvpress cases; "
+              f"worker logs in {tmp}", file=sys.stderr)
+        with open(tmp / "attnkit.log", "w") as log_a, open(tmp / "kvpress.log", "w") as log_k:
+            try:
+                workers = {"attnkit": Worker("attnkit", args, model_dir, warmup, log_a),
+                           "kvpress": Worker("kvpress", args, model_dir, warmup, log_k)}
+            except SystemExit:
+                for name in ("attnkit.log", "kvpress.log"):
+                    sys.stderr.write((tmp / name).read_text()[-4000:])
+                raise
+            t0 = time.time()
+            ours_trace = {c["id"]: workers["attnkit"].run(c, "trace") for c in ours}
+            theirs_trace = {c["id"]: workers["kvpress"].run(c, "trace") for c in theirs}
+            print(f"  traces: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+            # timing: per repeat, every timed case of both sides back to back (which side goes first alternates)
+            by_id = {"attnkit": {c["id"]: c for c in ours}, "kvpress": {c["id"]: c for c in theirs}}
+            pairs = []
+            for row in rows:
+                pair = (row["ours"], row["theirs"])
+                if pair not in pairs and not by_id["attnkit"][pair[0]].get("diagnostic") \
+                        and not by_id["kvpress"][pair[1]].get("diagnostic"):
+                    pairs.append(pair)
+            ours_times, theirs_times = [], []
+            for r in range(args.repeats):
+                t0 = time.time()
+                got = {"attnkit": {}, "kvpress": {}}
+                for i, pair in enumerate(pairs):
+                    order = [("attnkit", pair[0]), ("kvpress", pair[1])]
+                    for side, key in (order if (r + i) % 2 == 0 else order[::-1]):
+                        if key not in got[side]:
+                            got[side][key] = workers[side].run(by_id[side][key], "timing")
+                ours_times.append(got["attnkit"])
+                theirs_times.append(got["kvpress"])
+                print(f"  timing repeat {r + 1}/{args.repeats}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+            for w in workers.values():
+                w.close()
+    ours_trace = {"meta": workers["attnkit"].meta, "results": ours_trace}
+    theirs_trace = {"meta": workers["kvpress"].meta, "results": theirs_trace}
+    summarize(rows, ours_trace["results"], theirs_trace["results"], ours_times, theirs_times, args.n_sink)
+    table = format_table(rows)
+    print(f"\n{args.model}, compression_ratio={args.compression_ratio}, n_sink={args.n_sink}, "
+          f"{args.new_tokens} new tokens, {args.repeats} repeats, {args.threads} thread(s) "
+          f"({time.time() - t_start:.0f} s)")
+    print(f"attnkit: {ours_trace['meta']}\nkvpress: {theirs_trace['meta']}\n")
+    print(table)
+    out = {"model": args.model, "compression_ratio": args.compression_ratio, "n_sink": args.n_sink,
+           "snapkv": args.snapkv, "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
+           "attnkit_env": ours_trace["meta"], "kvpress_env": theirs_trace["meta"], "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"\nrows: {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

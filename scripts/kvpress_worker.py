@@ -1,0 +1,234 @@
+"""The kvpress side of ``scripts/compare_kvpress.py``; runs in the kvpress virtual environment.
+
+    .venv-kvpress/bin/python scripts/kvpress_worker.py '{"model_dir": ..., "threads": 1, "new_tokens": 32,
+                                                         "warmup": [token ids]}'
+
+It imports only torch, transformers and kvpress (never attnkit). It loads the saved model, runs one
+untimed warm-up generation, prints one JSON line of versions, then answers one JSON request per stdin
+line (``{"case": {"prompt": [ids], "press": {...}}, "mode": ...}``) with one JSON line on stdout, until
+stdin closes. Every case is a greedy generation
+done the way kvpress's own pipeline does it: the prompt goes through the model inside ``with
+press(model):`` (a prefill-only press compresses each layer's cache in a forward hook right after that
+layer's prefill attention), then each new token is fed with explicit ``position_ids`` (the compressed
+cache is shorter than the sequence) outside the press context, or inside it for a decoding press.
+Unlike the pipeline, the first token comes from the prefill's own logits (no separate question), which
+is how attnkit's runner generates.
+
+mode "timing": wall time of prefill (forward + first token) and of the remaining decode steps, and the
+process CPU time of the whole generation.
+mode "trace": no timing; which original positions each layer and kv head holds, obtained from the
+cache contents themselves: a forward hook placed before the press's hook snapshots the layer's keys
+once HF has appended the new ones (that is also exactly the set the step attended to), and a hook
+placed after it matches every key row left in the compressed cache to its row in the snapshot (keys
+are stored after RoPE, so each position's row is unique; the match is by exact bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+
+import kvpress
+import torch
+import transformers
+from kvpress import DecodingPress, PrefillDecodingPress, SnapKVPress, StreamingLLMPress
+from kvpress.utils import compute_n_kept
+from transformers import AutoModelForCausalLM, DynamicCache
+
+
+def keep_temporal_order(press) -> None:
+    """Diagnostic (``spec["sorted"]``): after this press's own ``compress`` gathers the kept entries in
+    top-k order, put them back in the order they had in the cache (the temporal order, since HF appends).
+    Done by matching key rows, on the instance only; kvpress's code is called unchanged."""
+    own = press.compress
+
+    def compress(module, hidden_states, keys, values, attentions, kwargs):
+        k2, v2 = own(module, hidden_states, keys, values, attentions, kwargs)
+        if k2 is keys:
+            return k2, v2
+        order = []
+        for h in range(keys.shape[1]):
+            rows = keys[0, h].contiguous().numpy()
+            index = {rows[j].tobytes(): j for j in range(rows.shape[0])}
+            kept = k2[0, h].contiguous().numpy()
+            order.append(torch.tensor([index[kept[j].tobytes()] for j in range(kept.shape[0])]).argsort())
+        idx = torch.stack(order)[None, :, :, None].expand_as(k2)
+        return k2.gather(2, idx), v2.gather(2, idx)
+
+    press.compress = compress
+
+
+def build_press(spec: dict, prompt_len: int):
+    kind = spec["kind"]
+    if kind == "none":
+        return None, False
+    if kind == "streaming":
+        press = StreamingLLMPress(compression_ratio=spec["compression_ratio"], n_sink=spec["n_sink"])
+        decoding = False
+    elif kind == "snapkv":
+        press = SnapKVPress(compression_ratio=spec["compression_ratio"], window_size=spec["window_size"],
+                            kernel_size=spec["kernel_size"])
+        decoding = False
+    elif kind == "streaming_rolling":
+        press = PrefillDecodingPress(
+            prefilling_press=StreamingLLMPress(compression_ratio=spec["compression_ratio"], n_sink=spec["n_sink"]),
+            decoding_press=DecodingPress(base_press=StreamingLLMPress(n_sink=spec["n_sink"]), compression_interval=1,
+                                         target_size=spec["target_size"], hidden_states_buffer_size=0))
+        decoding = True
+        if spec.get("sorted"):
+            keep_temporal_order(press.prefilling_press)
+            keep_temporal_order(press.decoding_press.base_press)
+    else:
+        raise ValueError(f"unknown press kind {kind!r}")
+    kept = compute_n_kept(prompt_len, spec["compression_ratio"])
+    if kept != spec["expect_prefill_kept"]:
+        raise SystemExit(f"mapping error: kvpress keeps {kept} of {prompt_len} at compression_ratio="
+                         f"{spec['compression_ratio']!r}, the driver expected {spec['expect_prefill_kept']}")
+    return press, decoding
+
+
+class Tracer:
+    """Original positions held per layer and kv head, from the cache contents (see the module docstring)."""
+
+    def __init__(self, model):
+        self.attn = [layer.self_attn for layer in model.model.layers]
+        self.pos: dict[int, list[list[int]]] = {}
+        self.snap: dict[int, torch.Tensor] = {}
+        self.new_positions: list[int] = []
+        self.after_prefill: dict[int, list[list[int]]] = {}
+        self.attended: list[dict[int, list[list[int]]]] = []  # per decode step
+        self.phase = "prefill"
+        self.handles = [m.register_forward_hook(self.before_press, with_kwargs=True, prepend=True) for m in self.attn]
+
+    def reset(self, positions: list[int], phase: str):
+        self.new_positions, self.phase = positions, phase
+        if phase == "decode":
+            self.attended.append({})
+
+    def before_press(self, module, args, kwargs, output):
+        i = module.layer_idx
+        keys = kwargs["past_key_values"].layers[i].keys
+        heads = keys.shape[1]
+        prev = self.pos.get(i, [[] for _ in range(heads)])
+        self.pos[i] = [p + list(self.new_positions) for p in prev]
+        if keys.shape[2] != len(self.pos[i][0]):
+            raise RuntimeError(f"layer {i}: cache holds {keys.shape[2]} keys but {len(self.pos[i][0])} are tracked")
+        self.snap[i] = keys
+        if self.phase == "decode":
+            self.attended[-1][i] = [sorted(p) for p in self.pos[i]]
+        return output
+
+    def after_press(self, module, args, kwargs, output):
+        i = module.layer_idx
+        keys = kwargs["past_key_values"].layers[i].keys
+        before = self.snap.pop(i)
+        if keys is not before:
+            new_pos = []
+            for h in range(keys.shape[1]):
+                rows = before[0, h].contiguous().numpy()
+                index = {rows[j].tobytes(): j for j in range(rows.shape[0])}
+                if len(index) != rows.shape[0]:
+                    raise RuntimeError(f"layer {i} head {h}: duplicate key rows, positions cannot be matched")
+                kept = keys[0, h].contiguous().numpy()
+                new_pos.append([self.pos[i][h][index[kept[j].tobytes()]] for j in range(kept.shape[0])])
+            self.pos[i] = new_pos
+        if self.phase == "prefill":
+            self.after_prefill[i] = [sorted(p) for p in self.pos[i]]
+        return output
+
+    def register_after(self):
+        return [m.register_forward_hook(self.after_press, with_kwargs=True) for m in self.attn]
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def applied(press, model, tracer: Tracer | None):
+    ctx = press(model) if press is not None else contextlib.nullcontext()
+    with ctx:
+        handles = tracer.register_after() if tracer is not None else []
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+@torch.inference_mode()
+def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool) -> dict:
+    press, decoding = build_press(spec, len(ids))
+    n = len(ids)
+    tracer = Tracer(model) if trace else None
+    cache = DynamicCache()
+    input_ids = torch.tensor([ids])
+    logits_kept = []
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    with applied(press, model, tracer):
+        if tracer:
+            tracer.reset(list(range(n)), "prefill")
+        out = model(input_ids=input_ids, past_key_values=cache, position_ids=torch.arange(n)[None], logits_to_keep=1)
+    logits = out.logits[0, -1]
+    tokens = [int(logits.argmax())]
+    prefill_s = time.perf_counter() - t0
+    if trace:
+        logits_kept.append(logits.float().tolist())
+    t1 = time.perf_counter()
+    with applied(press if decoding else None, model, tracer if decoding else None):
+        after_handles = tracer.register_after() if (tracer and not decoding) else []
+        for i in range(new_tokens - 1):
+            pos = n + i
+            if tracer:
+                tracer.reset([pos], "decode")
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                        position_ids=torch.tensor([[pos]]))
+            logits = out.logits[0, -1]
+            tokens.append(int(logits.argmax()))
+            if trace:
+                logits_kept.append(logits.float().tolist())
+        for h in after_handles:
+            h.remove()
+    decode_s = time.perf_counter() - t1
+    cpu_s = time.process_time() - c0
+    result = {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s, "cpu_s": cpu_s,
+              "final_cache_len": [int(layer.keys.shape[2]) for layer in cache.layers]}
+    if trace:
+        tracer.close()
+        result["after_prefill"] = {str(k): v for k, v in sorted(tracer.after_prefill.items())}
+        result["attended"] = [{str(k): v for k, v in sorted(step.items())} for step in tracer.attended]
+        result["logits"] = logits_kept
+    return result
+
+
+def main() -> int:
+    setup = json.loads(sys.argv[1])
+    protocol, sys.stdout = sys.stdout, sys.stderr  # stdout carries only the answers
+    torch.set_num_threads(setup["threads"])
+    model = AutoModelForCausalLM.from_pretrained(setup["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    warmup = setup["warmup"]
+    generate(model, warmup, {"kind": "none", "compression_ratio": 0.0, "expect_prefill_kept": len(warmup)}, 4, False)
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "kvpress": getattr(kvpress, "__version__", None), "threads": torch.get_num_threads(),
+            "attn_implementation": model.config._attn_implementation}
+    if meta["kvpress"] is None:
+        from importlib.metadata import version
+
+        meta["kvpress"] = version("kvpress")
+    protocol.write(json.dumps(meta) + "\n")
+    protocol.flush()
+    for line in sys.stdin:  # one request per line: {"case": ..., "mode": "trace" | "timing"}
+        request = json.loads(line)
+        case = request["case"]
+        result = generate(model, case["prompt"], case["press"], setup["new_tokens"], request["mode"] == "trace")
+        protocol.write(json.dumps(result) + "\n")
+        protocol.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

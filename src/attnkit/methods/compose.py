@@ -1,0 +1,137 @@
+"""``compose``: the prefill outputs of one method with the KV-cache policy of another.
+
+MInference's Table 5 runs its sparse prefill with SnapKV compressing the cache for decoding; the recipe
+is ``compose(prefill="minference:config=p.json", cache="snapkv:budget=0.3")``, on the command line
+``minference:config=p.json+snapkv:budget=0.3`` (two method specs joined by ``+``; parameters after a
+spec belong to it), in a recipe file::
+
+    {"method": "compose", "params": {"prefill": "minference:config=p.json", "cache": "snapkv:budget=0.3"}}
+
+The split: everything about the cache belongs to the *cache* method (allocation, what is stored, the
+statistics it observes on the prompt, the compression after prefill, decoding and eviction); only the
+attention OUTPUT of the prompt's queries comes from the *prefill* method. The cache method's prefill
+stores the chunk as usual and asks the session's method for the output
+(:meth:`attnkit.methods.base.Method.prefill_output`), which this method hands to the prefill method, so
+the dense prompt attention is never computed (a scoring cache method still computes its own statistics).
+A cache method that computes its own prefill attention instead (``window``) cannot be composed: that is
+reported, not silently ignored. The prefill method's per-layer state lives apart from the cache
+method's (``ctx.state`` is scoped), and its cache hooks are never called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import LayerContext, Method, register
+
+_ROUTED = "compose:routed"
+
+
+@dataclass
+class _ScopedContext(LayerContext):
+    """The layer context the prefill method sees: same layer and step, its own state dict."""
+
+    @property
+    def state(self) -> dict:
+        return self.step.session.layer_state[self.index].setdefault("compose:prefill", {})
+
+
+def _as_method(value, role: str) -> Method:
+    from attnkit.methods.base import parse_method_spec
+    from attnkit.recipe import recipe_from_dict
+
+    if isinstance(value, Method):
+        method = value
+    elif isinstance(value, str):
+        method = parse_method_spec(value)
+    elif isinstance(value, dict):
+        method = recipe_from_dict(value, f"compose {role}")
+    else:
+        raise ValueError(f"{role} must be a method spec ('snapkv:budget=0.3'), a recipe dict or a Method, "
+                         f"got {type(value).__name__}")
+    if isinstance(method, Composed):
+        raise ValueError(f"the {role} method of compose cannot itself be a composition")
+    if role == "prefill" and not _supplies_prefill_output(method):
+        raise ValueError(f"prefill method {method.name!r} computes its prefill outputs inside prefill_attention, "
+                         f"not in prefill_output, so compose cannot take them from it")
+    return method
+
+
+def _supplies_prefill_output(method: Method) -> bool:
+    """Whether `method`'s prefill outputs are what its ``prefill_output`` returns: it overrides that hook
+    (sparse prefill), or its prefill is the base store-then-attend, or it is an eviction method (which
+    stores, observes and attends densely)."""
+    from attnkit.methods.eviction import EvictionMethod
+
+    cls = type(method)
+    return (cls.prefill_output is not Method.prefill_output or cls.prefill_attention is Method.prefill_attention
+            or isinstance(method, EvictionMethod))
+
+
+def _spec(value, method: Method):
+    """What params() reports: the spec string as given, or a recipe dict for an instance (JSON-safe)."""
+    if isinstance(value, (str, dict)):
+        return value
+    return {"method": method.name, "params": method.params()}
+
+
+@register
+@dataclass
+class Composed(Method):
+    """Prefill outputs from `prefill`, everything about the KV cache from `cache`."""
+
+    prefill: str | dict | Method = "full"
+    cache: str | dict | Method = "full"
+    _prefill: Method = field(default=None, init=False, repr=False, compare=False)
+    _cache: Method = field(default=None, init=False, repr=False, compare=False)
+
+    name = "compose"
+    summary = "prefill outputs of one method + the KV cache policy of another (PREFILL+CACHE)"
+
+    def __post_init__(self):
+        self._prefill = _as_method(self.prefill, "prefill")
+        self._cache = _as_method(self.cache, "cache")
+        self.prefill, self.cache = _spec(self.prefill, self._prefill), _spec(self.cache, self._cache)
+
+    @property
+    def prefill_method(self) -> Method:
+        return self._prefill
+
+    @property
+    def cache_method(self) -> Method:
+        return self._cache
+
+    def describe(self) -> str:
+        return f"{self._prefill.describe()}+{self._cache.describe()}"
+
+    # ---- the cache: all from the cache method -------------------------------------------------------
+    def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
+        return self._cache.layer_capacity(ctx)
+
+    def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        ctx.state[_ROUTED] = False
+        out = self._cache.prefill_attention(ctx, q, k, v)
+        if not ctx.state.pop(_ROUTED):
+            raise AttnkitError(f"compose: cache method {self._cache.name!r} computes its own prefill attention "
+                               f"instead of asking for prefill_output, so {self._prefill.name!r} cannot supply the "
+                               f"prefill outputs; compose it with a cache method that stores then attends "
+                               f"(full, snapkv, h2o, keyformer, streaming)")
+        return out
+
+    def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
+        self._cache.after_prefill(ctx, q, k, v)
+
+    def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        return self._cache.decode_attention(ctx, q, k, v)
+
+    def after_decode(self, ctx: LayerContext) -> None:
+        self._cache.after_decode(ctx)
+
+    # ---- the prompt's attention outputs: from the prefill method ------------------------------------
+    def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
+        ctx.state[_ROUTED] = True
+        scoped = _ScopedContext(ctx.step, ctx.index, ctx.scaling, ctx.native_window)
+        return self._prefill.prefill_output(scoped, q, keys, values, positions)

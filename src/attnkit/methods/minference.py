@@ -1,0 +1,279 @@
+"""``minference`` / ``minference_static``: dynamic sparse prefill with a pattern per head (MInference 1.0,
+Jiang et al., 2024, seed 002).
+
+Every query head has one of three patterns (section 3.2): ``a_shape``, ``vertical_slash`` (Alg. 2) or
+``block_sparse`` (Alg. 3). At each prompt the dynamic heads estimate their indices from the prompt
+itself (the last 64 queries for vertical-slash, mean-pooled blocks for block-sparse) and the layer's
+attention runs as one sparse kernel (:mod:`attnkit.sparse_attention`). Only the *prefill outputs* are
+sparse: the KV cache keeps every prompt token and decoding attends densely to all of it (the paper's
+setting: "all baselines perform sparse computation only during pre-filling").
+
+Where the patterns come from:
+
+- ``config=FILE``: the per-layer, per-head patterns found offline by the kernel-aware search (Alg. 1;
+  ``attnkit calibrate patterns``, :mod:`attnkit.calibrate.patterns`). A file whose layer or head
+  counts differ from the model's is refused.
+- no config: a uniform config, every head ``vertical_slash`` with ``k_v=500, k_s=1500`` (a setting of
+  the paper's Table 7 search space; the paper finds vertical-slash best for most heads, Fig. 11).
+  ``pattern=block_sparse`` (with ``k_b``, default 100) or other ``k_v``/``k_s`` give the single-pattern
+  ablations of Table 4 ("Ours w/ only block-sparse", "w/ only vertical-slash").
+
+``minference_static`` is the "Ours w/ static" ablation (Table 2/4): the vertical-slash and
+block-sparse heads use indices estimated ONCE, on the first calibration prompt, and stored in the config
+(``attnkit calibrate patterns --static``): the same columns, diagonals and blocks for every prompt. A
+prompt longer than the calibration prompt reuses the last stored block row for its extra rows.
+
+The output equals ``full`` exactly whenever a layer's pattern keeps every causal pair (e.g. any prompt
+no longer than ``k_s``): that layer then runs the very same dense path. Layers of a model's own sliding
+window, caches whose keys are not the contiguous prompt, and multi-token steps after the prompt (e.g. a
+speculative verification) also run dense.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from attnkit import sparse_attention as sa
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import LayerContext, Method, register
+
+CONFIG_FORMAT = "attnkit.minference-patterns/1"
+DEFAULT_UNIFORM = {"vertical_slash": sa.HeadPattern("vertical_slash", k_v=500, k_s=1500),
+                   "block_sparse": sa.HeadPattern("block_sparse", k_b=100)}
+
+
+# ---- the config file ---------------------------------------------------------------------------------
+@dataclass
+class PatternConfig:
+    """Per-layer, per-head patterns plus the metadata the search wrote (model, length, FLOPs budget...)."""
+
+    layers: list[list[sa.HeadPattern]]
+    block_size: int = sa.DEFAULT_BLOCK
+    last_q: int = sa.DEFAULT_LAST_Q
+    meta: dict = field(default_factory=dict)
+    source: str = "pattern config"
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.layers[0]) if self.layers else 0
+
+    def check_model(self, n_layers: int, n_heads: int) -> None:
+        """Refuse a config made for another geometry, with a clear error."""
+        if self.n_layers != n_layers or any(len(layer) != n_heads for layer in self.layers):
+            counts = sorted({len(layer) for layer in self.layers})
+            heads = "/".join(map(str, counts))
+            raise AttnkitError(
+                f"{self.source} describes {self.n_layers} layers x {heads} heads, but the model has {n_layers} "
+                f"layers x {n_heads} query heads; calibrate a config for this model "
+                f"(attnkit calibrate patterns --model ...)")
+
+
+def pattern_config_from_dict(data, source: str = "pattern config") -> PatternConfig:
+    if not isinstance(data, dict):
+        raise AttnkitError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    if data.get("format") != CONFIG_FORMAT:
+        raise AttnkitError(f"{source}: not a MInference pattern config (format {data.get('format')!r}, "
+                           f"expected {CONFIG_FORMAT!r}); write one with `attnkit calibrate patterns`")
+    layers = data.get("layers")
+    if not isinstance(layers, list) or not layers or not all(isinstance(x, list) and x for x in layers):
+        raise AttnkitError(f"{source}: 'layers' must be a non-empty list of non-empty lists of head patterns")
+    try:
+        block = sa.check_block(data.get("block_size", sa.DEFAULT_BLOCK))
+    except AttnkitError as exc:
+        raise AttnkitError(f"{source}: {exc}") from None
+    last_q = data.get("last_q", sa.DEFAULT_LAST_Q)
+    if not isinstance(last_q, int) or isinstance(last_q, bool) or last_q < 1:
+        raise AttnkitError(f"{source}: last_q must be a positive whole number, got {last_q!r}")
+    parsed = [[sa.HeadPattern.from_dict(p, f"{source}, layer {i}, head {h}") for h, p in enumerate(layer)]
+              for i, layer in enumerate(layers)]
+    for key in ("n_layers", "n_heads"):
+        if key in data and data[key] != (len(parsed) if key == "n_layers" else len(parsed[0])):
+            raise AttnkitError(f"{source}: {key}={data[key]} does not match its 'layers' list")
+    meta = {k: v for k, v in data.items() if k not in ("format", "layers", "block_size", "last_q", "n_layers",
+                                                       "n_heads")}
+    return PatternConfig(parsed, block, last_q, meta, source)
+
+
+def load_pattern_config(path: str | Path) -> PatternConfig:
+    """Read a pattern config written by ``attnkit calibrate patterns`` (clear errors for bad files)."""
+    path = Path(path)
+    source = f"pattern config {str(path)!r}"
+    if not path.is_file():
+        raise AttnkitError(f"{source} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AttnkitError(f"{source} is not valid JSON: {exc}") from None
+    return pattern_config_from_dict(data, source)
+
+
+# ---- the methods ------------------------------------------------------------------------------------------
+class SparsePrefill(Method):
+    """Shared machinery: the cache keeps every token (base behaviour), decoding is dense, and the prompt's
+    attention outputs come from :meth:`layer_patterns` through :func:`attnkit.sparse_attention.sparse_attention`.
+    Subclasses give the patterns, ``block`` and ``last_q``."""
+
+    compile: bool = True
+
+    def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[sa.HeadPattern]:
+        raise NotImplementedError
+
+    def block(self) -> int:
+        return sa.DEFAULT_BLOCK
+
+    def estimate_rows(self) -> int:
+        return sa.DEFAULT_LAST_Q
+
+    def column_width(self, patterns: list[sa.HeadPattern], n: int) -> int:
+        """Width of the gathered vertical columns: fixed per method and length, so that every layer (and
+        every prompt of this padded length) reuses one compiled kernel."""
+        return 0
+
+    def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
+        if not self._sparse_applies(ctx, q, keys, positions):
+            sa.record_call(None)
+            return super().prefill_output(ctx, q, keys, values, positions)
+        patterns = self.layer_patterns(ctx, q.shape[1])
+        n = keys.shape[2]
+        with sa.timed("index"):
+            layout = sa.layout_for_patterns(patterns, q, keys, ctx.scaling, block=self.block(),
+                                            last_q=self.estimate_rows(), width=self.column_width(patterns, n) or None)
+        sa.record_call(layout)
+        if layout.dense:  # every causal pair kept: exactly what `full` computes
+            return super().prefill_output(ctx, q, keys, values, positions)
+        return sa.sparse_attention(q, keys, values, layout, ctx.scaling, compiled=self.compile).to(q.dtype)
+
+    @staticmethod
+    def _sparse_applies(ctx: LayerContext, q, keys, positions) -> bool:
+        if ctx.native_window is not None:  # the model's own sliding window: its masking, dense
+            return False
+        if q.shape[0] != 1:
+            raise AttnkitError(f"sparse prefill supports batch size 1, got {q.shape[0]}")
+        n, nq = keys.shape[2], q.shape[2]
+        if nq < 2 or int(ctx.q_pos[0]) != n - nq or int(ctx.q_pos[-1]) != n - 1:
+            return False
+        if int(ctx.q_pos[-1]) >= ctx.session.prompt_len:  # tokens after the prompt (e.g. verifying drafts)
+            return False
+        # the keys must be the contiguous prompt 0..n-1 in order (they are, unless a cache reordered them)
+        first = positions[0, 0]
+        return bool((positions[..., 0] == 0).all() and (positions[..., -1] == n - 1).all()
+                    and torch.equal(first, torch.arange(n, device=first.device)))
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+
+
+@register
+@dataclass
+class MInference(SparsePrefill):
+    """Dynamic sparse prefill, a pattern per head from `config` (or a uniform pattern); dense decoding."""
+
+    config: str | None = None
+    pattern: str | None = None
+    k_v: int | None = None
+    k_s: int | None = None
+    k_b: int | None = None
+    block_size: int | None = None
+    last_q: int | None = None
+    compile: bool = True
+    _config: PatternConfig | None = field(default=None, init=False, repr=False, compare=False)
+
+    name = "minference"
+    summary = "dynamic sparse prefill, A-shape/vertical-slash/block-sparse per head (MInference, seed 002)"
+    static = False
+
+    def __post_init__(self):
+        given = [n for n in ("pattern", "k_v", "k_s", "k_b") if getattr(self, n) is not None]
+        if self.config is not None:
+            if given:
+                raise ValueError(f"config fixes the pattern of every head; drop {', '.join(given)} (or drop config "
+                                 f"for a uniform pattern)")
+            self._config = load_pattern_config(self.config)
+            if self.block_size is not None and self.block_size != self._config.block_size:
+                raise ValueError(f"block_size={self.block_size} differs from the config's {self._config.block_size}")
+            if self.static:
+                self._check_static()
+        else:
+            if self.static:
+                raise ValueError("minference_static needs config=FILE written by `attnkit calibrate patterns --static`")
+            pattern = self.pattern or "vertical_slash"
+            if pattern not in DEFAULT_UNIFORM:
+                raise ValueError(f"pattern must be vertical_slash or block_sparse (use the a_shape method for A-shape), "
+                                 f"got {pattern!r}")
+            wrong = [n for n in ("k_v", "k_s", "k_b") if getattr(self, n) is not None
+                     and n not in sa.PATTERN_PARAMS[pattern]]
+            if wrong:
+                raise ValueError(f"{', '.join(wrong)} is not a parameter of pattern {pattern}")
+            for n in sa.PATTERN_PARAMS[pattern]:
+                value = getattr(self, n)
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                    raise ValueError(f"{n} must be a whole number >= 0, got {value!r}")
+        if self.block_size is not None:
+            sa.check_block(self.block_size)
+        if self.last_q is not None:
+            _positive("last_q", self.last_q)
+
+    def _check_static(self) -> None:
+        for i, layer in enumerate(self._config.layers):
+            for h, p in enumerate(layer):
+                if p.pattern != "a_shape" and not p.is_static:
+                    raise ValueError(f"{self._config.source} has no static indices (layer {i}, head {h}); write it "
+                                     f"with `attnkit calibrate patterns --static`")
+
+    def uniform_pattern(self) -> sa.HeadPattern:
+        base = DEFAULT_UNIFORM[self.pattern or "vertical_slash"]
+        params = {n: getattr(self, n) if getattr(self, n) is not None else getattr(base, n)
+                  for n in sa.PATTERN_PARAMS[base.pattern]}
+        return sa.HeadPattern(base.pattern, **params)
+
+    def block(self) -> int:
+        if self._config is not None:
+            return self._config.block_size
+        return self.block_size or sa.DEFAULT_BLOCK
+
+    def estimate_rows(self) -> int:
+        if self.last_q is not None:
+            return self.last_q
+        return self._config.last_q if self._config is not None else sa.DEFAULT_LAST_Q
+
+    def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[sa.HeadPattern]:
+        if self._config is None:
+            return [self.uniform_pattern()] * n_heads
+        if "minference_checked" not in ctx.session.shared:
+            self._config.check_model(ctx.session.n_layers, n_heads)
+            ctx.session.shared["minference_checked"] = True
+        layer = self._config.layers[ctx.index]
+        return layer if self.static else [p.dynamic() for p in layer]
+
+    def column_width(self, patterns: list[sa.HeadPattern], n: int) -> int:
+        if self._config is None:
+            most = max((p.k_v for p in patterns if p.pattern == "vertical_slash"), default=0)
+        elif self.static:
+            most = max((len(p.vertical) for layer in self._config.layers for p in layer
+                        if p.pattern == "vertical_slash"), default=0)
+        else:
+            most = max((p.k_v for layer in self._config.layers for p in layer if p.pattern == "vertical_slash"),
+                       default=0)
+        b = self.block()
+        most = min(most, max(0, n - b))
+        return -(-most // b) * b
+
+
+@register
+@dataclass
+class MInferenceStatic(MInference):
+    """The "w/ static" ablation: fixed indices from the calibration prompt (config written with --static)."""
+
+    name = "minference_static"
+    summary = "MInference with static indices estimated once at calibration (Table 4 ablation)"
+    static = True

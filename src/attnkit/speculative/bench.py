@@ -1,0 +1,121 @@
+"""Speed of speculative decoding against plain decoding, interleaved in one process (``attnkit bench
+--speculate KIND``; ``scripts/bench_speculative.py`` adds transformers' own assisted generation).
+
+Each repeat runs plain greedy decoding and speculative decoding on the same prompt, in turn, so drifts
+of the machine hit both alike; figures are medians over repeats. In greedy mode the two outputs must
+be identical, and the row says whether they were.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.model import LoadedModel
+from attnkit.runner import encode_prompt, generate
+from attnkit.speculative.drafts import DraftSource, make_draft
+from attnkit.speculative.generate import speculative_generate
+
+
+def code_prompt(model: LoadedModel, length: int, seed: int = 0) -> torch.Tensor:
+    """A code-completion prompt of `length` tokens (held-out standard-library source, LongBench lcc
+    style); for lengths beyond one held-out file, a window of the held-out files joined together."""
+    from attnkit.eval import corpus
+    from attnkit.eval.tasks import make_code_completion
+
+    try:
+        return encode_prompt(model, make_code_completion(model.tokenizer, length, seed=seed).prompt)[-length:]
+    except ValueError:
+        ids = model.tokenizer(corpus.haystack_text("heldout")).input_ids
+        if len(ids) < length:
+            raise AttnkitError(f"the held-out code has only {len(ids)} tokens, fewer than {length}") from None
+        start = torch.Generator().manual_seed(seed)
+        offset = int(torch.randint(0, len(ids) - length + 1, (1,), generator=start))
+        return torch.tensor(ids[offset:offset + length], dtype=torch.long, device=model.device)
+
+
+def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_tokens: int, draft: str | DraftSource,
+                          draft_spec=None, gamma: int = 4, adaptive_gamma: bool = False, repeats: int = 3,
+                          progress=None) -> list[dict]:
+    """Rows for plain decoding and speculative decoding (greedy): medians of decode tok/s, end-to-end
+    tok/s and prefill s, acceptance and tokens per target forward, speedups over plain."""
+    source = make_draft(draft, draft_spec, model) if isinstance(draft, str) else draft
+    kw = dict(max_new_tokens=new_tokens, stop_at_eos=False)
+    # warm-up (lazy initialisation, allocator) outside the measurement
+    generate(model, prompt_ids[-64:], **{**kw, "max_new_tokens": 4})
+    speculative_generate(model, prompt_ids[-64:], source, gamma=gamma, **{**kw, "max_new_tokens": 4})
+    plain_runs, spec_runs, same = [], [], True
+    for r in range(repeats):
+        plain = generate(model, prompt_ids, "full", **kw)
+        spec = speculative_generate(model, prompt_ids, source, gamma=gamma, adaptive_gamma=adaptive_gamma, **kw)
+        same &= plain.token_ids == spec.token_ids
+        plain_runs.append(plain.stats.as_dict())
+        spec_runs.append(spec.stats.as_dict())
+        if progress:
+            progress(r, plain.stats, spec.stats)
+
+    def med(runs, key):
+        return statistics.median(run[key] for run in runs)
+
+    def end_to_end(run):
+        return run["new_tokens"] / (run["prefill_s"] + run["decode_s"])
+
+    base = {"model": model.spec, "context": int(prompt_ids.shape[0]), "new_tokens": new_tokens, "repeats": repeats}
+    plain_row = dict(base, decoder="plain", decode_tokens_per_s=med(plain_runs, "decode_tokens_per_s"),
+                     tokens_per_s=statistics.median(end_to_end(r) for r in plain_runs),
+                     prefill_s=med(plain_runs, "prefill_s"), acceptance_rate=None, tokens_per_target_forward=1.0)
+    spec_row = dict(base, decoder=f"speculative {source.describe()} gamma={gamma}{' adaptive' if adaptive_gamma else ''}",
+                    decode_tokens_per_s=med(spec_runs, "decode_tokens_per_s"),
+                    tokens_per_s=statistics.median(end_to_end(r) for r in spec_runs),
+                    prefill_s=med(spec_runs, "prefill_s"), acceptance_rate=med(spec_runs, "acceptance_rate"),
+                    tokens_per_target_forward=med(spec_runs, "tokens_per_target_forward"),
+                    mean_gamma=med(spec_runs, "mean_gamma"), same_output_as_plain=same)
+    for row in (plain_row, spec_row):
+        row["decode_speedup"] = row["decode_tokens_per_s"] / plain_row["decode_tokens_per_s"]
+        row["end_to_end_speedup"] = row["tokens_per_s"] / plain_row["tokens_per_s"]
+    return [plain_row, spec_row]
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'decoder':<58} {'decode tok/s':>12} {'x plain':>8} {'e2e tok/s':>10} {'x plain':>8} "
+            f"{'accept':>7} {'tok/fwd':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        acc = "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.2f}"
+        tpf = "-" if r.get("tokens_per_target_forward") is None else f"{r['tokens_per_target_forward']:.2f}"
+        lines.append(f"{r['decoder'][:58]:<58} {r['decode_tokens_per_s']:>12.1f} {r['decode_speedup']:>8.2f} "
+                     f"{r['tokens_per_s']:>10.1f} {r['end_to_end_speedup']:>8.2f} {acc:>7} {tpf:>8}")
+    same = [r["same_output_as_plain"] for r in rows if "same_output_as_plain" in r]
+    if same:
+        lines.append(f"greedy output identical to plain decoding: {'yes' if all(same) else 'NO'}")
+    return "\n".join(lines)
+
+
+def bench_from_args(args) -> int:
+    """``attnkit bench --speculate KIND [--draft SPEC] [--gamma N]``: a code prompt of --context tokens."""
+    from attnkit.model import load_model
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise AttnkitError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    total = args.context + args.new_tokens
+    spec = args.model
+    model = load_model(spec, context=total) if spec.startswith("random:") and "context=" not in spec else load_model(spec)
+    prompt = code_prompt(model, args.context, args.seed)
+
+    def progress(r, plain, spec_stats):
+        print(f"  repeat {r + 1}/{args.repeats}: plain {plain.decode_tokens_per_s:.1f} tok/s, speculative "
+              f"{spec_stats.decode_tokens_per_s:.1f} tok/s (acceptance {spec_stats.acceptance_rate:.2f})",
+              file=sys.stderr, flush=True)
+
+    print(f"bench {model.spec}: {args.context}-token code prompt, {args.new_tokens} new tokens, greedy, "
+          f"{args.repeats} interleaved repeats", file=sys.stderr)
+    rows = run_speculative_bench(model, prompt, args.new_tokens, args.speculate, args.draft, args.gamma,
+                                 args.adaptive_gamma, args.repeats, progress)
+    print(json.dumps(rows) if args.json else format_rows(rows))
+    return 0

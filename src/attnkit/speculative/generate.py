@@ -1,0 +1,396 @@
+"""The speculative decoding loop (seed 003; Leviathan et al. 2023, Algorithm 1; Chen et al. 2023,
+Algorithm 2), lossless with respect to plain decoding with full attention.
+
+One round, with the context ``c`` (prompt + generated tokens, length ``L``) of which the target's
+cache holds the first ``L - 1``:
+
+1. the draft source proposes ``g <= gamma`` tokens ``x_1..x_g`` (and their draft distributions
+   ``p_1..p_g``, or none for a deterministic draft);
+2. the target runs ONE forward over ``[c_L, x_1, .., x_g]`` at positions ``L-1 .. L-1+g`` (the
+   ``full`` method appends them and attends causally by position), giving ``q_1 .. q_{g+1}``;
+   (:class:`VerifyingFull`: ``full`` with a faster kernel call for this few-query step);
+3. :func:`attnkit.speculative.acceptance.speculative_accept` (or the greedy rule) keeps ``n``
+   drafts and draws the next token;
+4. the target cache is rolled back to ``L + n`` entries (``LayerKV.length``; full attention's cache is
+   append-only, so the slots beyond are simply never read) and the draft source is told ``n``.
+
+A round emits ``n + 1`` tokens for one target forward. Temperature, top-k and top-p are applied to
+target and draft alike (:func:`attnkit.sampling.next_token_distribution`, as the plain runner does)
+before the acceptance rule, so the output distribution is the plain sampler's. In greedy mode the
+output is token for token :func:`attnkit.generate`'s.
+
+Adaptive gamma (``adaptive_gamma=True``): the per-token acceptance rate ``alpha`` is estimated from
+the rounds so far (a discounted count of accepted over examined drafts; each round is a run of
+Bernoulli trials up to the first rejection), and gamma is set to the value maximising Leviathan et
+al.'s expected walltime improvement (their Theorem 3.8)
+
+    (1 - alpha^(gamma + 1)) / ((1 - alpha) (gamma c + 1)),
+
+``c`` being the draft's cost per token relative to a target forward (the source's estimate: bytes
+read per step, MagicDec's memory-bound model; at least :data:`MIN_DRAFT_COST`). It depends on the
+acceptances only, never on timings, so a seeded run is reproducible.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from attnkit.attention import position_mask
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import Method, Session, Step
+from attnkit.methods.full import FullAttention
+from attnkit.model import LoadedModel
+from attnkit.runner import (
+    Generation,
+    GenerationStats,
+    _stop_prefix_overlap,
+    _sync,
+    check_length,
+    encode_prompt,
+    forward,
+    logits_of,
+    new_session,
+)
+from attnkit.sampling import SamplingConfig, choose_token, next_token_distribution
+from attnkit.speculative.acceptance import greedy_accept, speculative_accept
+from attnkit.speculative.drafts import DraftRun, DraftSource, Proposal, make_draft, truncate_session
+
+# Floor of the relative draft cost in the adaptive-gamma model: python and kernel-launch overhead make
+# even a free draft (prompt lookup) cost something per verified token.
+MIN_DRAFT_COST = 0.05
+
+
+@dataclass
+class SpeculativeStats(GenerationStats):
+    draft: str
+    gamma: int  # the initial (or fixed) gamma
+    adaptive_gamma: bool
+    rounds: int  # target forwards after the prompt (one per round)
+    drafted_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float  # accepted / drafted tokens
+    tokens_per_target_forward: float  # mean tokens a round emits: accepted drafts + 1
+    mean_gamma: float  # drafted tokens per round
+    draft_s: float  # time spent proposing (draft forwards, lookups, snapshots)
+    verify_s: float  # time spent in the target's verification forwards and the acceptance rule
+    tokens_per_s: float  # new tokens over prefill + decode time (end to end)
+
+
+# Verification steps of at most this many tokens use the folded attention below; longer multi-token
+# steps (the prompt) take the ordinary path.
+VERIFY_FOLD_MAX_TOKENS = 64
+
+
+class VerifyingFull(FullAttention):
+    """``full`` attention as the speculative target: identical semantics (every key kept, causal by
+    position, the model's own window), with one faster kernel call for the verification step.
+
+    A verification step is a handful of queries over the whole cache. Handing SDPA the query heads
+    with grouped kv heads and a boolean mask sends it to a path that expands the kv heads; instead the
+    query heads of each kv group are folded into the query axis (``[b, kv, groups * n, d]``, as the
+    decode path does for one token) with an additive mask tiled over the groups, so the cache is read
+    once per kv head. Measured on CPU at 16k tokens, 5 queries, GQA 4:1: 4.6 ms -> 2.7 ms per layer.
+    Not registered: it is ``full`` to everyone else.
+    """
+
+    def prefill_attention(self, ctx, q, k, v):
+        n = q.shape[2]
+        if ctx.kv.length == 0 or n > VERIFY_FOLD_MAX_TOKENS:  # the prompt (or a prompt chunk)
+            return super().prefill_attention(ctx, q, k, v)
+        ctx.kv.append(k, v, ctx.q_pos)
+        keys, values, positions = ctx.kv.view()
+        return folded_attention(q, keys, values, ctx.scaling, ctx.q_pos, positions[0, 0], ctx.native_window)
+
+
+def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Attention of a few queries ``[b, hq, n, d]`` over keys/values ``[b, kv, L, d]`` shared by all
+    heads at positions `k_pos` ``[L]``: causal by position (and within `window`), GQA folded."""
+    b, hq, n, d = q.shape
+    kv = keys.shape[1]
+    groups = hq // kv
+    allowed = position_mask(q_pos, k_pos, window)  # [n, L]
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    folded = q.reshape(b, kv, groups * n, d)  # row = group * n + i
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias.repeat(groups, 1), scale=scaling)
+    return out.view(b, hq, n, d)
+
+
+class GammaController:
+    """Fixed gamma, or adaptive from the observed acceptance (see the module docstring)."""
+
+    def __init__(self, gamma: int = 4, adaptive: bool = False, max_gamma: int | None = None, cost: float = 0.0,
+                 prior_alpha: float = 0.6, decay: float = 0.9):
+        if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
+            raise AttnkitError(f"gamma must be a whole number of drafted tokens >= 1, got {gamma!r}")
+        max_gamma = max(2 * gamma, 8) if max_gamma is None else max_gamma
+        if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < gamma:
+            raise AttnkitError(f"max_gamma must be a whole number >= gamma ({gamma}), got {max_gamma!r}")
+        self.gamma, self.adaptive, self.max_gamma = gamma, adaptive, max_gamma
+        self.cost = max(MIN_DRAFT_COST, float(cost))
+        self.decay = decay
+        self._accepted, self._trials = 2 * prior_alpha, 2.0  # a weak prior worth two trials
+
+    @property
+    def alpha(self) -> float:
+        return self._accepted / self._trials
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        trials = accepted + (accepted < drafted)  # the drafts examined: accepted ones and the first rejection
+        self._accepted = self.decay * self._accepted + accepted
+        self._trials = self.decay * self._trials + trials
+        if self.adaptive:
+            self.gamma = best_gamma(self.alpha, self.cost, self.max_gamma)
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens a round emits with per-token acceptance `alpha` (Leviathan et al., eq. 1)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def best_gamma(alpha: float, cost: float, max_gamma: int) -> int:
+    """The gamma in 1..max_gamma maximising expected tokens per unit time, ``E / (gamma c + 1)``; the
+    smallest gamma within 1% of the best (extra drafts that barely help still cost verification)."""
+    scores = [expected_tokens(alpha, g) / (g * cost + 1.0) for g in range(1, max_gamma + 1)]
+    best = max(scores)
+    return next(g for g, s in enumerate(scores, start=1) if s >= 0.99 * best)
+
+
+class _Tee:
+    """A step that hands every layer's attention call to several sessions (the first one's output is
+    the forward's): the target's prompt pass also fills the self-draft's compressed cache."""
+
+    def __init__(self, steps: list[Step]):
+        self.steps = steps
+
+    def attention(self, layer, q, k, v, scaling, native_window):
+        out = self.steps[0].attention(layer, q, k, v, scaling, native_window)
+        for step in self.steps[1:]:
+            step.attention(layer, q, k, v, scaling, native_window)
+        return out
+
+
+class _OutputDiscarded(Method):
+    """A session's method during a prompt pass whose attention output nobody reads (the extra sessions
+    of :func:`prefill_sessions`): every cache hook goes to the wrapped method (it stores, observes and
+    compresses as always), but the dense prompt attention a store-then-attend method asks the session
+    for (:meth:`attnkit.methods.base.Method.prefill_output`) is not computed."""
+
+    def __init__(self, inner: Method):
+        self.inner = inner
+        self.name = inner.name
+
+    def layer_capacity(self, ctx):
+        return self.inner.layer_capacity(ctx)
+
+    def prefill_attention(self, ctx, q, k, v):
+        return self.inner.prefill_attention(ctx, q, k, v)
+
+    def after_prefill(self, ctx, q, k, v):
+        self.inner.after_prefill(ctx, q, k, v)
+
+    def prefill_output(self, ctx, q, keys, values, positions):
+        return torch.empty_like(q)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
+def prefill_sessions(model: LoadedModel, sessions: list[Session], ids: torch.Tensor,
+                     chunk_size: int | None = None) -> torch.Tensor:
+    """Prompt pass feeding every session's method from the same forward (q, k, v of the first
+    session's forward); final hidden state of the last position ``[1, hidden]``. The other sessions'
+    methods store and observe the prompt but compute no attention output of their own (their output
+    would be discarded); a method that computes its prompt attention itself (``window``) still does."""
+    n = ids.shape[0]
+    if chunk_size is not None and chunk_size <= 0:
+        raise AttnkitError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    chunk = chunk_size or n
+    hidden = None
+    extra = sessions[1:]
+    methods = [s.method for s in extra]
+    for s in extra:
+        s.method = _OutputDiscarded(s.method)
+    try:
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            last = end == n
+
+            def step(pos, last=last):
+                steps = [Step(s, "prefill", pos, last) for s in sessions]
+                return steps[0] if len(steps) == 1 else _Tee(steps)
+
+            hidden = forward(model, ids[start:end], start, step)
+    finally:
+        for s, m in zip(extra, methods):
+            s.method = m
+    return hidden
+
+
+class _Emitter:
+    """Stop conditions and streaming exactly as the plain runner applies them, token by token."""
+
+    def __init__(self, tokenizer, eos, stops: list[str], on_token):
+        self.tokenizer, self.eos, self.stops, self.on_token = tokenizer, eos, stops, on_token
+        self.generated: list[int] = []
+        self.text, self.finish, self.streamed = "", "length", 0
+
+    def push(self, token: int) -> bool:
+        """Emit one token; True when generation must end here."""
+        if self.eos is not None and token == self.eos:
+            self.finish = "eos"
+            return True
+        self.generated.append(token)
+        if self.stops or self.on_token:
+            text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+            cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+            if cut >= 0:
+                text, self.finish = text[:cut], "stop"
+            self.text = text
+            if self.on_token:
+                safe = len(text) if self.finish == "stop" else len(text) - _stop_prefix_overlap(text, self.stops)
+                if safe > self.streamed:
+                    self.on_token(token, text[self.streamed:safe])
+                    self.streamed = safe
+            if self.finish == "stop":
+                return True
+        return False
+
+    def close(self) -> str:
+        if not (self.stops or self.on_token):
+            self.text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        if self.on_token and len(self.text) > self.streamed:
+            self.on_token(self.generated[-1], self.text[self.streamed:])
+        return self.text
+
+
+def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel) -> DraftSource:
+    if isinstance(draft, DraftSource):
+        if draft_spec is not None:
+            raise AttnkitError("draft_spec is given with a DraftSource instance; configure the instance instead")
+        return draft
+    if isinstance(draft, str):
+        return make_draft(draft, draft_spec, model)
+    raise AttnkitError(f"draft must be a kind (draft_model, prompt_lookup, self) or a DraftSource, "
+                       f"got {type(draft).__name__}")
+
+
+@torch.inference_mode()
+def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = "prompt_lookup", *,
+                         draft_spec=None, gamma: int = 4, adaptive_gamma: bool = False,
+                         max_gamma: int | None = None, max_new_tokens: int = 64, chunk_size: int | None = None,
+                         do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                         top_p: float | None = None, seed: int | None = None,
+                         stop: Sequence[str] | str | None = None, stop_at_eos: bool = True,
+                         on_token: Callable[[int, str], None] | None = None) -> Generation:
+    """Generate like :func:`attnkit.generate` (full attention), drafting with `draft` and verifying
+    ``gamma`` drafted tokens per target forward.
+
+    `draft` is ``"draft_model"`` (`draft_spec`: a model spec, default ``tiny-draft``, or a loaded
+    model), ``"prompt_lookup"`` (`draft_spec`: ``"max_ngram=3,min_ngram=1"``), ``"self"``
+    (`draft_spec`: an eviction method spec for the draft's cache, default
+    ``streaming:budget_tokens=256,sinks=4``), or a :class:`DraftSource`. The other arguments are the
+    plain runner's. Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
+    """
+    if max_new_tokens < 1:
+        raise AttnkitError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise AttnkitError("stop strings must be non-empty")
+    source = resolve_draft(draft, draft_spec, model)
+    ids = encode_prompt(model, prompt)
+    n = ids.shape[0]
+    check_length(model, n, max_new_tokens)
+    device = model.device
+    generator = sampling.generator(device)
+    tokenizer = model.tokenizer
+    eos = getattr(tokenizer, "eos_token_id", None) if stop_at_eos else None
+    target = VerifyingFull()
+    session = new_session(model, target, n, max_new_tokens)
+
+    _sync(device)
+    t0 = time.perf_counter()
+    shared = source.start(DraftRun(model, ids, max_new_tokens, sampling, generator, chunk_size))
+    sessions = [session] if shared is None else [session, shared]
+    logits = logits_of(model, prefill_sessions(model, sessions, ids, chunk_size))[-1]
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    first = choose_token(logits, sampling, generator)
+    ttft_s = time.perf_counter() - t0
+
+    control = GammaController(gamma, adaptive_gamma, max_gamma, source.relative_cost())
+    emit = _Emitter(tokenizer, eos, stops, on_token)
+    context = ids.tolist() + [first]
+    rounds = drafted_total = accepted_total = emitted_by_rounds = 0
+    draft_s = verify_s = 0.0
+    t_decode = time.perf_counter()
+    done = emit.push(first)
+    while not done and len(emit.generated) < max_new_tokens:
+        remaining = max_new_tokens - len(emit.generated)
+        g = min(control.gamma, remaining - 1)  # a round emits at most g + 1 tokens
+        t_round = time.perf_counter()
+        proposal = source.propose(context, g) if g > 0 else Proposal([])
+        drafted = list(proposal.tokens[:g])
+        probs = proposal.probs[:len(drafted)] if proposal.probs is not None else None
+        _sync(device)
+        t_verify = time.perf_counter()
+        draft_s += t_verify - t_round
+
+        L = len(context)
+        hidden = forward(model, torch.tensor([context[-1]] + drafted, device=device), L - 1,
+                         lambda pos: Step(session, "prefill", pos, False), all_positions=True)
+        logits = logits_of(model, hidden)
+        drafted_t = torch.tensor(drafted, dtype=torch.long, device=device)
+        if sampling.do_sample:
+            result = speculative_accept(drafted_t, probs, next_token_distribution(logits, sampling), generator)
+        else:
+            result = greedy_accept(drafted_t, logits)
+        truncate_session(session, L + result.accepted)  # the target keeps c_L and the accepted drafts
+        if g > 0:
+            source.feedback(result.accepted)
+        _sync(device)
+        verify_s += time.perf_counter() - t_verify
+
+        rounds += 1
+        drafted_total += len(drafted)
+        accepted_total += result.accepted
+        control.update(len(drafted), result.accepted)
+        new = result.tokens(drafted)
+        emitted_by_rounds += len(new)
+        context.extend(new)
+        for tok in new:
+            done = emit.push(tok)
+            if done:
+                break
+    _sync(device)
+    decode_s = time.perf_counter() - t_decode
+    draft_session = getattr(source, "session", None)  # a draft model's or the self-draft's cache
+    text = emit.close()
+    generated, finish = emit.generated, emit.finish
+    decode_steps = max(0, len(generated) - 1 + (finish == "eos"))
+    total_s = prefill_s + decode_s
+    stats = SpeculativeStats(
+        method=target.describe(), prompt_tokens=n, new_tokens=len(generated), prefill_s=prefill_s, ttft_s=ttft_s,
+        decode_s=decode_s, decode_tokens_per_s=decode_steps / decode_s if decode_steps and decode_s > 0 else 0.0,
+        peak_kv_bytes=session.cache.peak_bytes + (draft_session.cache.peak_bytes if draft_session is not None else 0),
+        final_kv_bytes=session.cache.nbytes(),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, finish_reason=finish,
+        draft=source.describe(), gamma=gamma, adaptive_gamma=adaptive_gamma, rounds=rounds,
+        drafted_tokens=drafted_total, accepted_tokens=accepted_total,
+        acceptance_rate=accepted_total / drafted_total if drafted_total else 0.0,
+        tokens_per_target_forward=emitted_by_rounds / rounds if rounds else 0.0,
+        mean_gamma=drafted_total / rounds if rounds else 0.0, draft_s=draft_s, verify_s=verify_s,
+        tokens_per_s=len(generated) / total_s if total_s > 0 else 0.0,
+    )
+    return Generation(text, generated, stats)

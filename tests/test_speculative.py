@@ -1,0 +1,588 @@
+"""Speculative decoding (seed 003): losslessness exactly (enumeration), statistically (chi-square) and
+greedily (token for token), cache rollback, draft sources, errors, CLI."""
+
+import dataclasses
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import attnkit
+from attnkit.attention import attend
+from attnkit.cli import main
+from attnkit.methods.base import Step
+from attnkit.runner import forward, logits_of, new_session, prefill, resolve_method
+from attnkit.sampling import SamplingConfig, next_token_distribution
+from attnkit.speculative import (
+    DraftRun,
+    DraftSource,
+    ModelDraft,
+    PromptLookupDraft,
+    Proposal,
+    acceptance_probabilities,
+    best_gamma,
+    greedy_accept,
+    make_draft,
+    outcome_probabilities,
+    residual_distribution,
+    speculative_accept,
+    speculative_generate,
+)
+from attnkit.speculative.drafts import snapshot_session, truncate_session
+from attnkit.speculative.generate import folded_attention, prefill_sessions
+from attnkit.tokenizer import build_byte_tokenizer
+from conftest import SMALL, random_ids
+
+SIGNIFICANCE = 0.001  # chi-square tests fail when P(statistic >= observed | lossless) < 0.1%
+
+
+def chi_square_p_value(observed: dict, expected_probs: dict, n: int) -> float:
+    """Pearson's chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
+    small_obs = small_exp = 0.0
+    stat, cells = 0.0, 0
+    for cell, prob in expected_probs.items():
+        e, o = prob * n, observed.get(cell, 0)
+        if e < 5:
+            small_obs, small_exp = small_obs + o, small_exp + e
+            continue
+        stat += (o - e) ** 2 / e
+        cells += 1
+    if small_exp > 0:
+        stat += (small_obs - small_exp) ** 2 / small_exp if small_exp >= 1 else 0.0
+        cells += 1 if small_exp >= 1 else 0
+    assert sum(observed.values()) == n
+    assert not set(observed) - set(expected_probs), "a sample fell outside the target's support"
+    df = cells - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+# ---- toy "models": distributions that depend on the whole prefix --------------------------------------
+def toy_logits(prefix: tuple, vocab: int, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash((salt,) + prefix) % (2 ** 31))
+    return torch.randn(vocab, generator=g, dtype=torch.float64) * 1.5
+
+
+def toy_dist(prefix: tuple, vocab: int, salt: int, config: SamplingConfig) -> torch.Tensor:
+    d = next_token_distribution(toy_logits(prefix, vocab, salt), config).double()  # float32 inside
+    return d / d.sum()  # sums to 1 in float64, as the proof assumes
+
+
+# ---- the rule itself, by hand ------------------------------------------------------------------------
+def test_one_step_outcome_equals_target_by_hand():
+    """Seed 003's proof, computed: sum over drafts x~ ~ p of P(accept) + P(reject) * residual == q."""
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0], dtype=torch.float64)
+    # (A) min(1, q/p) and (B) max(0, q - p) normalised, as the seed writes them
+    tokens = torch.arange(5)
+    a = acceptance_probabilities(tokens[:3], p.expand(3, 5), q.expand(3, 5))
+    assert torch.allclose(a, torch.tensor([0.2, 2 / 3, 1.0], dtype=torch.float64))
+    r = residual_distribution(p, q)
+    assert torch.allclose(r, torch.tensor([0, 0, 0.1, 0.4, 0], dtype=torch.float64) / 0.5)
+    total = torch.zeros(5, dtype=torch.float64)
+    for x in range(3):
+        out = outcome_probabilities(torch.tensor([x]), p[None], torch.stack([q, q]))
+        total += p[x] * out[0]  # the token emitted in place of the first draft
+        total += p[x] * out[1].sum() * torch.nn.functional.one_hot(torch.tensor(x), 5).double()
+    assert torch.allclose(total, q, atol=1e-15)
+
+
+@pytest.mark.parametrize("p_kind", ["sampled", "point_mass"])
+@pytest.mark.parametrize("config", [SamplingConfig(True), SamplingConfig(True, temperature=0.7, top_p=0.7),
+                                    SamplingConfig(True, top_k=2)], ids=["t1", "top_p", "top_k"])
+def test_exact_joint_distribution_by_enumeration(p_kind, config):
+    """The exact distribution of the first 3 tokens of speculative decoding (gamma=2, drafts whose
+    distribution depends on the prefix) equals the target's joint distribution."""
+    V, N, gamma = 3, 3, 2
+
+    def q_of(prefix):
+        return toy_dist(prefix, V, 1, config)
+
+    def p_of(prefix):
+        return toy_dist(prefix, V, 2, config)
+
+    def point_of(prefix):  # a deterministic draft (like prompt lookup): a fixed token per prefix
+        return sum(prefix) % V
+
+    result: dict[tuple, float] = {}
+
+    def walk(prefix: tuple, mass: float):
+        if len(prefix) >= N:
+            result[prefix[:N]] = result.get(prefix[:N], 0.0) + mass
+            return
+        for drafts in itertools.product(range(V), repeat=gamma):
+            if p_kind == "point_mass":
+                if any(drafts[i] != point_of(prefix + drafts[:i]) for i in range(gamma)):
+                    continue
+                weight, probs = 1.0, None
+            else:
+                ps = [p_of(prefix + drafts[:i]) for i in range(gamma)]
+                weight = math.prod(float(ps[i][drafts[i]]) for i in range(gamma))
+                if weight == 0:
+                    continue
+                probs = torch.stack(ps)
+            qs = torch.stack([q_of(prefix + drafts[:i]) for i in range(gamma + 1)])
+            outcomes = outcome_probabilities(torch.tensor(drafts), probs, qs)
+            for k in range(gamma + 1):
+                for x in range(V):
+                    if outcomes[k, x] > 0:
+                        walk(prefix + drafts[:k] + (x,), mass * weight * float(outcomes[k, x]))
+
+    walk((), 1.0)
+    for seq in itertools.product(range(V), repeat=N):
+        expected = math.prod(float(q_of(seq[:i])[seq[i]]) for i in range(N))
+        assert result.get(seq, 0.0) == pytest.approx(expected, abs=1e-12)
+
+
+def test_greedy_accept_rule():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 1.0, 4.0], [9.0, 0.0, 0.0]])
+    assert greedy_accept(torch.tensor([1, 0, 2]), logits).tokens([1, 0, 2]) == [1, 0, 2, 0]
+    assert greedy_accept(torch.tensor([1, 2, 2]), logits).tokens([1, 2, 2]) == [1, 0]
+    assert greedy_accept(torch.tensor([0, 0, 2]), logits).tokens([0, 0, 2]) == [1]
+    assert greedy_accept(torch.tensor([], dtype=torch.long), logits[:1]).tokens([]) == [1]
+
+
+# ---- the sampler, statistically --------------------------------------------------------------------------
+@pytest.mark.parametrize("config", [SamplingConfig(True), SamplingConfig(True, top_p=0.75)], ids=["t1", "top_p"])
+@pytest.mark.parametrize("p_kind", ["sampled", "point_mass"])
+def test_sampled_joint_matches_target_chi_square(config, p_kind):
+    """Run the acceptance sampler in a loop over 5-token toy models (prefix-dependent p and q, gamma=3)
+    and compare the empirical joint of the first two tokens with the target's (25 cells)."""
+    V, N, gamma, runs = 5, 2, 3, 6000
+    gen = torch.Generator().manual_seed(1234)
+    cache: dict = {}
+
+    def dist(prefix, salt):
+        key = (prefix, salt)
+        if key not in cache:
+            cache[key] = toy_dist(prefix, V, salt, config).float()
+        return cache[key]
+
+    counts: dict[tuple, int] = {}
+    for _ in range(runs):
+        out: tuple = ()
+        while len(out) < N:
+            drafts, probs = [], []
+            for _ in range(gamma):
+                p = dist(out + tuple(drafts), 2)
+                if p_kind == "point_mass":
+                    tok = int(p.argmax())
+                else:
+                    tok = int(torch.multinomial(p, 1, generator=gen))
+                    probs.append(p)
+                drafts.append(tok)
+            qs = torch.stack([dist(out + tuple(drafts[:i]), 1) for i in range(gamma + 1)])
+            res = speculative_accept(torch.tensor(drafts), torch.stack(probs) if probs else None, qs, gen)
+            out = out + tuple(res.tokens(drafts))
+        counts[out[:N]] = counts.get(out[:N], 0) + 1
+    expected = {}
+    for seq in itertools.product(range(V), repeat=N):
+        prob = math.prod(float(dist(seq[:i], 1)[seq[i]]) for i in range(N))
+        if prob > 0:
+            expected[seq] = prob
+    assert chi_square_p_value(counts, expected, runs) > SIGNIFICANCE
+
+
+# ---- end to end with small random models -----------------------------------------------------------------
+def sharpened(seed: int, scale: float = 40.0, noise: float = 0.0):
+    """A small random llama whose LM head is scaled up, so its distributions are far from uniform;
+    `noise` perturbs the head (a draft that agrees with the target only partly)."""
+    model = attnkit.load_model(f"random:llama:{SMALL},seed={seed}")
+    with torch.no_grad():
+        model.hf.lm_head.weight.mul_(scale)
+        if noise:
+            g = torch.Generator().manual_seed(99)
+            model.hf.lm_head.weight.add_(torch.randn(model.hf.lm_head.weight.shape, generator=g) * noise)
+    return model
+
+
+def target_joint(target, prompt: torch.Tensor, config: SamplingConfig, n: int) -> dict[tuple, float]:
+    """Exact probability of every n-token continuation under plain sampling from the target."""
+    out: dict[tuple, float] = {}
+
+    def walk(prefix, mass):
+        if len(prefix) == n:
+            out[prefix] = mass
+            return
+        ids = torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)])
+        q = next_token_distribution(attnkit.score_tokens(target, ids)[-1], config).double()
+        for x in torch.nonzero(q).flatten().tolist():
+            walk(prefix + (x,), mass * float(q[x]))
+
+    walk((), 1.0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target_and_draft():
+    # the draft is the target with a perturbed head: about half of its drafts are accepted, so
+    # rejections resample from a residual that differs from q
+    return sharpened(0), sharpened(0, noise=0.3)
+
+
+@pytest.mark.parametrize("source", ["draft_model", "self"])
+def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source):
+    """The first three tokens generated with speculation (top-k 3, gamma 2) over 1000 seeds match the
+    target's exact joint distribution (27 cells), computed from the target's logits."""
+    target, draft = target_and_draft
+    prompt = random_ids(24, seed=5)
+    kw = dict(do_sample=True, top_k=3, temperature=1.0)
+    config = SamplingConfig(**kw)
+    spec = draft if source == "draft_model" else "streaming:budget_tokens=8,sinks=2"
+    runs, counts = 1000, {}
+    for seed in range(runs):
+        out = speculative_generate(target, prompt, source, draft_spec=spec, gamma=2, max_new_tokens=3,
+                                   stop_at_eos=False, seed=seed, **kw)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    expected = target_joint(target, prompt, config, 3)
+    assert chi_square_p_value(counts, expected, runs) > SIGNIFICANCE
+
+
+class ArgmaxDraft(DraftSource):
+    """A deterministic draft through the public interface: the target's own greedy continuation
+    (point masses on its most likely tokens, so acceptance is partial and the residual matters)."""
+
+    kind = "argmax"
+
+    def __init__(self, model):
+        self.model, self.proposals = model, 0
+
+    def propose(self, context, gamma):
+        tokens = []
+        for _ in range(gamma):
+            tokens.append(int(attnkit.score_tokens(self.model, context + tokens)[-1].argmax()))
+        self.proposals += 1
+        return Proposal(tokens)
+
+
+@pytest.mark.parametrize("source", ["prompt_lookup", "argmax"])
+def test_end_to_end_point_mass_draft_matches_target_chi_square(target_and_draft, source):
+    """Deterministic drafts (point-mass p) with sampling. For prompt lookup the prompt holds every token
+    once, so the lookup always finds the last token and proposes what followed it."""
+    target, _ = target_and_draft
+    prompt = torch.randperm(256, generator=torch.Generator().manual_seed(9)) + 3
+    kw = dict(do_sample=True, top_k=3)
+    config = SamplingConfig(**kw)
+    draft = "prompt_lookup" if source == "prompt_lookup" else ArgmaxDraft(target)
+    runs, counts, drafted = 600, {}, 0
+    for seed in range(runs):
+        out = speculative_generate(target, prompt, draft, gamma=2, max_new_tokens=3, stop_at_eos=False,
+                                   seed=seed, **kw)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+        drafted += out.stats.drafted_tokens
+    assert drafted > runs / 2  # the source did propose
+    assert chi_square_p_value(counts, target_joint(target, prompt, config, 3), runs) > SIGNIFICANCE
+
+
+# ---- greedy: token for token the plain output ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def greedy_models():
+    return attnkit.load_model(f"random:llama:{SMALL}"), attnkit.load_model(f"random:llama:{SMALL},seed=3")
+
+
+def repetitive_prompt(n: int = 120) -> torch.Tensor:
+    base = random_ids(17, seed=11)
+    return torch.cat([base] * (n // 17 + 1))[:n]
+
+
+@pytest.mark.parametrize("source,spec", [
+    ("prompt_lookup", None),
+    ("prompt_lookup", "max_ngram=1,min_ngram=1"),
+    ("draft_model", "other"),
+    ("draft_model", "same"),
+    ("self", "streaming:budget_tokens=24,sinks=4"),
+    ("self", "streaming:budget_tokens=24,sinks=4,positions=reindex"),
+    ("self", "h2o:budget_tokens=24,recent_tokens=8"),
+    ("self", "keyformer:budget_tokens=24,recent_tokens=8"),
+    ("self", "keyformer:budget_tokens=24,score=shared"),
+    ("self", "snapkv:budget_tokens=24,window_size=4"),
+    ("self", "window:window=16"),
+])
+def test_greedy_equals_plain(greedy_models, source, spec):
+    target, other = greedy_models
+    if spec == "other":
+        spec = other
+    elif spec == "same":
+        spec = target
+    prompt = repetitive_prompt()
+    plain = attnkit.generate(target, prompt, max_new_tokens=40, stop_at_eos=False)
+    for gamma, adaptive in ((1, False), (4, False), (3, True)):
+        out = speculative_generate(target, prompt, source, draft_spec=spec, gamma=gamma, adaptive_gamma=adaptive,
+                                   max_new_tokens=40, stop_at_eos=False)
+        assert out.token_ids == plain.token_ids, (gamma, adaptive)
+        assert out.text == plain.text
+        s = out.stats
+        assert s.new_tokens == 40 and s.rounds >= 1
+        assert 0.0 <= s.acceptance_rate <= 1.0
+        assert s.tokens_per_target_forward == pytest.approx((s.accepted_tokens + s.rounds) / s.rounds)
+    if spec is target:  # the target drafting for itself is always right
+        assert out.stats.acceptance_rate == 1.0
+
+
+def test_greedy_equals_plain_sliding_window_model_and_chunked_prefill():
+    target = attnkit.load_model("random:mistral:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,"
+                                "intermediate=128,sliding_window=20")
+    prompt = repetitive_prompt(90)
+    plain = attnkit.generate(target, prompt, max_new_tokens=30, stop_at_eos=False, chunk_size=32)
+    for source, spec in (("prompt_lookup", None), ("self", "streaming:budget_tokens=24,sinks=2")):
+        out = speculative_generate(target, prompt, source, draft_spec=spec, gamma=5, max_new_tokens=30,
+                                   stop_at_eos=False, chunk_size=32)
+        assert out.token_ids == plain.token_ids
+
+
+def test_stop_strings_eos_and_streaming_match_plain(greedy_models):
+    target, _ = greedy_models
+    prompt = repetitive_prompt()
+    free = attnkit.generate(target, prompt, max_new_tokens=30, stop_at_eos=False)
+    stop = free.text[12:14]
+    pieces_a, pieces_b = [], []
+    a = attnkit.generate(target, prompt, max_new_tokens=30, stop_at_eos=False, stop=[stop],
+                         on_token=lambda t, d: pieces_a.append(d))
+    b = speculative_generate(target, prompt, "prompt_lookup", gamma=4, max_new_tokens=30, stop_at_eos=False,
+                             stop=[stop], on_token=lambda t, d: pieces_b.append(d))
+    assert (b.text, b.token_ids, b.stats.finish_reason) == (a.text, a.token_ids, a.stats.finish_reason)
+    assert "".join(pieces_b) == b.text
+
+    eos_at = free.token_ids[7]
+
+    class Tok:
+        def __init__(self, inner):
+            self.inner, self.eos_token_id = inner, eos_at
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    model = dataclasses.replace(target, tokenizer=Tok(target.tokenizer))
+    a = attnkit.generate(model, prompt, max_new_tokens=30)
+    b = speculative_generate(model, prompt, "prompt_lookup", gamma=4, max_new_tokens=30)
+    assert b.token_ids == a.token_ids and b.stats.finish_reason == a.stats.finish_reason == "eos"
+
+
+def test_seeded_sampling_is_reproducible(greedy_models):
+    target, other = greedy_models
+    kw = dict(draft_spec=other, gamma=3, max_new_tokens=20, do_sample=True, temperature=1.3, seed=7,
+              stop_at_eos=False, adaptive_gamma=True)
+    a = speculative_generate(target, "hello there", "draft_model", **kw)
+    b = speculative_generate(target, "hello there", "draft_model", **kw)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+
+
+# ---- rollback of the caches ----------------------------------------------------------------------------
+def test_target_truncation_is_exact_rollback(greedy_models):
+    """A multi-token verification forward (prefill step after the prompt) gives the logits of feeding
+    the tokens one by one, and truncating LayerKV.length leaves the cache of the accepted prefix."""
+    model, _ = greedy_models
+    ids = random_ids(40, seed=2)
+    extra = [5, 77, 130, 9]
+    full = resolve_method("full")
+    with torch.inference_mode():
+        a = new_session(model, full, 40, 10)
+        prefill(model, a, ids)
+        multi = logits_of(model, forward(model, torch.tensor(extra), 40, lambda pos: Step(a, "prefill", pos, False),
+                                         all_positions=True))
+        b = new_session(model, full, 40, 10)
+        prefill(model, b, ids)
+        single = []
+        for i, t in enumerate(extra[:2]):
+            single.append(logits_of(model, forward(model, torch.tensor([t]), 40 + i,
+                                                   lambda pos: Step(b, "decode", pos)))[-1])
+        assert torch.allclose(multi[:2], torch.stack(single), atol=1e-5)
+        truncate_session(a, 42)  # accept extra[:2]
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            ka, va, pa = la.view()
+            kb, vb, pb = lb.view()
+            assert torch.equal(pa, pb) and torch.allclose(ka, kb, atol=1e-6) and torch.allclose(va, vb, atol=1e-6)
+        # continuing after the rollback overwrites the stale slots
+        nxt = [logits_of(model, forward(model, torch.tensor([200]), 42,
+                                        lambda pos, s=s: Step(s, "decode", pos)))[-1] for s in (a, b)]
+        assert torch.allclose(nxt[0], nxt[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_folded_verification_attention_equals_reference(window):
+    """VerifyingFull's kernel call (query heads folded into the query axis, additive mask) is the
+    reference attention by position, GQA and the model's own window included."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 5, 8, 16, generator=g).transpose(1, 2)  # [b, hq, n, d], not contiguous (as HF hands it)
+    k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    q_pos, k_pos = torch.arange(35, 40), torch.arange(40)
+    ref = attend(q, k, v, 0.25, q_pos, k_pos, window)
+    assert torch.allclose(folded_attention(q, k, v, 0.25, q_pos, k_pos, window), ref, atol=1e-5)
+
+
+def _state_equal(x, y) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_state_equal(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_state_equal(a, b) for a, b in zip(x, y))
+    return True  # other objects (the Step a method remembers) are compared by behaviour below
+
+
+def _filled(session):
+    out = []
+    for kv in session.cache.layers:
+        k, v, p = kv.view()
+        out.append((k, v, p, {name: s[:, :, :kv.length] for name, s in kv.extras.items()}))
+    return out
+
+
+@pytest.mark.parametrize("spec", ["streaming:budget_tokens=12,sinks=2", "h2o:budget_tokens=12,recent_tokens=4",
+                                  "keyformer:budget_tokens=12,score=shared", "full"])
+def test_draft_rollback_equals_feeding_only_accepted_tokens(greedy_models, spec):
+    """After propose(gamma) + feedback(n), the draft's session (slots, positions, score buffers, layer
+    and shared state) is what feeding only the accepted tokens produces, for every n."""
+    model, _ = greedy_models
+    prompt = random_ids(30, seed=4)
+    run = DraftRun(model, prompt, 20, SamplingConfig(), None)
+    gamma = 5
+    for accepted in range(gamma + 1):
+        d = ModelDraft(model if spec == "full" else None, spec, share_prefill=False)
+        d.start(run)
+        context = prompt.tolist() + [3]
+        drafted = d.propose(context, gamma).tokens
+        d.feedback(accepted)
+        ref = ModelDraft(model if spec == "full" else None, spec, share_prefill=False)
+        ref.start(run)
+        # the reference feeds the context and the accepted drafts (all but the last when every draft
+        # passed: the draft never feeds its last token) through the same one-token steps
+        fed = context + drafted[:min(accepted, gamma - 1)]
+        for i in range(ref.cached, len(fed)):
+            ref._feed(fed[i:i + 1], i)
+        ref.cached = len(fed)
+        assert d.cached == ref.cached == len(context) + min(accepted, gamma - 1)
+        fa, fb = _filled(d.session), _filled(ref.session)
+        for (ka, va, pa, ea), (kb, vb, pb, eb) in zip(fa, fb):
+            assert torch.equal(pa, pb)
+            assert torch.allclose(ka, kb, atol=1e-6) and torch.allclose(va, vb, atol=1e-6)
+            assert ea.keys() == eb.keys() and all(torch.allclose(ea[k], eb[k], atol=1e-5) for k in ea)
+        assert _state_equal(d.session.layer_state, ref.session.layer_state)
+        assert _state_equal(d.session.shared, ref.session.shared)
+        # and both continue identically
+        nxt = context + drafted[:accepted] + [42]
+        assert d.propose(nxt, 3).tokens == ref.propose(nxt, 3).tokens
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget_tokens=12,window_size=4", "keyformer:budget_tokens=12,score=shared",
+                                  "streaming:budget_tokens=12,sinks=2"])
+def test_shared_prompt_pass_builds_the_same_draft_cache(greedy_models, spec):
+    """The self-draft's cache filled inside the target's prompt pass (no attention output of its own)
+    is the cache its own prompt pass builds. (For the eviction methods, which attend in full over the
+    prompt; a sparse-prefill draft such as ``window`` gets the target's exact keys instead of its own.)"""
+    model, _ = greedy_models
+    prompt = random_ids(40, seed=6)
+    run = DraftRun(model, prompt, 10, SamplingConfig(), None, chunk_size=16)
+    shared, alone = (ModelDraft(None, spec, share_prefill=flag) for flag in (True, False))
+    target = new_session(model, resolve_method("full"), 40, 10)
+    with torch.inference_mode():
+        prefill_sessions(model, [target, shared.start(run)], prompt, 16)
+    assert alone.start(run) is None
+    assert type(shared.session.method) is type(alone.session.method)  # the wrapper is gone after the pass
+    for (ka, va, pa, ea), (kb, vb, pb, eb) in zip(_filled(shared.session), _filled(alone.session)):
+        assert torch.equal(pa, pb) and torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
+        assert all(torch.allclose(ea[k], eb[k], atol=1e-4) for k in ea)
+
+
+def test_snapshots_are_independent_copies(greedy_models):
+    model, _ = greedy_models
+    d = ModelDraft(None, "h2o:budget_tokens=10,recent_tokens=3", share_prefill=False)
+    d.start(DraftRun(model, random_ids(20), 10, SamplingConfig(), None))
+    d.propose(random_ids(20).tolist() + [4], 1)
+    snap = snapshot_session(d.session)
+    before = [kv.extras["score"].clone() for kv in snap.layers]
+    d.propose(random_ids(20).tolist() + [4, 6], 2)
+    assert all(torch.equal(b, kv.extras["score"]) for b, kv in zip(before, snap.layers))
+
+
+# ---- sources, errors ------------------------------------------------------------------------------------
+def test_prompt_lookup_finds_most_recent_continuation():
+    d = PromptLookupDraft(max_ngram=3, min_ngram=1)
+    ctx = [1, 2, 3, 4, 9, 9, 1, 2, 3, 5, 6, 7, 1, 2, 3]
+    assert d.lookup(ctx, 3) == [5, 6, 7]  # the latest earlier "1 2 3" was followed by 5 6 7
+    # "2 3 5" -> up to the end of the context, then on through the proposal itself (period 7)
+    assert d.lookup(ctx + [5], 10) == [6, 7, 1, 2, 3, 5, 6, 7, 1, 2]
+    assert d.lookup([4, 7, 7, 7], 3) == [7, 7, 7]  # a run continues
+    assert d.lookup([1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
+    assert d.lookup([8, 8, 8, 42], 4) == []
+    assert PromptLookupDraft(2, 2).lookup([1, 7, 3, 0, 7], 2) == []  # only a 1-gram match
+
+
+def test_mismatched_vocabularies_raise(greedy_models):
+    target, _ = greedy_models
+    config = LlamaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64)
+    other = attnkit.prepare(LlamaForCausalLM(config), build_byte_tokenizer(), "vocab300")
+    with pytest.raises(attnkit.AttnkitError, match="vocabulary of 300 tokens but the target .* has 259"):
+        speculative_generate(target, "hi", "draft_model", draft_spec=other, max_new_tokens=4)
+
+    class Shuffled:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get_vocab(self):
+            v = dict(self.inner.get_vocab())
+            a, b = list(v)[10:12]
+            v[a], v[b] = v[b], v[a]
+            return v
+
+    same_size = dataclasses.replace(greedy_models[1], tokenizer=Shuffled(target.tokenizer))
+    with pytest.raises(attnkit.AttnkitError, match="different ids"):
+        speculative_generate(target, "hi", "draft_model", draft_spec=same_size, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kind,spec,match", [
+    ("nope", None, "unknown draft source"),
+    ("self", "full", "compressed cache"),
+    ("prompt_lookup", "max_ngram=0", "max_ngram"),
+    ("prompt_lookup", "min_ngram=4,max_ngram=2", "larger than"),
+    ("prompt_lookup", "size=3", "no option size"),
+    ("self", "streaming:budget=2", "budget"),
+])
+def test_bad_draft_specs_raise(kind, spec, match):
+    with pytest.raises(attnkit.AttnkitError, match=match):
+        make_draft(kind, spec)
+
+
+def test_bad_gamma_raises(greedy_models):
+    with pytest.raises(attnkit.AttnkitError, match="gamma"):
+        speculative_generate(greedy_models[0], "hi", "prompt_lookup", gamma=0)
+
+
+def test_adaptive_gamma_follows_acceptance():
+    assert best_gamma(0.05, 0.1, 16) == 1
+    assert best_gamma(0.95, 0.05, 16) > best_gamma(0.6, 0.05, 16) >= 2
+    assert best_gamma(0.999, 0.0, 16) == 16
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------
+def test_cli_generate_speculate_matches_plain(capsys):
+    model = f"random:llama:{SMALL}"
+    prompt = "abcabcabcabcabcabc"
+    assert main(["generate", "--model", model, "--prompt", prompt, "--max-new-tokens", "12", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["generate", "--model", model, "--prompt", prompt, "--max-new-tokens", "12", "--json",
+                 "--speculate", "prompt_lookup", "--gamma", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert "acceptance_rate" in spec["stats"]
+    assert main(["generate", "--model", model, "--prompt", prompt, "--max-new-tokens", "6",
+                 "--speculate", "self", "--draft", "streaming:budget_tokens=8,sinks=2"]) == 0
+    err = capsys.readouterr().err
+    assert "acceptance" in err
+    assert main(["generate", "--model", model, "--prompt", prompt, "--speculate", "self", "--method", "window",
+                 "--param", "window=8"]) == 2
+
+
+def test_cli_bench_speculate(capsys):
+    assert main(["bench", "--model", f"random:llama:{SMALL}", "--context", "200", "--new-tokens", "8",
+                 "--repeats", "1", "--threads", "1", "--speculate", "prompt_lookup", "--gamma", "3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["decoder"].split()[0] for r in rows] == ["plain", "speculative"]
+    assert rows[1]["same_output_as_plain"] is True and rows[0]["decode_speedup"] == 1.0
