@@ -30,11 +30,9 @@ def _method_from_args(args):
 
 
 def _load(spec: str, context: int | None = None):
-    from attnkit.model import load_model
+    from attnkit.model import load_model, load_model_for_length
 
-    if context and spec.startswith("random:") and "context=" not in spec:
-        return load_model(spec, context=context)
-    return load_model(spec)
+    return load_model_for_length(spec, context) if context else load_model(spec)
 
 
 def cmd_methods(args) -> int:
@@ -93,14 +91,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import torch
-
     from attnkit.bench.speed import format_bench, run_bench
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise AttnkitError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
     if args.speculate:
         from attnkit.speculative.bench import bench_from_args
 
@@ -278,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "threads", None) is not None:
+            if args.threads < 1:
+                raise AttnkitError(f"--threads must be >= 1, got {args.threads}")
+            import torch
+
+            torch.set_num_threads(args.threads)
         return args.func(args)
     except AttnkitError as exc:
         print(f"attnkit: error: {exc}", file=sys.stderr)

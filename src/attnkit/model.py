@@ -154,6 +154,14 @@ def random_model(arch: str, spec: str = "", **overrides) -> LoadedModel:
     return prepare(hf, tokenizer, spec or f"random:{arch}")
 
 
+def load_model_for_length(spec: str, positions: int) -> LoadedModel:
+    """Like :func:`load_model`, but a ``random:`` spec without its own ``context=`` gets `positions`
+    positions (benchmarks and calibration at lengths beyond the default 4096)."""
+    if spec.startswith("random:") and "context=" not in spec:
+        return load_model(spec, context=positions)
+    return load_model(spec)
+
+
 def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                **random_options) -> LoadedModel:
     """Load a model by spec (see the module docstring)."""

@@ -137,6 +137,18 @@ def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size:
     return torch.cat(outputs) if all_positions else outputs[-1]
 
 
+def generation_options(max_new_tokens: int, do_sample: bool, temperature: float, top_k: int | None,
+                       top_p: float | None, seed: int | None,
+                       stop: Sequence[str] | str | None) -> tuple[SamplingConfig, list[str]]:
+    """Validated sampling settings and stop strings of a generation call."""
+    if max_new_tokens < 1:
+        raise AttnkitError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise AttnkitError("stop strings must be non-empty")
+    return SamplingConfig(do_sample, temperature, top_k, top_p, seed), stops
+
+
 def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
     """Length of the longest end of `text` that is a proper beginning of some stop string."""
     best = 0
@@ -172,12 +184,7 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
     `keep_logits` returns the logits each token was chosen from (float32, ``[vocab]`` each).
     """
     method = resolve_method(method, params)
-    if max_new_tokens < 1:
-        raise AttnkitError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not s for s in stops):
-        raise AttnkitError("stop strings must be non-empty")
+    sampling, stops = generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
     ids = encode_prompt(model, prompt)
     check_length(model, ids.shape[0], max_new_tokens)
     device = model.device

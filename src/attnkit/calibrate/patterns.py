@@ -397,17 +397,9 @@ def summary(config: dict) -> str:
 
 def main(args) -> int:
     """``attnkit calibrate patterns`` (arguments parsed by :mod:`attnkit.cli`)."""
-    from attnkit.model import load_model
+    from attnkit.model import load_model_for_length
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise AttnkitError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    spec = args.model
-    if spec.startswith("random:") and "context=" not in spec:
-        model = load_model(spec, context=max(args.length, 4096))
-    else:
-        model = load_model(spec)
+    model = load_model_for_length(args.model, max(args.length, 4096))
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     config = search_patterns(model, args.length, args.flops_budget, tasks=tasks, samples=args.samples, seed=args.seed,
                              block_size=args.block_size, last_q=args.last_q, static=args.static,

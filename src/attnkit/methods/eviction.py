@@ -459,6 +459,14 @@ class EvictionMethod(Method):
             buf = kv.extras[name] = torch.zeros(kv.keys.shape[:3], dtype=torch.float32, device=kv.keys.device)
         return buf
 
+    def recent_tokens_for(self, ctx: LayerContext) -> int:
+        """This layer's recent window in tokens, from the subclass's ``recent`` (a fraction of the budget,
+        default ``default_recent``) or ``recent_tokens`` (resolved once per generation)."""
+        if "recent" not in ctx.state:
+            ctx.state["recent"] = recent_window(self.recent, self.recent_tokens, self.default_recent,
+                                                self.layer_budget(ctx), ctx.index)
+        return ctx.state["recent"]
+
     @staticmethod
     def recent_mask(ctx: LayerContext, recent: int, next_pos) -> torch.Tensor | None:
         """Entries among the `recent` tokens right before `next_pos` (the recent window)."""

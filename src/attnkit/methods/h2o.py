@@ -51,12 +51,6 @@ class HeavyHitters(EvictionMethod):
         check_recent(self.recent, self.recent_tokens, self.budget_tokens)
         check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
 
-    def recent_tokens_for(self, ctx: LayerContext) -> int:
-        if "recent" not in ctx.state:
-            ctx.state["recent"] = recent_window(self.recent, self.recent_tokens, self.default_recent,
-                                                self.layer_budget(ctx), ctx.index)
-        return ctx.state["recent"]
-
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
         recent_window(self.recent, self.recent_tokens, self.default_recent, budget, ctx.index)
 

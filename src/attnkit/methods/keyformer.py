@@ -124,12 +124,6 @@ class Keyformer(EvictionMethod):
             raise ValueError(f"seed must be a whole number >= 0, got {self.seed!r}")
 
     # ---- parameters per layer ------------------------------------------------------------------------
-    def recent_tokens_for(self, ctx: LayerContext) -> int:
-        if "recent" not in ctx.state:
-            ctx.state["recent"] = recent_window(self.recent, self.recent_tokens, self.default_recent,
-                                                self.layer_budget(ctx), ctx.index)
-        return ctx.state["recent"]
-
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
         recent_window(self.recent, self.recent_tokens, self.default_recent, budget, ctx.index)
         if self.positions == "new" and ctx.session.rope is None:

@@ -97,15 +97,9 @@ def format_rows(rows: list[dict]) -> str:
 
 def bench_from_args(args) -> int:
     """``attnkit bench --speculate KIND [--draft SPEC] [--gamma N]``: a code prompt of --context tokens."""
-    from attnkit.model import load_model
+    from attnkit.model import load_model_for_length
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise AttnkitError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    total = args.context + args.new_tokens
-    spec = args.model
-    model = load_model(spec, context=total) if spec.startswith("random:") and "context=" not in spec else load_model(spec)
+    model = load_model_for_length(args.model, args.context + args.new_tokens)
     prompt = code_prompt(model, args.context, args.seed)
 
     def progress(r, plain, spec_stats):

@@ -54,10 +54,11 @@ from attnkit.runner import (
     check_length,
     encode_prompt,
     forward,
+    generation_options,
     logits_of,
     new_session,
 )
-from attnkit.sampling import SamplingConfig, choose_token, next_token_distribution
+from attnkit.sampling import choose_token, next_token_distribution
 from attnkit.speculative.acceptance import greedy_accept, speculative_accept
 from attnkit.speculative.drafts import DraftRun, DraftSource, Proposal, make_draft, truncate_session
 
@@ -302,12 +303,7 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     ``streaming:budget_tokens=256,sinks=4``), or a :class:`DraftSource`. The other arguments are the
     plain runner's. Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
     """
-    if max_new_tokens < 1:
-        raise AttnkitError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not s for s in stops):
-        raise AttnkitError("stop strings must be non-empty")
+    sampling, stops = generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
     source = resolve_draft(draft, draft_spec, model)
     ids = encode_prompt(model, prompt)
     n = ids.shape[0]
