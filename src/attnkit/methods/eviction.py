@@ -459,14 +459,6 @@ class EvictionMethod(Method):
             buf = kv.extras[name] = torch.zeros(kv.keys.shape[:3], dtype=torch.float32, device=kv.keys.device)
         return buf
 
-    def recent_tokens_for(self, ctx: LayerContext) -> int:
-        """This layer's recent window in tokens, from the subclass's ``recent`` (a fraction of the budget,
-        default ``default_recent``) or ``recent_tokens`` (resolved once per generation)."""
-        if "recent" not in ctx.state:
-            ctx.state["recent"] = recent_window(self.recent, self.recent_tokens, self.default_recent,
-                                                self.layer_budget(ctx), ctx.index)
-        return ctx.state["recent"]
-
     @staticmethod
     def recent_mask(ctx: LayerContext, recent: int, next_pos) -> torch.Tensor | None:
         """Entries among the `recent` tokens right before `next_pos` (the recent window)."""
@@ -482,3 +474,32 @@ class EvictionMethod(Method):
             return None
         positions = ctx.kv.view()[2]
         return _visible(ctx.q_pos, positions, ctx.native_window)
+
+
+@dataclass
+class RecentWindowEviction(EvictionMethod):
+    """Base of the methods that always keep a recent window (H2O, Keyformer): ``recent`` is the window
+    as a fraction of the budget (default ``default_recent``), ``recent_tokens`` as a count; the query
+    heads of a kv group are reduced with ``gqa_reduce``."""
+
+    recent: float | None = None
+    recent_tokens: int | None = None
+    gqa_reduce: str = "mean"
+
+    default_recent = 0.5
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_recent(self.recent, self.recent_tokens, self.budget_tokens)
+        check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
+
+    def check_layer(self, ctx: LayerContext, budget: int) -> None:
+        recent_window(self.recent, self.recent_tokens, self.default_recent, budget, ctx.index)
+
+    def recent_tokens_for(self, ctx: LayerContext) -> int:
+        """This layer's recent window in tokens, from the subclass's ``recent`` (a fraction of the budget,
+        default ``default_recent``) or ``recent_tokens`` (resolved once per generation)."""
+        if "recent" not in ctx.state:
+            ctx.state["recent"] = recent_window(self.recent, self.recent_tokens, self.default_recent,
+                                                self.layer_budget(ctx), ctx.index)
+        return ctx.state["recent"]

@@ -22,37 +22,21 @@ import torch
 
 from attnkit.methods.base import LayerContext, register
 from attnkit.methods.eviction import (
-    GQA_REDUCTIONS,
-    EvictionMethod,
+    RecentWindowEviction,
     attend_with_logits,
     attention_statistics,
-    check_choice,
-    check_recent,
-    recent_window,
     reduce_heads,
 )
 
 
 @register
 @dataclass
-class HeavyHitters(EvictionMethod):
+class HeavyHitters(RecentWindowEviction):
     """Accumulated-attention heavy hitters + recent window, per kv head."""
-
-    recent: float | None = None
-    recent_tokens: int | None = None
-    gqa_reduce: str = "mean"
 
     name = "h2o"
     summary = "heavy hitters by accumulated attention + recent window (H2O, Zhang et al. 2023)"
     default_recent = 0.5
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_recent(self.recent, self.recent_tokens, self.budget_tokens)
-        check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
-
-    def check_layer(self, ctx: LayerContext, budget: int) -> None:
-        recent_window(self.recent, self.recent_tokens, self.default_recent, budget, ctx.index)
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return self.score_buffer(ctx)[:, :, :ctx.kv.length]

@@ -43,14 +43,11 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, register
 from attnkit.methods.eviction import (
-    GQA_REDUCTIONS,
-    EvictionMethod,
+    RecentWindowEviction,
     attend_with_logits,
     attention_statistics,
     check_choice,
-    check_recent,
     counter_uniforms,
-    recent_window,
     reduce_heads,
     resolve_budget,
 )
@@ -92,18 +89,15 @@ def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int
 
 @register
 @dataclass
-class Keyformer(EvictionMethod):
+class Keyformer(RecentWindowEviction):
     """Key tokens by the accumulated Gumbel-softmax score f (eq. 9-10) + recent window."""
 
-    recent: float | None = None
-    recent_tokens: int | None = None
     tau_init: float = 1.0
     tau_end: float = 2.0
     noise: str = "gumbel"
     score: str = "per_layer"
     positions: str = "original"
     seed: int = 0
-    gqa_reduce: str = "mean"
 
     name = "keyformer"
     summary = "key tokens by Gumbel-softmax score + recent window (Keyformer, seed 001)"
@@ -111,7 +105,6 @@ class Keyformer(EvictionMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        check_recent(self.recent, self.recent_tokens, self.budget_tokens)
         for name in ("tau_init", "tau_end"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -119,13 +112,12 @@ class Keyformer(EvictionMethod):
         check_choice("noise", self.noise, NOISES)
         check_choice("score", self.score, ("per_layer", "shared"))
         check_choice("positions", self.positions, ("original", "new"))
-        check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be a whole number >= 0, got {self.seed!r}")
 
     # ---- parameters per layer ------------------------------------------------------------------------
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
-        recent_window(self.recent, self.recent_tokens, self.default_recent, budget, ctx.index)
+        super().check_layer(ctx, budget)
         if self.positions == "new" and ctx.session.rope is None:
             raise AttnkitError("keyformer positions='new' needs the model's rotary embedding (session.rope)")
 
