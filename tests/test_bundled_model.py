@@ -1,0 +1,40 @@
+"""The bundled model loads offline and really uses distant context (a partly trained checkpoint: see
+src/attnkit/assets/tiny/training.json; the bar rises as training continues)."""
+
+import os
+
+import pytest
+
+import attnkit
+from attnkit.eval.tasks import TASKS
+
+# needles in the first half of a 1024-token prompt: at least 400 tokens before the question
+DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    return attnkit.load_model("tiny")
+
+
+def test_tiny_geometry(tiny):
+    g = tiny.geometry
+    assert (g.architecture, g.n_layers, g.n_q_heads, g.n_kv_heads, g.head_dim) == ("llama", 6, 8, 2, 32)
+    assert g.max_positions == 4096
+
+
+def passkey_scores(model, method, params=None):
+    scores = []
+    for i, depth in enumerate(DEPTHS):
+        sample = TASKS["passkey"].make(model.tokenizer, 1024, depth=depth, seed=500 + i)
+        out = attnkit.generate(model, sample.prompt, method, params=params, max_new_tokens=8, stop="\n")
+        scores.append(TASKS["passkey"].score(out.text, sample))
+    return scores
+
+
+def test_full_attention_finds_distant_passkeys_a_small_window_does_not(tiny):
+    full = passkey_scores(tiny, "full")
+    window = passkey_scores(tiny, "window", {"window": 256})
+    assert sum(full) >= 3, full
+    assert sum(window) == 0, window
