@@ -160,6 +160,46 @@ def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
     return best
 
 
+class TokenEmitter:
+    """Stop conditions (EOS, stop strings) and streaming, token by token, for every decoding loop.
+
+    A streamed tail that may still grow into a stop string is held back until it cannot."""
+
+    def __init__(self, tokenizer, eos, stops: list[str], on_token):
+        self.tokenizer, self.eos, self.stops, self.on_token = tokenizer, eos, stops, on_token
+        self.generated: list[int] = []
+        self.text, self.finish, self.streamed = "", "length", 0
+
+    def push(self, token: int) -> bool:
+        """Emit one token; True when generation must end here."""
+        if self.eos is not None and token == self.eos:
+            self.finish = "eos"
+            return True
+        self.generated.append(token)
+        if self.stops or self.on_token:
+            text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+            cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+            if cut >= 0:
+                text, self.finish = text[:cut], "stop"
+            self.text = text
+            if self.on_token:
+                safe = len(text) if self.finish == "stop" else len(text) - _stop_prefix_overlap(text, self.stops)
+                if safe > self.streamed:
+                    self.on_token(token, text[self.streamed:safe])
+                    self.streamed = safe
+            if self.finish == "stop":
+                return True
+        return False
+
+    def close(self) -> str:
+        if not (self.stops or self.on_token):
+            self.text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        if self.on_token and len(self.text) > self.streamed:
+            self.on_token(self.generated[-1], self.text[self.streamed:])
+        return self.text
+
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -201,41 +241,23 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
     token = choose_token(logits, sampling, generator)
     ttft_s = time.perf_counter() - t0
 
-    generated: list[int] = []
+    emit = TokenEmitter(tokenizer, eos, stops, on_token)
     kept_logits = [logits] if keep_logits else None
-    text, finish, streamed = "", "length", 0
     t_decode = time.perf_counter()
     for i in range(max_new_tokens):
         if i > 0:
-            hidden = forward(model, torch.tensor([generated[-1]], device=device), ids.shape[0] + i - 1,
+            hidden = forward(model, torch.tensor([emit.generated[-1]], device=device), ids.shape[0] + i - 1,
                              lambda pos: Step(session, "decode", pos))
             logits = logits_of(model, hidden)[-1]
             token = choose_token(logits, sampling, generator)
             if keep_logits:
                 kept_logits.append(logits)
-        if eos is not None and token == eos:
-            finish = "eos"
+        if emit.push(token):
             break
-        generated.append(token)
-        if stops or on_token:
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            cut = min((text.find(s) for s in stops if s in text), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-            if on_token:
-                # hold back a tail that may still grow into a stop string
-                safe = len(text) if finish == "stop" else len(text) - _stop_prefix_overlap(text, stops)
-                if safe > streamed:
-                    on_token(token, text[streamed:safe])
-                    streamed = safe
-            if finish == "stop":
-                break
     _sync(device)
     decode_s = time.perf_counter() - t_decode
-    if not (stops or on_token):
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-    if on_token and len(text) > streamed:
-        on_token(generated[-1], text[streamed:])
+    text = emit.close()
+    generated, finish = emit.generated, emit.finish
     decode_steps = max(0, len(generated) - 1 + (finish == "eos"))
     stats = GenerationStats(
         method=method.describe(), prompt_tokens=ids.shape[0], new_tokens=len(generated), prefill_s=prefill_s,

@@ -49,7 +49,7 @@ from attnkit.model import LoadedModel
 from attnkit.runner import (
     Generation,
     GenerationStats,
-    _stop_prefix_overlap,
+    TokenEmitter,
     _sync,
     check_length,
     encode_prompt,
@@ -238,43 +238,6 @@ def prefill_sessions(model: LoadedModel, sessions: list[Session], ids: torch.Ten
     return hidden
 
 
-class _Emitter:
-    """Stop conditions and streaming exactly as the plain runner applies them, token by token."""
-
-    def __init__(self, tokenizer, eos, stops: list[str], on_token):
-        self.tokenizer, self.eos, self.stops, self.on_token = tokenizer, eos, stops, on_token
-        self.generated: list[int] = []
-        self.text, self.finish, self.streamed = "", "length", 0
-
-    def push(self, token: int) -> bool:
-        """Emit one token; True when generation must end here."""
-        if self.eos is not None and token == self.eos:
-            self.finish = "eos"
-            return True
-        self.generated.append(token)
-        if self.stops or self.on_token:
-            text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
-            cut = min((text.find(s) for s in self.stops if s in text), default=-1)
-            if cut >= 0:
-                text, self.finish = text[:cut], "stop"
-            self.text = text
-            if self.on_token:
-                safe = len(text) if self.finish == "stop" else len(text) - _stop_prefix_overlap(text, self.stops)
-                if safe > self.streamed:
-                    self.on_token(token, text[self.streamed:safe])
-                    self.streamed = safe
-            if self.finish == "stop":
-                return True
-        return False
-
-    def close(self) -> str:
-        if not (self.stops or self.on_token):
-            self.text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
-        if self.on_token and len(self.text) > self.streamed:
-            self.on_token(self.generated[-1], self.text[self.streamed:])
-        return self.text
-
-
 def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel) -> DraftSource:
     if isinstance(draft, DraftSource):
         if draft_spec is not None:
@@ -326,7 +289,7 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     ttft_s = time.perf_counter() - t0
 
     control = GammaController(gamma, adaptive_gamma, max_gamma, source.relative_cost())
-    emit = _Emitter(tokenizer, eos, stops, on_token)
+    emit = TokenEmitter(tokenizer, eos, stops, on_token)
     context = ids.tolist() + [first]
     rounds = drafted_total = accepted_total = emitted_by_rounds = 0
     draft_s = verify_s = 0.0
