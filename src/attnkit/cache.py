@@ -111,14 +111,29 @@ class LayerKV:
 
 
 class KVCache:
-    """All layers' :class:`LayerKV` (``None`` for a layer that keeps no cache), with a peak byte count."""
+    """All layers' :class:`LayerKV` (``None`` for a layer that keeps no cache), with a peak byte count.
+
+    ``extra`` holds per-token tensors a method keeps *instead of* or beside keys and values (Select-Attention
+    keeps the filter layer's hidden states to rebuild the later layers' keys and values): they are memory
+    the method needs per token, so :meth:`nbytes` counts them; :meth:`kv_nbytes` is keys and values only.
+    """
 
     def __init__(self, n_layers: int):
         self.layers: list[LayerKV | None] = [None] * n_layers
+        self.extra: dict[str, torch.Tensor] = {}
         self.peak_bytes = 0
 
-    def nbytes(self) -> int:
+    def kv_nbytes(self) -> int:
+        """Bytes of key and value storage over all layers."""
         return sum(layer.nbytes() for layer in self.layers if layer is not None)
+
+    def extra_bytes(self) -> int:
+        """Bytes of the per-token tensors in ``extra``."""
+        return sum(t.nbytes for t in self.extra.values())
+
+    def nbytes(self) -> int:
+        """Everything the cache holds: keys, values and ``extra``."""
+        return self.kv_nbytes() + self.extra_bytes()
 
     def track_peak(self) -> None:
         """Record the current size as a candidate peak (call after every allocation change)."""

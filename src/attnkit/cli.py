@@ -192,6 +192,18 @@ def cmd_calibrate_patterns(args) -> int:
     return main(args)
 
 
+def cmd_calibrate_heads(args) -> int:
+    from attnkit.calibrate.heads import main
+
+    return main(args)
+
+
+def cmd_calibrate_filter_layer(args) -> int:
+    from attnkit.calibrate.filter_layer import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnkit", description="Faster, lighter long-context inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -257,6 +269,36 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--static", action="store_true", help="also store the first prompt's indices (minference_static)")
     c.add_argument("--threads", type=int, default=None)
     c.set_defaults(func=cmd_calibrate_patterns)
+    c = calibrations.add_parser("heads", help="Share-Attention: cluster heads by the eq. 9 distance (seed 000, 4.1)")
+    c.add_argument("--model", default="tiny")
+    c.add_argument("--out", required=True, help="the JSON share config to write")
+    th = c.add_mutually_exclusive_group()
+    th.add_argument("--threshold", type=float, default=None, help="one threshold for every layer (default 0.18)")
+    th.add_argument("--thresholds", default=None, metavar="FILE", help="one threshold per layer (JSON list or numbers)")
+    th.add_argument("--threshold-schedule", default=None, metavar="LOW,HIGH[,A:B]",
+                    help="HIGH for layers A..B-1 (default: the middle-to-late band), LOW for the others")
+    c.add_argument("--length", type=int, default=1024, help="calibration prompt length in tokens")
+    c.add_argument("--tasks", default="passkey,kv_retrieval,code_completion", help="calibration prompt tasks")
+    c.add_argument("--samples", type=int, default=1, help="prompts per task")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--split", choices=["calibration", "train"], default="calibration",
+                   help="calibration: held-out text, seeds apart from eval; train: the training stream (slower)")
+    c.add_argument("--threads", type=int, default=None)
+    c.set_defaults(func=cmd_calibrate_heads)
+    c = calibrations.add_parser("filter-layer", help="Select-Attention: sweep the filter layer on calibration tasks")
+    c.add_argument("--model", default="tiny")
+    c.add_argument("--tasks", default="passkey,kv_retrieval", help="calibration tasks (scored by their metric)")
+    c.add_argument("--length", type=int, default=1024)
+    c.add_argument("--samples", type=int, default=2, help="samples per task")
+    c.add_argument("--p", type=float, default=0.95, help="top-p mass kept while decoding (p_decode)")
+    c.add_argument("--layers", default=None, help="comma-separated candidate layers (default: all but the last)")
+    c.add_argument("--prefill-select", action="store_true", help="also select at prefill (p_prefill = --p)")
+    c.add_argument("--value-weighted", action="store_true", help="weight attention by value norms (seed ref. [6])")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--split", choices=["calibration", "train"], default="calibration")
+    c.add_argument("--out", default=None, help="optional JSON file with the table")
+    c.add_argument("--threads", type=int, default=None)
+    c.set_defaults(func=cmd_calibrate_filter_layer)
 
     p = sub.add_parser("demo", help="the main job: a short evaluation of the bundled model")
     p.add_argument("--model", default="tiny")

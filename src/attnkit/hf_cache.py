@@ -116,6 +116,9 @@ class AttnkitCache(Cache):
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise AttnkitError(f"max_new_tokens must be the generation length (>= 1), got {max_new_tokens!r}")
         self.method = resolve_method(method, params)
+        if self.method.run_layers is not None:
+            raise AttnkitError(f"method {self.method.name!r} changes which tokens the decoder layers see (a model-level "
+                               f"hook), which model.generate cannot do; use attnkit.generate instead")
         self.max_new_tokens = max_new_tokens
         self.n_layers = config.get_text_config(decoder=True).num_hidden_layers
         self.rope = Rope.from_model(hf)

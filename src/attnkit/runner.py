@@ -106,12 +106,27 @@ def forward(model: LoadedModel, ids: torch.Tensor, start: int, step_factory: Cal
     base = model.hf.model
     positions = torch.arange(start, start + ids.shape[0], device=ids.device)
     hidden = base.embed_tokens(ids[None])
-    position_embeddings = base.rotary_emb(hidden, positions[None])
     step = step_factory(positions)
-    for layer in base.layers:
-        hidden = layer(hidden, attention_mask=None, position_ids=positions[None], past_key_values=None,
-                       use_cache=False, position_embeddings=position_embeddings, attnkit_step=step)
+    if step.session.method.run_layers is None:
+        hidden = run_decoder_layers(model, hidden, positions, step)
+    else:  # model-level hook: the method runs the layers (it may change which tokens later layers see)
+        hidden = step.session.method.run_layers(model, step, hidden, all_positions)
     return base.norm(hidden[0] if all_positions else hidden[0, -1:])
+
+
+def run_decoder_layers(model: LoadedModel, hidden: torch.Tensor, positions: torch.Tensor, step: Step,
+                       layers: range | None = None) -> torch.Tensor:
+    """Run decoder layers `layers` (default: all) on `hidden` ``[1, n, hidden]`` at the original
+    `positions` ``[n]`` (RoPE is applied at those positions, whatever they are), attention through `step`.
+
+    The building block of the ``run_layers`` hook: a method may run layers 0..L on the new tokens and the
+    layers after L on another set of tokens (at their own positions, with another :class:`Step`)."""
+    base = model.hf.model
+    position_embeddings = base.rotary_emb(hidden, positions[None])
+    for i in layers if layers is not None else range(len(base.layers)):
+        hidden = base.layers[i](hidden, attention_mask=None, position_ids=positions[None], past_key_values=None,
+                                use_cache=False, position_embeddings=position_embeddings, attnkit_step=step)
+    return hidden
 
 
 def logits_of(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,11 @@ attention call; the step wraps the layer in a :class:`LayerContext` and calls th
 - ``after_prefill(ctx, q, k, v)``: once, on the last prompt chunk of each layer (cache compression).
 - ``decode_attention(ctx, q, k, v) -> out``: attention for a generated token, storing it.
 - ``after_decode(ctx)``: keep the cache inside its budget.
-- ``layer_capacity(ctx) -> (slots, ring)``: how the layer's cache is allocated.
+- ``layer_capacity(ctx) -> (slots, ring)``: how the layer's cache is allocated (``None``: the layer keeps
+  no cache at all; its hooks must then not touch ``ctx.kv``).
+- ``run_layers(model, step, hidden, all_positions) -> hidden``: a model-level hook (default ``None``: the
+  runner runs every decoder layer on every new token). A method that changes which tokens a layer sees
+  (Select-Attention, GemFilter) runs the layers itself with :func:`attnkit.runner.run_decoder_layers`.
 
 q is ``[b, q_heads, n, d]``, k and v ``[b, kv_heads, n, d]``, all after RoPE, at positions ``ctx.q_pos``.
 """
@@ -77,9 +81,11 @@ class Step:
         ctx = LayerContext(self, layer, scaling, native_window)
         method = self.session.method
         if ctx.kv is None:
-            slots, ring = method.layer_capacity(ctx)
-            self.session.cache.layers[layer] = LayerKV.allocate(k.shape[0], k.shape[1], slots, k.shape[-1],
-                                                                k.dtype, k.device, ring)
+            capacity = method.layer_capacity(ctx)
+            if capacity is not None:  # None: this layer keeps no cache (Select-Attention's later layers)
+                slots, ring = capacity
+                self.session.cache.layers[layer] = LayerKV.allocate(k.shape[0], k.shape[1], slots, k.shape[-1],
+                                                                    k.dtype, k.device, ring)
         if self.phase == "prefill":
             out = method.prefill_attention(ctx, q, k, v)
             self.session.cache.track_peak()
@@ -122,6 +128,9 @@ class Method:
 
     name: ClassVar[str] = "base"
     summary: ClassVar[str] = ""
+    # model-level hook ``run_layers(model, step, hidden, all_positions) -> hidden`` (see the module
+    # docstring); None = the runner runs every decoder layer on the new tokens
+    run_layers: ClassVar[Any] = None
 
     # ---- hooks ---------------------------------------------------------------------------------
     def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:

@@ -54,6 +54,9 @@ def _as_method(value, role: str) -> Method:
                          f"got {type(value).__name__}")
     if isinstance(method, Composed):
         raise ValueError(f"the {role} method of compose cannot itself be a composition")
+    if method.run_layers is not None:
+        raise ValueError(f"{method.name!r} runs the decoder layers itself (a model-level hook) and cannot be "
+                         f"composed; use its own parameters (select takes share_config=FILE)")
     if role == "prefill" and not _supplies_prefill_output(method):
         raise ValueError(f"prefill method {method.name!r} computes its prefill outputs inside prefill_attention, "
                          f"not in prefill_output, so compose cannot take them from it")

@@ -1,0 +1,129 @@
+"""``gemfilter``: the GemFilter baseline (Shi et al., 2024, "Discovering the Gems in Early Layers"; seed 000's
+ref. [16], the comparison of its Table 2 and Fig. 8).
+
+Seed 000 (sections 2.3 and 4.2) describes GemFilter as choosing the important tokens ONCE, at prefill, with
+top-k at an early filter layer, then generating from those tokens only. Here:
+
+1. the prompt runs through layers ``0 .. L`` (``filter_layer``; chunked if the runner chunks), with a
+   temporary cache;
+2. the last prompt query at layer ``L`` scores every prompt token, summed over the heads: by default the raw
+   logits ``q . k`` (``score=logits``, what GemFilter's reference code sums), or the probabilities
+   (``score=probs``); the ``k`` best tokens are kept (the last prompt token always: its output is the first
+   generated token's distribution), in their original order;
+3. the temporary cache is released and the WHOLE model runs again on only those tokens, whose cache then
+   serves an ordinary decode.
+
+Positions (``positions``): GemFilter's reference implementation gathers the selected input ids and generates
+from them as a new, shorter prompt, so the selected tokens get new consecutive positions ``0 .. k-1``
+(``reindexed``, the default here, faithful to GemFilter); ``original`` keeps each token's original position
+(RoPE at the position it had in the prompt, generated tokens continue after the prompt). The seed does not
+say which; both are offered.
+
+``k`` is a token count (an integer >= 1) or a fraction of the prompt (0 < k < 1). ``k`` at or above the
+prompt length keeps every token, and the output equals ``full``'s. ``filter_layer`` defaults to
+``n_layers // 2 - 1``. The peak cache counts the temporary cache of step 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import LayerContext, Method, Step, register
+from attnkit.methods.select import check_filter_layer
+from attnkit.methods.share import _shared_positions
+
+_STATE = "gemfilter"
+
+
+@register
+@dataclass
+class GemFilter(Method):
+    """GemFilter (seed 000 ref. [16]; Table 2 and Fig. 8 baseline): top-k prompt tokens chosen once at an early
+    layer, then the whole model prefills and decodes on those tokens only."""
+
+    filter_layer: int | None = None
+    k: int | float = 1024
+    score: str = "logits"
+    positions: str = "reindexed"
+
+    name = "gemfilter"
+    summary = "GemFilter baseline: top-k prompt tokens from an early layer, then prefill+decode on them (seed 000 [16])"
+
+    def __post_init__(self):
+        if self.filter_layer is not None and (not isinstance(self.filter_layer, int)
+                                              or isinstance(self.filter_layer, bool) or self.filter_layer < 0):
+            raise ValueError(f"filter_layer={self.filter_layer!r} must be a layer index >= 0 (or none for the middle)")
+        k = self.k
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or k <= 0 or (isinstance(k, float) and k >= 1
+                                                                                 and not k.is_integer()):
+            raise ValueError(f"k={k!r} must be a token count (a whole number >= 1) or a fraction of the prompt "
+                             f"(0 < k < 1)")
+        if self.score not in ("logits", "probs"):
+            raise ValueError(f"score must be one of logits, probs; got {self.score!r}")
+        if self.positions not in ("reindexed", "original"):
+            raise ValueError(f"positions must be one of reindexed, original; got {self.positions!r}")
+
+    def kept_tokens(self, prompt_len: int) -> int:
+        if isinstance(self.k, float) and self.k < 1:
+            return max(1, min(prompt_len, int(math.floor(self.k * prompt_len + 0.5))))
+        return min(prompt_len, int(self.k))
+
+    # ---- the model-level hook ----------------------------------------------------------------------
+    def run_layers(self, model, step: Step, hidden: torch.Tensor, all_positions: bool) -> torch.Tensor:
+        from attnkit.runner import run_decoder_layers
+
+        session = step.session
+        st = session.shared.setdefault(_STATE, {"phase": 1, "embeddings": []})
+        if step.phase == "decode":  # decode normally on the compressed prompt
+            pos = step.q_pos - st["offset"]
+            return run_decoder_layers(model, hidden, pos, Step(session, "decode", pos))
+        if all_positions:
+            raise AttnkitError("gemfilter computes only the last prompt position's output (it re-runs the model on "
+                               "the selected tokens); it cannot score every prompt position")
+        L = check_filter_layer(self.name, self.filter_layer, session.n_layers)
+        st["embeddings"].append(hidden[0])
+        h = run_decoder_layers(model, hidden, step.q_pos, step, range(L + 1))
+        if not step.last_chunk:
+            return h
+        kept = st.pop("chosen")
+        embeddings = torch.cat(st.pop("embeddings"))
+        session.cache.layers = [None] * session.n_layers  # release the filter pass's cache
+        st["phase"], st["kept"] = 2, int(kept.shape[0])
+        n = session.prompt_len
+        pos = kept if self.positions == "original" else torch.arange(kept.shape[0], device=kept.device)
+        st["offset"] = n - int(pos[-1]) - 1
+        return run_decoder_layers(model, embeddings[kept][None], pos, Step(session, "prefill", pos, True))
+
+    # ---- attention hooks -------------------------------------------------------------------------------
+    def layer_capacity(self, ctx: LayerContext):
+        st = ctx.session.shared.get(_STATE, {})
+        if st.get("phase") == 2:
+            return st["kept"] + ctx.session.max_new_tokens, False
+        return ctx.session.prompt_len, False
+
+    def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        out = self._store_and_attend(ctx, q, k, v)
+        st = ctx.session.shared.get(_STATE, {})
+        L = check_filter_layer(self.name, self.filter_layer, ctx.session.n_layers)
+        if st.get("phase") == 1 and ctx.index == L and ctx.step.last_chunk:
+            st["chosen"] = self._choose(ctx, q[:, :, -1:])
+        return out
+
+    def _choose(self, ctx: LayerContext, q) -> torch.Tensor:
+        keys, _, positions = ctx.kv.view()
+        k_pos = _shared_positions(positions)
+        b, hq, _, d = q.shape
+        kv = keys.shape[1]
+        logits = torch.matmul(q.view(b, kv, hq // kv, d), keys.transpose(-1, -2)).float()  # [b, kv, g, n]
+        if self.score == "probs":
+            logits = torch.softmax(logits * ctx.scaling, dim=-1)
+        scores = logits.sum(dim=(0, 1, 2))
+        k = self.kept_tokens(ctx.session.prompt_len)
+        last = int(k_pos.argmax())
+        scores[last] = float("inf")  # the last prompt token is always kept
+        top = torch.topk(scores, min(k, scores.shape[0])).indices
+        return k_pos[top].sort().values

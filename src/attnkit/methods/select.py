@@ -1,0 +1,231 @@
+"""``select``: Select-Attention, a filter layer picks the tokens the later layers see (seed 000, section 4.2).
+
+Seed 000 (section 3.2, Fig. 3) finds that the head-mean attention of a middle layer already marks the tokens
+the later layers attend to, and (Fig. 4) that which tokens matter changes at every step. Select-Attention
+(section 4.2, Fig. 5) therefore picks tokens afresh at every generated token:
+
+- layers ``0 .. L`` (``filter_layer``) run as usual with a KV cache (eq. 6-8);
+- at layer ``L``, the attention of the current (last) query, averaged over the heads, optionally weighted by
+  the values' norms (``value_weighted``; the seed's ref. [6], also used for its Fig. 3), ranks the tokens; the
+  smallest set whose mass reaches ``p`` is kept (top-p instead of GemFilter's top-k, section 4.2);
+- layers ``L+1 ..`` see only the kept tokens plus the current one, at their ORIGINAL positions (RoPE is
+  applied at those positions), causally among themselves. Their outputs change with the selection at every
+  step, so they keep **no KV cache** (section 4.2: "後半レイヤはキャッシュを持たない"): what is kept instead is the
+  output of layer ``L`` for every token (one hidden vector per token, ``session.cache.extra["select:hidden"]``),
+  from which those layers recompute keys and values for the selected tokens at each step.
+
+Memory per token is therefore ``2 (L + 1) kv_heads head_dim`` K/V elements plus ``hidden`` elements of stored
+hidden states, instead of ``2 n_layers kv_heads head_dim``: both are counted in ``session.cache`` (the K/V
+bytes of layers after ``L`` are zero; the hidden states are in :meth:`KVCache.extra_bytes`).
+
+The prompt (Table 3 of the seed): with ``prefill_select=false`` (default; Table 3's "無", which keeps QA
+accuracy) the later layers see the whole prompt, so the first token equals ``full``'s; with
+``prefill_select=true`` the last prompt query's attention at layer ``L`` selects with ``p_prefill`` (faster
+prefill, Fig. 9). ``p_decode`` is the decode-time ``p`` (Tables 2-3 sweep 0.99 .. 0.91). A chunked prefill
+runs layers ``0 .. L`` chunk by chunk and the later layers once, on the selected prompt tokens, at the end.
+
+``filter_layer`` defaults to ``n_layers // 2 - 1`` (layer 15 of Llama3's 32, the seed's choice;
+``attnkit calibrate filter-layer`` sweeps it). With ``L`` = the last layer nothing is filtered (= ``full``);
+with ``p = 1`` every token is kept and the output equals ``full``'s up to rounding.
+
+Share-Attention composes with it (seed Fig. 8): ``share_config=FILE`` makes every layer (cached or not)
+compute only its essential heads' softmax (:mod:`attnkit.methods.share`). Select-Attention cannot be put
+inside ``compose`` (it runs the layers itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnkit.attention import sdpa
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import LayerContext, Method, Step, register
+from attnkit.methods.share import (
+    LayerPlan,
+    ShareConfig,
+    _shared_positions,
+    attend_shared,
+    essential_probabilities,
+    layer_plan,
+)
+
+HIDDEN = "select:hidden"
+
+
+def check_p(name: str, p) -> None:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise ValueError(f"{name}={p!r} is outside the allowed range 0 < p <= 1 (top-p mass of the tokens kept)")
+
+
+def check_filter_layer(method: str, layer, n_layers: int) -> int:
+    """`layer` (None = ``n_layers // 2 - 1``) checked against the model: an index in ``0 .. n_layers-1``."""
+    if layer is None:
+        return max(0, n_layers // 2 - 1)
+    if not 0 <= layer < n_layers:
+        raise AttnkitError(f"{method}: filter_layer={layer} is out of range; the model has {n_layers} layers, "
+                           f"allowed 0..{n_layers - 1}")
+    return layer
+
+
+def top_p(scores: torch.Tensor, p: float) -> torch.Tensor:
+    """Indices (ascending) of the smallest set of `scores` ``[n]`` whose sum reaches ``p`` of the total
+    (section 4.2's top-p: highest first until the mass is at least p). ``p = 1`` keeps every index."""
+    n = scores.shape[0]
+    if p >= 1:
+        return torch.arange(n, device=scores.device)
+    values, order = torch.sort(scores.double(), descending=True)
+    cum = values.cumsum(0)
+    k = int(torch.searchsorted(cum, p * cum[-1])) + 1
+    return order[:min(k, n)].sort().values
+
+
+def head_mean_scores(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor, window: int | None, plan: LayerPlan | None,
+                     value_weighted: bool) -> torch.Tensor:
+    """Attention of the query `q` ``[b, hq, 1, d]`` to each key, averaged over the heads ``[keys]`` (float32);
+    with `value_weighted` each head's probability is multiplied by the norm of its kv head's value (ref. [6]).
+    Under a share `plan` only the essential heads compute the softmax (shared heads reuse it)."""
+    hq, kv = q.shape[1], keys.shape[1]
+    plan = plan or LayerPlan.identity(hq, kv)
+    probs = essential_probabilities(q, keys, scaling, q_pos, k_pos, window, plan)
+    per_head = probs[:, torch.tensor(plan.source, device=q.device), 0]  # [b, hq, keys]
+    if value_weighted:
+        norms = values.float().norm(dim=-1)  # [b, kv, keys]
+        per_head = per_head * norms.repeat_interleave(hq // kv, dim=1)
+    return per_head.mean(dim=(0, 1))
+
+
+def _load_share(config):
+    if config is None:
+        return None
+    try:
+        return ShareConfig.load(config)
+    except AttnkitError as exc:
+        raise ValueError(str(exc)) from None
+
+
+@register
+@dataclass
+class Select(Method):
+    """Select-Attention (seed 000, section 4.2, Fig. 5; top-p of Tables 2-3; prefill on/off of Table 3):
+    layers after ``filter_layer`` see only the top-p tokens of its head-mean attention and keep no KV cache."""
+
+    filter_layer: int | None = None
+    p_decode: float = 0.95
+    p_prefill: float = 0.99
+    prefill_select: bool = False
+    value_weighted: bool = False
+    share_config: str | dict | None = None
+    # what the selections kept, over the generations this instance ran (for calibration and reports)
+    selection: dict = field(default_factory=lambda: {"steps": 0, "kept": 0, "context": 0}, init=False,
+                            repr=False, compare=False)
+
+    name = "select"
+    summary = "Select-Attention: top-p tokens of a filter layer feed cache-free later layers (seed 000)"
+
+    def __post_init__(self):
+        if self.filter_layer is not None and (not isinstance(self.filter_layer, int)
+                                              or isinstance(self.filter_layer, bool) or self.filter_layer < 0):
+            raise ValueError(f"filter_layer={self.filter_layer!r} must be a layer index >= 0 (or none for the middle)")
+        check_p("p_decode", self.p_decode)
+        check_p("p_prefill", self.p_prefill)
+        self._share = _load_share(self.share_config)
+
+    def layer_index(self, n_layers: int) -> int:
+        return check_filter_layer(self.name, self.filter_layer, n_layers)
+
+    def kept_fraction(self) -> float | None:
+        """Mean fraction of the context the later layers saw at the decode steps so far."""
+        s = self.selection
+        return s["kept"] / s["context"] if s["context"] else None
+
+    # ---- the model-level hook ------------------------------------------------------------------------
+    def run_layers(self, model, step: Step, hidden: torch.Tensor, all_positions: bool) -> torch.Tensor:
+        from attnkit.runner import run_decoder_layers
+
+        session = step.session
+        n_layers = session.n_layers
+        L = self.layer_index(n_layers)
+        pos = step.q_pos
+        h = run_decoder_layers(model, hidden, pos, step, range(L + 1))
+        if L == n_layers - 1:
+            return h
+        store = session.cache.extra.get(HIDDEN)
+        if store is None:
+            store = h.new_zeros(session.prompt_len + session.max_new_tokens, h.shape[-1])
+            session.cache.extra[HIDDEN] = store
+            session.cache.track_peak()
+        store[pos] = h[0]
+        chosen = session.shared.pop("select:chosen", None)
+        if step.phase == "prefill" and not step.last_chunk:
+            if all_positions:
+                raise AttnkitError("select: scoring every prompt position needs the prompt in one chunk (layers "
+                                   f"after filter_layer={L} run once the whole prompt is in)")
+            return h  # later layers run once the prompt is complete; the runner uses the last chunk's output
+        end = int(pos[-1]) + 1
+        if chosen is None:  # prefill without selection: the later layers see the whole prompt
+            sel = torch.arange(end, device=pos.device)
+        else:
+            if all_positions:
+                raise AttnkitError("select: with prefill_select=true only the last prompt position has an output; "
+                                   "score every position with prefill_select=false")
+            sel = torch.unique(torch.cat([chosen, pos[-1:]]))
+        if all_positions and not (sel.shape[0] == pos.shape[0] and int(pos[0]) == 0):
+            raise AttnkitError("select: scoring every prompt position needs the prompt in one chunk")
+        if step.phase == "decode":
+            s = self.selection
+            s["steps"] += 1
+            s["kept"] += int(sel.shape[0])
+            s["context"] += end
+        sub = Step(session, step.phase, sel, step.last_chunk)
+        return run_decoder_layers(model, store[sel][None], sel, sub, range(L + 1, n_layers))
+
+    # ---- attention hooks ---------------------------------------------------------------------------------
+    def _plan(self, ctx: LayerContext, q, k) -> LayerPlan | None:
+        return layer_plan(ctx.session, "select:share", self._share, ctx.index, q, k)
+
+    def layer_capacity(self, ctx: LayerContext):
+        if ctx.index > self.layer_index(ctx.session.n_layers):
+            return None  # no KV cache after the filter layer
+        return super().layer_capacity(ctx)
+
+    def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
+        return attend_shared(self._plan(ctx, q, keys), q, keys, values, ctx.scaling, ctx.q_pos, positions,
+                             ctx.native_window)
+
+    def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        L = self.layer_index(ctx.session.n_layers)
+        if ctx.index > L:
+            return self._uncached(ctx, q, k, v)
+        out = self._store_and_attend(ctx, q, k, v)
+        if ctx.index == L < ctx.session.n_layers - 1 and self.prefill_select and ctx.step.last_chunk:
+            self._choose(ctx, q[:, :, -1:], ctx.q_pos[-1:], self.p_prefill)
+        return out
+
+    def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        L = self.layer_index(ctx.session.n_layers)
+        if ctx.index > L:
+            return self._uncached(ctx, q, k, v)
+        ctx.kv.append(k, v, ctx.q_pos)
+        keys, values, positions = ctx.kv.view()
+        out = attend_shared(self._plan(ctx, q, keys), q, keys, values, ctx.scaling, ctx.q_pos, positions,
+                            ctx.native_window)
+        if ctx.index == L < ctx.session.n_layers - 1:
+            self._choose(ctx, q, ctx.q_pos, self.p_decode)
+        return out
+
+    def _uncached(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        """A layer after L: its queries, keys and values are the selected tokens' (ascending positions)."""
+        plan = self._plan(ctx, q, k)
+        if (plan is None or not plan.shares) and ctx.native_window is None:
+            return sdpa(q, k, v, ctx.scaling, is_causal=True)  # ascending positions: causal by index = by position
+        return attend_shared(plan, q, k, v, ctx.scaling, ctx.q_pos, ctx.q_pos, ctx.native_window)
+
+    def _choose(self, ctx: LayerContext, q, q_pos, p: float) -> None:
+        keys, values, positions = ctx.kv.view()
+        k_pos = _shared_positions(positions)
+        scores = head_mean_scores(q, keys, values, ctx.scaling, q_pos, k_pos, ctx.native_window,
+                                  self._plan(ctx, q, keys), self.value_weighted)
+        ctx.session.shared["select:chosen"] = k_pos[top_p(scores, p)]
