@@ -5,8 +5,10 @@
 
 It imports only torch, transformers and kvpress (never attnkit). It loads the saved model, runs one
 untimed warm-up generation, prints one JSON line of versions, then answers one JSON request per stdin
-line (``{"case": {"prompt": [ids], "press": {...}}, "mode": ...}``) with one JSON line on stdout, until
-stdin closes. Every case is a greedy generation
+line (``{"case": {"prompt": [ids], "press": {...}}, "mode": ...}``; optional ``new_tokens`` and
+``stop_ids``, the tokens after which to stop) with one JSON line on stdout (``{"error": ...}`` for a bad
+press), until stdin closes. ``{"kind": "class", "name": "SnapKVPress", "params": {...}}`` builds any press
+by name (attnkit's ``kvpress:`` recipes). Every case is a greedy generation
 done the way kvpress's own pipeline does it: the prompt goes through the model inside ``with
 press(model):`` (a prefill-only press compresses each layer's cache in a forward hook right after that
 layer's prefill attention), then each new token is fed with explicit ``position_ids`` (the compressed
@@ -80,8 +82,21 @@ def build_press(spec: dict, prompt_len: int):
         if spec.get("sorted"):
             keep_temporal_order(press.prefilling_press)
             keep_temporal_order(press.decoding_press.base_press)
+    elif kind == "class":  # any press by class name (attnkit's sweeps: "kvpress:SnapKVPress:...")
+        cls = getattr(kvpress, spec["name"], None)
+        if not isinstance(cls, type):
+            presses = sorted(n for n in dir(kvpress) if n.endswith("Press"))
+            raise ValueError(f"kvpress {getattr(kvpress, '__version__', '')} has no press {spec['name']!r}; "
+                             f"it has {', '.join(presses)}")
+        try:
+            press = cls(**spec.get("params", {}))
+        except TypeError as exc:
+            raise ValueError(f"{spec['name']}: {exc}") from None
+        decoding = isinstance(press, (DecodingPress, PrefillDecodingPress))
     else:
         raise ValueError(f"unknown press kind {kind!r}")
+    if "expect_prefill_kept" not in spec:
+        return press, decoding
     kept = compute_n_kept(prompt_len, spec["compression_ratio"])
     if kept != spec["expect_prefill_kept"]:
         raise SystemExit(f"mapping error: kvpress keeps {kept} of {prompt_len} at compression_ratio="
@@ -159,7 +174,7 @@ def applied(press, model, tracer: Tracer | None):
 
 
 @torch.inference_mode()
-def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool) -> dict:
+def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, stop_ids=()) -> dict:
     press, decoding = build_press(spec, len(ids))
     n = len(ids)
     tracer = Tracer(model) if trace else None
@@ -181,6 +196,8 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool) ->
     with applied(press if decoding else None, model, tracer if decoding else None):
         after_handles = tracer.register_after() if (tracer and not decoding) else []
         for i in range(new_tokens - 1):
+            if tokens[-1] in stop_ids:
+                break
             pos = n + i
             if tracer:
                 tracer.reset([pos], "decode")
@@ -195,7 +212,8 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool) ->
     decode_s = time.perf_counter() - t1
     cpu_s = time.process_time() - c0
     result = {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s, "cpu_s": cpu_s,
-              "final_cache_len": [int(layer.keys.shape[2]) for layer in cache.layers]}
+              "final_cache_len": [int(layer.keys.shape[2]) for layer in cache.layers],
+              "kv_bytes": sum(int(layer.keys.nbytes + layer.values.nbytes) for layer in cache.layers)}
     if trace:
         tracer.close()
         result["after_prefill"] = {str(k): v for k, v in sorted(tracer.after_prefill.items())}
@@ -224,7 +242,11 @@ def main() -> int:
     for line in sys.stdin:  # one request per line: {"case": ..., "mode": "trace" | "timing"}
         request = json.loads(line)
         case = request["case"]
-        result = generate(model, case["prompt"], case["press"], setup["new_tokens"], request["mode"] == "trace")
+        try:
+            result = generate(model, case["prompt"], case["press"], case.get("new_tokens", setup["new_tokens"]),
+                              request["mode"] == "trace", set(case.get("stop_ids", ())))
+        except (ValueError, TypeError, AssertionError) as exc:  # a bad press or parameter: answered, the worker goes on
+            result = {"error": str(exc)}
         protocol.write(json.dumps(result) + "\n")
         protocol.flush()
     return 0

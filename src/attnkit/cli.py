@@ -13,20 +13,27 @@ from attnkit.errors import AttnkitError
 
 
 def _method_from_args(args):
+    """The recipe of --recipe FILE, or of --method/--param (a Recipe either way)."""
     from attnkit.methods.base import make_method
-    from attnkit.recipe import load_recipe
+    from attnkit.recipe import Recipe, load_recipe_file
 
     if args.recipe:
         if args.method != "full" or args.param:
             raise AttnkitError("give either --recipe or --method/--param, not both")
-        return load_recipe(args.recipe)
+        return load_recipe_file(args.recipe)
     params = {}
     for item in args.param or []:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise AttnkitError(f"--param expects key=value, got {item!r}")
         params[key] = value
-    return make_method(args.method, **params)
+    return Recipe.parse(make_method(args.method, **params))
+
+
+def _recipe_files(paths) -> list:
+    from attnkit.recipe import load_recipe_file
+
+    return [load_recipe_file(p) for p in paths or []]
 
 
 def _load(spec: str, context: int | None = None):
@@ -48,8 +55,6 @@ def cmd_methods(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from attnkit.runner import generate
-
     if (args.prompt is None) == (args.prompt_file is None):
         raise AttnkitError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if args.prompt_file is not None:
@@ -59,12 +64,15 @@ def cmd_generate(args) -> int:
         prompt = path.read_text()
     else:
         prompt = args.prompt
-    method = _method_from_args(args)
+    recipe = _method_from_args(args)
+    method = recipe.method()
     model = _load(args.model)
     stream = None if args.json else (lambda _tok, delta: print(delta, end="", flush=True))
     sampling = dict(max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, do_sample=args.do_sample,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                     on_token=stream)
+    if args.speculate and recipe.decode is not None:
+        raise AttnkitError("give speculative decoding either in the recipe's 'decode' or with --speculate, not both")
     if args.speculate:
         from attnkit.speculative import speculative_generate
 
@@ -74,7 +82,7 @@ def cmd_generate(args) -> int:
         out = speculative_generate(model, prompt, args.speculate, draft_spec=args.draft, gamma=args.gamma,
                                    adaptive_gamma=args.adaptive_gamma, **sampling)
     else:
-        out = generate(model, prompt, method, **sampling)
+        out = recipe.generate(model, prompt, **sampling)
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.as_dict()}))
     else:
@@ -83,7 +91,7 @@ def cmd_generate(args) -> int:
         print(f"[{s.method}] {s.prompt_tokens} prompt tokens, {s.new_tokens} new; prefill {s.prefill_s:.3f} s, "
               f"decode {s.decode_tokens_per_s:.1f} tok/s, peak KV {s.peak_kv_bytes / 2**20:.2f} MiB, "
               f"final KV {s.final_kv_bytes / 2**20:.2f} MiB ({s.finish_reason})", file=sys.stderr)
-        if args.speculate:
+        if args.speculate or recipe.decode is not None:
             print(f"[speculate {s.draft}] acceptance {s.acceptance_rate:.2f}, {s.tokens_per_target_forward:.2f} "
                   f"tokens per target forward, mean gamma {s.mean_gamma:.2f}, {s.tokens_per_s:.1f} tok/s end to end",
                   file=sys.stderr)
@@ -97,7 +105,9 @@ def cmd_bench(args) -> int:
         from attnkit.speculative.bench import bench_from_args
 
         return bench_from_args(args)
-    methods = _split_methods(args.methods)
+    from attnkit.bench.speed import measure_bandwidth
+
+    methods = _split_methods(args.methods) + _recipe_files(args.recipe)
     model = _load(args.model, context=args.context + args.new_tokens)
 
     def progress(r, spec, stats):
@@ -106,7 +116,13 @@ def cmd_bench(args) -> int:
 
     print(f"bench {model.spec}: {args.context} prompt tokens, {args.new_tokens} new tokens, "
           f"{args.repeats} interleaved repeats", file=sys.stderr)
-    rows = run_bench(model, args.context, args.new_tokens, methods, args.repeats, args.seed, progress)
+    bandwidth = None
+    if args.bandwidth_mib > 0:
+        bandwidth = measure_bandwidth(model.device, args.bandwidth_mib * 2**20)
+        print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s (median of copies/sums of {args.bandwidth_mib} MiB)",
+              file=sys.stderr)
+    rows = run_bench(model, args.context, args.new_tokens, methods, args.repeats, args.seed, progress,
+                     bandwidth=bandwidth)
     if args.json:
         print(json.dumps(rows))
     else:
@@ -140,16 +156,57 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def cmd_eval(args) -> int:
-    from attnkit.eval.harness import format_table, run_eval
+    from attnkit.eval.harness import LONGBENCH_PREFIX, format_table, run_eval
 
-    model = _load(args.model)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    rows = run_eval(model, tasks, _int_list(args.lengths, "--lengths"), _split_methods(args.methods),
+    if args.sweep:
+        return _eval_sweep(args)
+    model = _load(args.model or "tiny")
+    data = None
+    if args.data:
+        from attnkit.eval.longbench import LongBenchData
+
+        data = LongBenchData.load(args.data)
+    if args.tasks is None:
+        tasks = [LONGBENCH_PREFIX + d for d in data.datasets()] if data is not None else ["passkey"]
+    else:
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    methods = (_split_methods(args.methods or "full") if args.methods or not args.recipe else [])
+    methods += _recipe_files(args.recipe)
+    rows = run_eval(model, tasks, _int_list(args.lengths, "--lengths"), methods,
                     args.samples, seed=args.seed, out_dir=Path(args.out) if args.out else None,
-                    progress=not args.no_progress)
+                    progress=not args.no_progress, data=data)
     print(format_table(rows))
     if args.out:
         print(f"results: {Path(args.out) / 'results.jsonl'}", file=sys.stderr)
+    return 0
+
+
+def _eval_sweep(args) -> int:
+    from attnkit.eval.harness import format_table
+    from attnkit.eval.sweep import load_sweep, run_sweep
+
+    given = [f"--{n}" for n in ("tasks", "methods", "recipe", "data") if getattr(args, n)]
+    if given:
+        raise AttnkitError(f"--sweep FILE sets the tasks, recipes and data; drop {', '.join(given)}")
+    if not args.out:
+        raise AttnkitError("--sweep needs --out DIR (where results.jsonl is written and resumed from)")
+    sweep = load_sweep(args.sweep)
+    if args.model:
+        sweep.model = args.model
+    print(f"sweep {args.sweep}: {sweep.cell_count()} cells on {sweep.model} ({len(sweep.tasks)} tasks x "
+          f"{len(sweep.lengths)} lengths x recipes/budgets, {sweep.samples} samples each) -> {args.out}",
+          file=sys.stderr)
+    rows = run_sweep(sweep, args.out, progress=not args.no_progress)
+    print(format_table(rows))
+    print(f"results: {Path(args.out) / 'results.jsonl'}; report: attnkit report {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from attnkit.eval.report import write_report
+
+    page = write_report(args.dir, out=args.out)
+    print(f"report: {page}")
     return 0
 
 
@@ -171,6 +228,10 @@ def cmd_demo(args) -> int:
                     ["full", "window:window=256"], args.samples, seed=0,
                     out_dir=Path(args.out) if args.out else None, progress=True)
     print(format_table(rows))
+    if args.out:
+        from attnkit.eval.report import write_report
+
+        print(f"report: {write_report(args.out)}")
     print(f"demo finished in {time.time() - t0:.0f} s")
     return 0
 
@@ -237,16 +298,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="full,window:window=1024")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recipe", action="append", metavar="FILE", help="a recipe file to bench too (repeatable)")
+    p.add_argument("--bandwidth-mib", type=int, default=256,
+                   help="tensor size for the memory-bandwidth measurement behind the decode floor (0: skip)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
     _speculation_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="task scores of methods relative to full")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--tasks", default="passkey")
+    p.add_argument("--model", default=None, help="model spec (default tiny, or the sweep's)")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks (default passkey, or every dataset of --data)")
     p.add_argument("--lengths", default="1024")
-    p.add_argument("--methods", default="full")
+    p.add_argument("--methods", default=None, help="comma-separated method specs (default full)")
+    p.add_argument("--recipe", action="append", metavar="FILE", help="a recipe file to evaluate too (repeatable)")
+    p.add_argument("--sweep", metavar="FILE", help="a sweep file (recipes x budgets x tasks x lengths); resumable")
+    p.add_argument("--data", metavar="FILE.jsonl", help="LongBench-format items: tasks longbench:DATASET")
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for results.jsonl and table.txt")
@@ -299,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="optional JSON file with the table")
     c.add_argument("--threads", type=int, default=None)
     c.set_defaults(func=cmd_calibrate_filter_layer)
+
+    p = sub.add_parser("report", help="an HTML page (tables, plots) and PNGs from a results directory")
+    p.add_argument("dir", help="a directory holding results.jsonl (from eval --out or eval --sweep)")
+    p.add_argument("--out", default=None, help="the HTML file to write (default DIR/report.html)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("demo", help="the main job: a short evaluation of the bundled model")
     p.add_argument("--model", default="tiny")

@@ -1,20 +1,58 @@
-"""Recipes: a method and its parameters written in a JSON or YAML file, as the CLI takes them.
+"""Recipes: what to run, written in a JSON or YAML file (or a method spec string), as the CLI takes them.
+
+One method (the original form)::
 
     {"method": "window", "params": {"window": 512}}
+
+A prefill method, a cache policy and a decoding strategy (the parts map onto the ``compose`` method;
+each part is a method spec string or ``{"method": NAME, "params": {...}}``)::
+
+    {"name": "sparse+snap",
+     "prefill": "minference:pattern=vertical_slash",
+     "cache": {"method": "snapkv", "params": {"budget": 0.3}},
+     "decode": {"speculate": "prompt_lookup", "gamma": 4}}
+
+``heads`` (head sharing) and ``select`` (token selection) name a method the same way; today the
+``compose`` mechanism joins a prefill method and a cache method only, so either stands alone.
+``decode`` is speculative decoding (:func:`attnkit.speculative_generate`): ``speculate`` is
+``draft_model``, ``prompt_lookup`` or ``self``, with ``gamma``, ``adaptive_gamma``, ``max_gamma`` and
+``draft`` (the draft's spec, as ``--draft``); it verifies with full attention, so it is not combined
+with another attention method.
+
+A peer's method (NVIDIA's kvpress, run in its own environment by :mod:`attnkit.bench.peers`)::
+
+    {"kvpress": "SnapKVPress", "params": {"compression_ratio": 0.5}}      # or "kvpress:SnapKVPress:compression_ratio=0.5"
+
+**Budgets.** A sweep gives budgets to recipes that leave theirs open (:meth:`Recipe.with_budget`): a
+fraction ``0 < f <= 1`` of the prompt or a whole number of tokens. It sets ``budget`` /
+``budget_tokens`` of an eviction method (the cache part), ``window`` of ``window`` (the fraction of the
+task's length), ``compression_ratio = 1 - f`` of a kvpress press. A recipe that sets its own budget
+runs at that budget only.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import Method, make_method
+from attnkit.methods.base import Method, make_method, split_method_spec
 
 RECIPE_KEYS = ("method", "params", "name", "description")
+PART_ROLES = ("prefill", "cache", "heads", "select")
+ALL_RECIPE_KEYS = RECIPE_KEYS + PART_ROLES + ("decode", "kvpress")
+DECODE_KEYS = ("speculate", "gamma", "adaptive_gamma", "max_gamma", "draft")
+PEER_PREFIX = "kvpress:"
+
+
+# --------------------------------------------------------------------------------------------------
+# the original single-method form (kept: compose and `load_recipe` use it)
 
 
 def recipe_from_dict(data, source: str = "recipe") -> Method:
+    """A ``{"method": NAME, "params": {...}}`` mapping -> a method instance."""
     if not isinstance(data, dict):
         raise AttnkitError(f"{source}: a recipe must be a mapping with a 'method' key, got {type(data).__name__}")
     unknown = sorted(set(data) - set(RECIPE_KEYS))
@@ -28,23 +66,397 @@ def recipe_from_dict(data, source: str = "recipe") -> Method:
     return make_method(data["method"], **params)
 
 
-def load_recipe(path: str | Path) -> Method:
-    """Read a recipe file (.json, .yaml or .yml) into a method instance, with clear errors."""
+def read_structured_file(path: str | Path, what: str):
+    """The parsed contents of a .json / .yaml / .yml file, with clear errors."""
     path = Path(path)
     if not path.is_file():
-        raise AttnkitError(f"recipe file {str(path)!r} does not exist")
+        raise AttnkitError(f"{what} file {str(path)!r} does not exist")
     text = path.read_text()
     try:
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+            return yaml.safe_load(text)
+        return json.loads(text)
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
-        raise AttnkitError(f"recipe file {str(path)!r} is malformed: {str(exc).splitlines()[0]}") from None
-    return recipe_from_dict(data, f"recipe file {str(path)!r}")
+        raise AttnkitError(f"{what} file {str(path)!r} is malformed: {str(exc).splitlines()[0]}") from None
+
+
+def load_recipe(path: str | Path) -> Method:
+    """Read a recipe file (.json, .yaml or .yml) into its attention method (see :func:`load_recipe_file`
+    for the whole recipe, decoding strategy included)."""
+    recipe = load_recipe_file(path)
+    if recipe.decode is not None:
+        raise AttnkitError(f"recipe file {str(path)!r} has a decoding strategy; load it with load_recipe_file")
+    return recipe.method()
 
 
 def recipe_to_dict(method: Method) -> dict:
     return {"method": method.name, "params": method.params()}
+
+
+# --------------------------------------------------------------------------------------------------
+# the full recipe
+
+
+def _spec_text(name: str, params: dict) -> str:
+    inner = ",".join(f"{k}={v}" for k, v in params.items())
+    return f"{name}:{inner}" if inner else name
+
+
+def format_budget(budget) -> str:
+    return "" if budget is None else f"{budget:g}"
+
+
+def _is_fraction(budget) -> bool:
+    return isinstance(budget, float) and 0.0 < budget <= 1.0
+
+
+def check_budget_value(budget, source: str = "budget"):
+    """A sweep budget: a fraction 0 < f <= 1 (float) or a whole number of tokens >= 1 (int)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise AttnkitError(f"{source}: budgets are fractions of the prompt (0 < f <= 1) or whole token counts, "
+                           f"got {budget!r}")
+    if isinstance(budget, float) and not _is_fraction(budget):
+        if budget.is_integer() and budget > 1:
+            return int(budget)
+        raise AttnkitError(f"{source}: a fractional budget must satisfy 0 < f <= 1, got {budget!r} "
+                           f"(write a whole number for a token count)")
+    if isinstance(budget, int) and budget < 1:
+        raise AttnkitError(f"{source}: a token budget must be >= 1, got {budget!r}")
+    return budget
+
+
+def _method_class(name: str, source: str):
+    from attnkit.methods import METHODS
+
+    if name not in METHODS:
+        raise AttnkitError(f"{source}: unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+    return METHODS[name]
+
+
+def _budget_style(name: str, source: str) -> str | None:
+    """How a method takes a budget: "eviction" (budget / budget_tokens), "window", or None."""
+    fields = {f.name for f in _method_class(name, source).parameters()}
+    if {"budget", "budget_tokens"} <= fields:
+        return "eviction"
+    if name == "window":
+        return "window"
+    return None
+
+
+@dataclass
+class Recipe:
+    """A prefill method, a cache policy, optional head sharing / token selection, a decoding strategy
+    (or a peer's method). ``parts`` maps a role (``method`` for a single method, or ``prefill``,
+    ``cache``, ``heads``, ``select``) to ``(method name, params)``."""
+
+    parts: dict[str, tuple[str, dict]] = field(default_factory=dict)
+    decode: dict | None = None
+    peer: tuple[str, dict] | None = None  # (kvpress press class, params)
+    name: str | None = None
+    description: str | None = None
+    budget: float | int | None = None  # the sweep budget applied by with_budget, if any
+    source: str = "recipe"
+
+    # ---- construction ------------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, value, source: str = "recipe") -> Recipe:
+        """A recipe from a spec string, a mapping, a :class:`Method` or a Recipe."""
+        if isinstance(value, Recipe):
+            return value
+        if isinstance(value, Method):
+            return cls({"method": (value.name, value.params())}, source=source)
+        if isinstance(value, str):
+            return cls.from_spec(value, source)
+        if isinstance(value, dict):
+            return cls.from_dict(value, source)
+        raise AttnkitError(f"{source}: a recipe must be a mapping (or a method spec string such as "
+                           f"'snapkv:budget=0.3'), got {type(value).__name__}")
+
+    @classmethod
+    def from_spec(cls, spec: str, source: str = "recipe") -> Recipe:
+        if not isinstance(spec, str) or not spec.strip():
+            raise AttnkitError(f"{source}: method specs must be non-empty strings like 'window:window=512', "
+                               f"got {spec!r}")
+        spec = spec.strip()
+        if spec.startswith(PEER_PREFIX):
+            from attnkit.bench.peers import parse_peer_spec, require_kvpress
+
+            press, params = parse_peer_spec(spec)
+            require_kvpress()
+            return cls(peer=(press, params), name=spec, source=source)
+        parts = split_method_spec(spec)
+        roles = ("method",) if len(parts) == 1 else ("prefill", "cache")
+        recipe = cls(dict(zip(roles, parts)), name=spec, source=source)
+        recipe.check()
+        return recipe
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "recipe") -> Recipe:
+        if not isinstance(data, dict):
+            raise AttnkitError(f"{source}: a recipe must be a mapping with a 'method' key, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(ALL_RECIPE_KEYS))
+        if unknown:
+            raise AttnkitError(f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(ALL_RECIPE_KEYS)}")
+        name, description = data.get("name"), data.get("description")
+        for key, value in (("name", name), ("description", description)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise AttnkitError(f"{source}: {key!r} must be a non-empty string, got {value!r}")
+        params = data.get("params", {}) or {}
+        if not isinstance(params, dict):
+            raise AttnkitError(f"{source}: 'params' must be a mapping of parameter names to values")
+        if data.get("kvpress") is not None:
+            others = sorted(k for k in data if k not in ("kvpress", "params", "name", "description"))
+            if others:
+                raise AttnkitError(f"{source}: a kvpress recipe names the press and its params only; drop "
+                                   f"{', '.join(others)}")
+            from attnkit.bench.peers import check_press_name, require_kvpress
+
+            press = check_press_name(data["kvpress"], source)
+            require_kvpress()
+            return cls(peer=(press, dict(params)), name=name or _spec_text(PEER_PREFIX + press, params),
+                       description=description, source=source)
+        given = [r for r in PART_ROLES if data.get(r) is not None]
+        parts: dict[str, tuple[str, dict]] = {}
+        if data.get("method") is not None or not given:
+            if given:
+                raise AttnkitError(f"{source}: give either 'method' (one method) or the parts "
+                                   f"{', '.join(PART_ROLES)}, not both")
+            if not isinstance(data.get("method"), str) and data.get("decode") is None:
+                raise AttnkitError(f"{source}: 'method' must be a method name (see `attnkit methods`), or give "
+                                   f"the parts {', '.join(PART_ROLES)} / 'decode' / 'kvpress'")
+            if data.get("method") is not None:
+                if not isinstance(data["method"], str):
+                    raise AttnkitError(f"{source}: 'method' must be a method name (see `attnkit methods`)")
+                parts["method"] = (data["method"], dict(params))
+        else:
+            if params:
+                raise AttnkitError(f"{source}: 'params' belongs to 'method'; give each part's params inside it")
+            for role in given:
+                parts[role] = _parse_part(data[role], f"{source}: {role}")
+        decode = _parse_decode(data.get("decode"), source)
+        recipe = cls(parts, decode, name=name, description=description, source=source)
+        recipe.check()
+        return recipe
+
+    # ---- what it is ---------------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """The name shown in tables (the spec as given, the recipe's name, or one derived from it)."""
+        if self.name:
+            return self.name
+        if self.peer is not None:
+            return _spec_text(PEER_PREFIX + self.peer[0], self.peer[1])
+        if "method" in self.parts:
+            attn = _spec_text(*self.parts["method"])
+        else:
+            attn = "+".join(_spec_text(*self.parts[r]) for r in PART_ROLES if r in self.parts) or "full"
+        if self.decode is None:
+            return attn
+        dec = _spec_text(f"speculate:{self.decode['speculate']}",
+                         {k: v for k, v in self.decode.items() if k != "speculate"})
+        return dec if attn == "full" else f"{attn} {dec}"
+
+    @property
+    def is_peer(self) -> bool:
+        return self.peer is not None
+
+    @property
+    def is_full(self) -> bool:
+        """Plain full attention with plain decoding: the reference every other row is compared with."""
+        if self.peer is not None or self.decode is not None:
+            return False
+        return list(self.parts.values()) in ([], [("full", {})])
+
+    def budget_role(self) -> str | None:
+        """The part a sweep budget goes to (``cache``, or ``method``/``heads``/``select`` alone), or
+        ``kvpress``; None when nothing in the recipe takes a budget."""
+        if self.peer is not None:
+            return "kvpress"
+        for role in ("cache", "method", "select", "heads"):
+            if role in self.parts and _budget_style(self.parts[role][0], self.source):
+                return role
+        return None
+
+    def has_own_budget(self) -> bool:
+        role = self.budget_role()
+        if role is None:
+            return False
+        if role == "kvpress":
+            return "compression_ratio" in self.peer[1]
+        name, params = self.parts[role]
+        keys = ("budget", "budget_tokens") if _budget_style(name, self.source) == "eviction" else ("window",)
+        return any(params.get(k) is not None for k in keys)
+
+    def takes_budget(self) -> bool:
+        """Whether a sweep's budgets apply (something takes a budget and the recipe leaves it open)."""
+        return self.budget_role() is not None and not self.has_own_budget()
+
+    def with_budget(self, budget, length: int | None = None) -> Recipe:
+        """This recipe at `budget` (a fraction of the prompt or a token count); `length` (the prompt's
+        tokens) turns a fraction into a window size."""
+        budget = check_budget_value(budget, f"{self.source} ({self.label})")
+        role = self.budget_role()
+        if role is None:
+            raise AttnkitError(f"recipe {self.label!r} has no part that takes a KV budget")
+        out = copy.deepcopy(self)
+        out.budget = budget
+        if role == "kvpress":
+            if not _is_fraction(budget):
+                raise AttnkitError(f"recipe {self.label!r}: kvpress presses take fractional budgets "
+                                   f"(compression_ratio = 1 - budget), got {budget!r} tokens")
+            out.peer[1]["compression_ratio"] = round(1.0 - budget, 10)
+            return out
+        name, params = out.parts[role]
+        if _budget_style(name, self.source) == "eviction":
+            params.pop("budget", None)
+            params.pop("budget_tokens", None)
+            params["budget" if _is_fraction(budget) else "budget_tokens"] = budget
+        else:
+            if _is_fraction(budget):
+                if length is None:
+                    raise AttnkitError(f"recipe {self.label!r}: a fractional window budget needs the prompt length")
+                params["window"] = max(1, round(budget * length))
+            else:
+                params["window"] = budget
+        out.check()
+        return out
+
+    # ---- using it -----------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Build everything once so that a bad recipe fails now (an open budget is filled in for the check)."""
+        if self.peer is not None:
+            return
+        if self.decode is not None:
+            attn = [p for p in self.parts.values() if p != ("full", {})]
+            if attn:
+                raise AttnkitError(f"{self.source}: speculative decoding verifies with full attention; drop the "
+                                   f"attention part(s) {', '.join(_spec_text(*p) for p in attn)} (for "
+                                   f"self-speculation give the draft's cache method as decode.draft)")
+        roles = set(self.parts)
+        if len(roles & set(PART_ROLES)) > 1 and roles != {"prefill", "cache"}:
+            raise AttnkitError(f"{self.source}: parts {', '.join(sorted(roles))} cannot be combined: compose joins "
+                               f"one 'prefill' method and one 'cache' method; 'heads' and 'select' stand alone")
+        probe = self.with_budget(0.5, 1024) if self.takes_budget() else self
+        probe._build()
+
+    def _build(self) -> Method:
+        if self.peer is not None:
+            raise AttnkitError(f"recipe {self.label!r} is a kvpress press; it runs in kvpress's environment "
+                               f"(attnkit.bench.peers), not as an attnkit method")
+        if not self.parts:
+            return make_method("full")
+        if set(self.parts) == {"prefill", "cache"}:
+            (pn, pp), (cn, cp) = self.parts["prefill"], self.parts["cache"]
+            return make_method("compose", prefill={"method": pn, "params": pp}, cache={"method": cn, "params": cp})
+        ((name, params),) = self.parts.values()
+        return make_method(name, **params)
+
+    def method(self) -> Method:
+        """The attention method (``full`` for a recipe that only sets the decoding strategy)."""
+        return _built(self)
+
+    def generate(self, model, prompt, **options):
+        """:func:`attnkit.generate` with this recipe's method, or :func:`attnkit.speculative_generate`
+        with its decoding strategy; `options` are theirs (max_new_tokens, stop, ...)."""
+        from attnkit.runner import generate
+
+        if self.decode is None:
+            return generate(model, prompt, self.method(), **options)
+        from attnkit.speculative import speculative_generate
+
+        d = self.decode
+        return speculative_generate(model, prompt, d["speculate"], draft_spec=d.get("draft"),
+                                    gamma=d.get("gamma", 4), adaptive_gamma=d.get("adaptive_gamma", False),
+                                    max_gamma=d.get("max_gamma"), **options)
+
+    def to_dict(self) -> dict:
+        """The recipe as a mapping :meth:`from_dict` reads back (JSON-safe)."""
+        out: dict = {"name": self.label}
+        if self.description:
+            out["description"] = self.description
+        if self.peer is not None:
+            out.update(kvpress=self.peer[0], params=dict(self.peer[1]))
+            return out
+        if "method" in self.parts:
+            out.update(method=self.parts["method"][0], params=dict(self.parts["method"][1]))
+        for role in PART_ROLES:
+            if role in self.parts:
+                out[role] = {"method": self.parts[role][0], "params": dict(self.parts[role][1])}
+        if self.decode is not None:
+            out["decode"] = dict(self.decode)
+        return out
+
+
+def _built(recipe: Recipe) -> Method:
+    key = json.dumps([recipe.to_dict(), recipe.budget], sort_keys=True, default=str)
+    return _build_cached(key, recipe)
+
+
+_BUILT: dict[str, Method] = {}
+
+
+def _build_cached(key: str, recipe: Recipe) -> Method:
+    if key not in _BUILT:
+        if len(_BUILT) > 256:
+            _BUILT.clear()
+        _BUILT[key] = recipe._build()
+    return _BUILT[key]
+
+
+def _parse_part(value, source: str) -> tuple[str, dict]:
+    if isinstance(value, str):
+        parts = split_method_spec(value)
+        if len(parts) != 1:
+            raise AttnkitError(f"{source}: one method spec per part, got the composition {value!r}")
+        return parts[0]
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"method", "params"})
+        if unknown or not isinstance(value.get("method"), str):
+            raise AttnkitError(f"{source}: a part is a method spec string or {{'method': NAME, 'params': {{...}}}}, "
+                               f"got {value!r}")
+        params = value.get("params", {}) or {}
+        if not isinstance(params, dict):
+            raise AttnkitError(f"{source}: 'params' must be a mapping of parameter names to values")
+        return value["method"], dict(params)
+    raise AttnkitError(f"{source}: a part is a method spec string or a mapping, got {type(value).__name__}")
+
+
+def _parse_decode(value, source: str) -> dict | None:
+    from attnkit.speculative.drafts import DRAFT_KINDS
+
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise AttnkitError(f"{source}: 'decode' must be a mapping like {{'speculate': 'prompt_lookup', 'gamma': 4}}")
+    unknown = sorted(set(value) - set(DECODE_KEYS))
+    if unknown:
+        raise AttnkitError(f"{source}: decode has no key {', '.join(unknown)}; allowed: {', '.join(DECODE_KEYS)}")
+    if value.get("speculate") not in DRAFT_KINDS:
+        raise AttnkitError(f"{source}: decode.speculate must be one of {', '.join(DRAFT_KINDS)}, "
+                           f"got {value.get('speculate')!r}")
+    for key in ("gamma", "max_gamma"):
+        v = value.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise AttnkitError(f"{source}: decode.{key} must be a whole number >= 1, got {v!r}")
+    if not isinstance(value.get("adaptive_gamma", False), bool):
+        raise AttnkitError(f"{source}: decode.adaptive_gamma must be true or false")
+    if value.get("draft") is not None and not isinstance(value["draft"], str):
+        raise AttnkitError(f"{source}: decode.draft must be a spec string (as --draft takes)")
+    return {k: value[k] for k in DECODE_KEYS if k in value}
+
+
+def load_recipe_file(path: str | Path) -> Recipe:
+    """Read a recipe file (.json, .yaml or .yml) into a :class:`Recipe`."""
+    data = read_structured_file(path, "recipe")
+    return Recipe.parse(data, f"recipe file {str(path)!r}")
+
+
+def as_recipe(value, source: str = "recipe") -> Recipe:
+    """A spec string, mapping, method or recipe -> :class:`Recipe`."""
+    return Recipe.parse(value, source)
+
+
+__all__ = ["Recipe", "as_recipe", "load_recipe", "load_recipe_file", "recipe_from_dict", "recipe_to_dict",
+           "read_structured_file", "check_budget_value", "format_budget"]

@@ -82,12 +82,18 @@ def edit_similarity(a: str, b: str) -> float:
     return 2.0 * prev[-1] / (len(a) + len(b))
 
 
+def first_code_line(prediction: str, markers: tuple[str, ...] = ("#", "`")) -> str | None:
+    """The first predicted line holding none of `markers` (comments, markdown fences), or None."""
+    for line in prediction.lstrip("\n").split("\n"):
+        if not any(m in line for m in markers):
+            return line
+    return None
+
+
 def code_score(prediction: str, sample: Sample) -> float:
     """LongBench lcc: edit similarity of the first non-comment predicted line to the reference line."""
-    for line in prediction.lstrip("\n").split("\n"):
-        if "#" not in line and "`" not in line:
-            return edit_similarity(line, sample.answers[0])
-    return 0.0
+    line = first_code_line(prediction)
+    return 0.0 if line is None else edit_similarity(line, sample.answers[0])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,6 +334,8 @@ TASKS: dict[str, Task] = {
 }
 
 GENERATED_TASKS = tuple(TASKS)
+# tasks whose answer sits at the sample's depth in the prompt (per-depth scores, the needle heatmap)
+NEEDLE_TASKS = ("passkey", "niah_multikey", "niah_multivalue", "kv_retrieval", "variable_tracking")
 ALL_TASKS = GENERATED_TASKS + ("perplexity",)
 
 

@@ -228,22 +228,37 @@ def make_method(name: str, **params) -> Method:
         raise AttnkitError(f"method {name!r}: {exc}") from None
 
 
+_JOIN = re.compile(r"\+(?=\s*[A-Za-z_]\w*\s*(?::|,|\+|$))")  # "+" before a method name
+
+
+def split_method_spec(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """``"window:window=1024"`` -> ``[("window", {"window": "1024"})]``, without building the method;
+    ``"PREFILL+CACHE"`` -> two entries. Values stay strings (:func:`make_method` converts them)."""
+    parts = [p.strip() for p in _JOIN.split(spec)]
+    if len(parts) > 2 or not all(parts):
+        raise AttnkitError(f"method spec {spec!r}: 'PREFILL+CACHE' joins exactly two method specs")
+    out = []
+    for part in parts:
+        name, _, rest = part.partition(":")
+        params = {}
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise AttnkitError(f"method spec {spec!r}: expected key=value, got {item!r}")
+            params[key.strip()] = value.strip()
+        out.append((name.strip(), params))
+    return out
+
+
 def parse_method_spec(spec: str) -> Method:
     """``"window:window=1024"`` or ``"window:window=1024,foo=bar"`` -> a method instance.
 
     ``"PREFILL+CACHE"`` (two specs joined by ``+``, e.g. ``"minference:config=p.json+snapkv:budget=0.3"``)
     is the ``compose`` method: prefill outputs from the first, the KV cache policy of the second.
     """
-    parts = [p.strip() for p in re.split(r"\+(?=\s*[A-Za-z_]\w*\s*(?::|,|\+|$))", spec)]  # "+" before a method name
+    parts = split_method_spec(spec)
     if len(parts) > 1:
-        if len(parts) != 2 or not all(parts):
-            raise AttnkitError(f"method spec {spec!r}: 'PREFILL+CACHE' joins exactly two method specs")
-        return make_method("compose", prefill=parts[0], cache=parts[1])
-    name, _, rest = spec.partition(":")
-    params = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise AttnkitError(f"method spec {spec!r}: expected key=value, got {item!r}")
-        params[key.strip()] = value.strip()
-    return make_method(name.strip(), **params)
+        texts = [p.strip() for p in _JOIN.split(spec)]
+        return make_method("compose", prefill=texts[0], cache=texts[1])
+    name, params = parts[0]
+    return make_method(name, **params)

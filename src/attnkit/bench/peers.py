@@ -1,0 +1,185 @@
+"""Peers in the same table: NVIDIA's kvpress presses as recipes of a sweep, on identical inputs.
+
+A press is named ``kvpress:PRESS[:key=value,...]`` (``kvpress:SnapKVPress:compression_ratio=0.5``)
+or, in a recipe file, ``{"kvpress": "SnapKVPress", "params": {...}}``; a sweep's budget ``f`` sets
+``compression_ratio = 1 - f``. kvpress pins another transformers than attnkit, so its presses run in
+their own environment through ``scripts/kvpress_worker.py`` (the worker of ``scripts/compare_kvpress.py``):
+the interpreter is ``$ATTNKIT_KVPRESS_PYTHON``, else ``.venv-kvpress/bin/python`` of this checkout (or
+of the current directory), else this interpreter when it can import kvpress. The worker loads the same
+model (the bundled model's directory, a local model directory, or a random model saved to a temporary
+directory) and answers one greedy generation per request: the same prompt token ids attnkit's methods
+get, stopped at the same stop strings (the worker stops at the tokens that contain one; the text is cut
+there as attnkit's runner cuts it). It reports the cache bytes held at the end; its peak is not
+observable from outside, so peak KV is left empty for peers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from attnkit.errors import AttnkitError
+
+PREFIX = "kvpress:"
+ROOT = Path(__file__).resolve().parents[3]  # the checkout (src/attnkit/bench/peers.py)
+WORKER = ROOT / "scripts" / "kvpress_worker.py"
+ENV_VAR = "ATTNKIT_KVPRESS_PYTHON"
+
+
+def check_press_name(name, source: str = "kvpress") -> str:
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*Press", name):
+        raise AttnkitError(f"{source}: a kvpress press is named by its class, e.g. 'SnapKVPress' or "
+                           f"'StreamingLLMPress', got {name!r}")
+    return name
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_peer_spec(spec: str) -> tuple[str, dict]:
+    """``"kvpress:SnapKVPress:compression_ratio=0.5,window_size=64"`` -> ``("SnapKVPress", {...})``."""
+    if not isinstance(spec, str) or not spec.startswith(PREFIX):
+        raise AttnkitError(f"a peer spec starts with {PREFIX!r}, e.g. 'kvpress:SnapKVPress:compression_ratio=0.5', "
+                           f"got {spec!r}")
+    name, _, rest = spec[len(PREFIX):].partition(":")
+    press = check_press_name(name.strip(), f"peer spec {spec!r}")
+    params = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise AttnkitError(f"peer spec {spec!r}: expected key=value, got {item!r}")
+        params[key.strip()] = _value(value.strip())
+    return press, params
+
+
+def kvpress_python() -> str | None:
+    """The interpreter that runs kvpress, or None when kvpress is not installed (see the module docstring)."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return env if Path(env).is_file() else None
+    for base in (ROOT, Path.cwd()):
+        candidate = base / ".venv-kvpress" / "bin" / "python"
+        if candidate.is_file():
+            return str(candidate)
+    if importlib.util.find_spec("kvpress") is not None:
+        return sys.executable
+    return None
+
+
+def require_kvpress() -> str:
+    python = kvpress_python()
+    if python is None:
+        raise AttnkitError("kvpress is not installed, so kvpress:... recipes cannot run: create .venv-kvpress "
+                           "(python -m venv .venv-kvpress; .venv-kvpress/bin/pip install torch==2.13.0 kvpress) or "
+                           f"set {ENV_VAR} to a Python that imports kvpress")
+    if not WORKER.is_file():
+        raise AttnkitError(f"the kvpress worker {WORKER} is missing: peers run from a source checkout of attnkit")
+    return python
+
+
+class KvpressRunner:
+    """One kvpress worker process for `model`, answering generations until :meth:`close`."""
+
+    def __init__(self, model, threads: int | None = None):
+        from attnkit.model import BUNDLED, bundled_path
+
+        python = require_kvpress()
+        self.model = model
+        self._tmp = None
+        if model.spec in BUNDLED:
+            model_dir = str(bundled_path(model.spec))
+        elif Path(model.spec).is_dir():
+            model_dir = model.spec
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="attnkit-peer-")
+            model.hf.save_pretrained(self._tmp.name)
+            model_dir = self._tmp.name
+        threads = threads or torch.get_num_threads()
+        bos = list(model.tokenizer("").input_ids)
+        setup = {"model_dir": model_dir, "threads": threads, "new_tokens": 4, "warmup": bos + [3] * 16}
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([python, str(WORKER), json.dumps(setup)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.meta = self._answer()
+        self._stop_ids: dict[str, list[int]] = {}
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            self._log.seek(0)
+            tail = self._log.read()[-2000:]
+            raise AttnkitError(f"the kvpress worker stopped (exit code {code}):\n{tail}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise AttnkitError(f"kvpress: {answer['error']}")
+        return answer
+
+    def stop_ids(self, stop: str | None) -> list[int]:
+        """Token ids whose text contains `stop` (the worker stops after one), plus EOS."""
+        key = stop or ""
+        if key not in self._stop_ids:
+            tok = self.model.tokenizer
+            ids = [i for i in range(self.model.geometry.vocab_size) if stop and stop in tok.decode([i])]
+            if getattr(tok, "eos_token_id", None) is not None:
+                ids.append(int(tok.eos_token_id))
+            self._stop_ids[key] = ids
+        return self._stop_ids[key]
+
+    def generate(self, prompt, peer: tuple[str, dict], max_new_tokens: int, stop: str | None):
+        from attnkit.runner import Generation, GenerationStats, encode_prompt
+
+        ids = encode_prompt(self.model, prompt).tolist()
+        press, params = peer
+        case = {"prompt": ids, "new_tokens": max_new_tokens, "stop_ids": self.stop_ids(stop),
+                "press": {"kind": "class", "name": press, "params": params}}
+        self.proc.stdin.write(json.dumps({"case": case, "mode": "timing"}) + "\n")
+        self.proc.stdin.flush()
+        out = self._answer()
+        tokens = out["tokens"]
+        text = self.model.tokenizer.decode(tokens, skip_special_tokens=True)
+        finish = "length"
+        if stop and stop in text:
+            text, finish = text[:text.index(stop)], "stop"
+        elif tokens and tokens[-1] == getattr(self.model.tokenizer, "eos_token_id", None):
+            finish = "eos"
+        steps = max(0, len(tokens) - 1)
+        stats = GenerationStats(
+            method=f"kvpress:{press}", prompt_tokens=len(ids), new_tokens=len(tokens), prefill_s=out["prefill_s"],
+            ttft_s=out["prefill_s"], decode_s=out["decode_s"],
+            decode_tokens_per_s=steps / out["decode_s"] if steps and out["decode_s"] > 0 else 0.0,
+            peak_kv_bytes=None, final_kv_bytes=out.get("kv_bytes"), peak_rss_bytes=0, finish_reason=finish)
+        return Generation(text, tokens, stats)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()

@@ -1,0 +1,208 @@
+"""Resumable sweeps: recipes x budgets x tasks x lengths from one file (``attnkit eval --sweep FILE --out DIR``).
+
+A sweep file (YAML or JSON)::
+
+    model: tiny
+    samples: 20
+    seed: 0
+    tasks: [passkey, niah_multikey]
+    lengths: [2048, 4096]
+    budgets: [0.1, 0.25, 0.5]          # fractions of the prompt, or whole token counts
+    recipes:
+      - snapkv                          # a method spec
+      - {name: sparse+snap, prefill: minference, cache: snapkv}
+      - kvpress:SnapKVPress             # a peer (needs kvpress, see attnkit.bench.peers)
+    data: longbench.jsonl               # optional: LongBench-format items; task "longbench" = all its datasets
+
+Every recipe that leaves its budget open runs once per budget; one that sets its own (or takes none)
+runs once. ``full`` runs once per (task, length) as the reference, first. The cells run in order
+(tasks, lengths, recipes, budgets) through :func:`attnkit.eval.harness.run_cells`, each finished row
+appended to ``DIR/results.jsonl`` at once (flushed and fsynced). Run it again after an interruption and
+the cells already in the results are skipped; the one that was interrupted is run again (a row cut off
+mid-write is removed first). The results file of an interrupted and resumed sweep holds the same rows as
+that of an uninterrupted one (timings aside).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnkit.errors import AttnkitError
+from attnkit.eval import harness
+from attnkit.recipe import Recipe, as_recipe, check_budget_value, read_structured_file
+
+SWEEP_KEYS = ("model", "recipes", "budgets", "tasks", "lengths", "samples", "seed", "depths", "data", "name",
+              "description")
+SWEEP_FILE = "sweep.json"
+
+
+@dataclass
+class Sweep:
+    recipes: list[Recipe]
+    tasks: list[str]
+    lengths: list[int]
+    samples: int
+    model: str = "tiny"
+    budgets: list[float | int] = field(default_factory=list)
+    seed: int = 0
+    depths: list[float] | None = None
+    data: str | None = None
+    name: str | None = None
+    description: str | None = None
+    source: str = "sweep"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "description": self.description, "model": self.model, "samples": self.samples,
+                "seed": self.seed, "tasks": self.tasks, "lengths": self.lengths, "budgets": self.budgets,
+                "depths": self.depths, "data": self.data, "recipes": [r.to_dict() for r in self.recipes]}
+
+    def entries(self, length: int) -> list[Recipe]:
+        """The recipes of one (task, length) pair, budgets applied, ``full`` first and once."""
+        out = [as_recipe("full")]
+        for recipe in self.recipes:
+            if recipe.is_full:
+                continue
+            if recipe.takes_budget():
+                out.extend(recipe.with_budget(b, length) for b in self.budgets)
+            else:
+                out.append(recipe)
+        return out
+
+    def cell_count(self) -> int:
+        return len(self.tasks) * sum(len(self.entries(n)) for n in self.lengths)
+
+
+def _int_list(value, what: str, source: str, minimum: int) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list) or not value or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum
+                                                       for v in value):
+        raise AttnkitError(f"{source}: {what} must be a non-empty list of whole numbers >= {minimum}, got {value!r}")
+    return value
+
+
+def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -> Sweep:
+    """Validate a sweep mapping (see the module docstring); `base_dir` resolves a relative ``data`` path."""
+    if not isinstance(data, dict):
+        raise AttnkitError(f"{source}: a sweep must be a mapping with recipes, tasks, lengths and samples")
+    unknown = sorted(set(data) - set(SWEEP_KEYS))
+    if unknown:
+        raise AttnkitError(f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(SWEEP_KEYS)}")
+    missing = [k for k in ("recipes", "lengths", "samples") if data.get(k) is None]
+    if data.get("tasks") is None and data.get("data") is None:
+        missing.append("tasks")
+    if missing:
+        raise AttnkitError(f"{source}: missing {', '.join(missing)}")
+    recipes_raw = data["recipes"]
+    if not isinstance(recipes_raw, list) or not recipes_raw:
+        raise AttnkitError(f"{source}: recipes must be a non-empty list of method specs or recipe mappings")
+    recipes = [as_recipe(r, f"{source}: recipes[{i}]") for i, r in enumerate(recipes_raw)]
+    labels = [r.label for r in recipes]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise AttnkitError(f"{source}: recipe names must differ; {', '.join(dup)} appear more than once "
+                           f"(give each a 'name')")
+    budgets_raw = data.get("budgets") or []
+    if not isinstance(budgets_raw, list):
+        raise AttnkitError(f"{source}: budgets must be a list of fractions (0 < f <= 1) or token counts")
+    budgets = [check_budget_value(b, f"{source}: budgets") for b in budgets_raw]
+    if len(set(budgets)) != len(budgets):
+        raise AttnkitError(f"{source}: budgets has duplicates: {budgets}")
+    needs = [r.label for r in recipes if r.takes_budget()]
+    if needs and not budgets:
+        raise AttnkitError(f"{source}: {', '.join(needs)} take a KV budget; give budgets: [...] or set one in "
+                           f"each recipe")
+    model = data.get("model", "tiny")
+    if not isinstance(model, str) or not model:
+        raise AttnkitError(f"{source}: model must be a model spec string, got {model!r}")
+    samples = data["samples"]
+    harness.check_samples(samples)
+    seed = data.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise AttnkitError(f"{source}: seed must be a whole number, got {seed!r}")
+    lengths = _int_list(data["lengths"], "lengths", source, 2)
+    data_path = data.get("data")
+    lb = None
+    if data_path is not None:
+        if not isinstance(data_path, str):
+            raise AttnkitError(f"{source}: data must be the path of a LongBench-format JSONL file")
+        path = Path(data_path)
+        if not path.is_absolute() and base_dir is not None and not path.exists():
+            path = base_dir / path
+        data_path = str(path)
+        from attnkit.eval.longbench import LongBenchData
+
+        lb = LongBenchData.load(data_path)
+    tasks = data.get("tasks") or ["longbench"]
+    if isinstance(tasks, str):
+        tasks = [tasks]
+    if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
+        raise AttnkitError(f"{source}: tasks must be a list of task names")
+    expanded: list[str] = []
+    for t in tasks:
+        if t == "longbench":
+            if lb is None:
+                raise AttnkitError(f"{source}: task 'longbench' needs data: FILE (LongBench-format JSONL)")
+            expanded.extend(harness.LONGBENCH_PREFIX + d for d in lb.datasets())
+        else:
+            expanded.append(t)
+    harness.check_tasks(expanded, lb)
+    harness.check_lengths(None, lengths)
+    harness.check_peer_tasks(recipes, expanded)
+    depths = data.get("depths")
+    if depths is not None:
+        harness.depth_list(samples, depths)
+    for key in ("name", "description"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise AttnkitError(f"{source}: {key} must be a string")
+    sweep = Sweep(recipes, expanded, lengths, samples, model, budgets, seed, depths, data_path, data.get("name"),
+                  data.get("description"), source)
+    for n in lengths:  # budgets that do not fit a recipe fail now, not an hour in
+        sweep.entries(n)
+    return sweep
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    path = Path(path)
+    return sweep_from_dict(read_structured_file(path, "sweep"), f"sweep file {str(path)!r}", path.parent)
+
+
+def _done_rows(results: Path) -> dict[str, dict]:
+    if not results.is_file():
+        return {}
+    harness.repair_tail(results)
+    return {row["cell"]: row for row in harness.read_results(results) if row.get("cell")}
+
+
+def run_sweep(sweep: Sweep | str | Path, out_dir: str | Path, *, model=None, progress: bool = True) -> list[dict]:
+    """Run every cell of `sweep` not yet in ``out_dir/results.jsonl``; returns the sweep's rows (done
+    before and now) in cell order and writes ``out_dir/table.txt``. `model` overrides the sweep's."""
+    from attnkit.model import load_model_for_length
+
+    if not isinstance(sweep, Sweep):
+        sweep = load_sweep(sweep)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / harness.RESULTS_FILE
+    done = _done_rows(results)
+    data = None
+    if sweep.data is not None:
+        from attnkit.eval.longbench import LongBenchData
+
+        data = LongBenchData.load(sweep.data)
+    if model is None:
+        model = load_model_for_length(sweep.model, max(sweep.lengths) + 512)
+    harness.check_lengths(model, sweep.lengths)
+    depths = harness.depth_list(sweep.samples, sweep.depths)
+    groups = []
+    for task in sweep.tasks:
+        for length in sweep.lengths:
+            items = harness.task_items(model, task, length, sweep.seed, sweep.samples, depths, data)
+            groups.append(harness.Group(task, length, items, sweep.entries(length)))
+    (out_dir / SWEEP_FILE).write_text(json.dumps(sweep.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
+    rows = harness.run_cells(model, groups, seed=sweep.seed, out_path=results, progress=progress, done=done,
+                             desc="sweep")
+    (out_dir / harness.TABLE_FILE).write_text(harness.format_table(rows) + "\n", encoding="utf-8")
+    return rows

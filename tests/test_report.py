@@ -1,0 +1,143 @@
+"""`attnkit report`: the HTML page and PNGs regenerate from results alone, old and new schemas, Chromium renders it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnkit import AttnkitError
+from attnkit.cli import main
+from attnkit.eval import harness
+from attnkit.eval.report import enrich, summarize, write_report
+from attnkit.eval.sweep import run_sweep, sweep_from_dict
+
+SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
+SWEEP = {"model": SPEC, "samples": 2, "tasks": ["passkey", "code_completion"], "lengths": [256, 320],
+         "budgets": [0.25, 0.5], "recipes": ["snapkv", "window"]}
+PLOTS = {"score_vs_budget_passkey.png", "score_vs_budget_code_completion.png", "needle_passkey.png",
+         "speed_memory.png", "pareto.png"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("sweep")
+    run_sweep(sweep_from_dict(SWEEP), out, progress=False)
+    return out / harness.RESULTS_FILE
+
+
+def _fresh_dir(tmp_path: Path, results: Path) -> Path:
+    """A directory holding nothing but a copy of the results file."""
+    d = tmp_path / "only_results"
+    d.mkdir()
+    shutil.copy(results, d / harness.RESULTS_FILE)
+    return d
+
+
+def test_report_from_results_alone(results, tmp_path):
+    d = _fresh_dir(tmp_path, results)
+    page = write_report(d)
+    assert page == d / "report.html"
+    assert {p.name for p in (d / "report").iterdir()} == PLOTS
+    for png in (d / "report").iterdir():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = page.read_text()
+    assert text.count("data:image/png;base64,") == len(PLOTS)
+    assert "src='http" not in text and "<link" not in text  # self-contained
+    assert "Which method should I use?" in text and "snapkv@0.25" in text
+    summary = json.loads((d / "summary.json").read_text())
+    assert {s["label"] for s in summary} == {"full", "snapkv@0.25", "snapkv@0.5", "window@0.25", "window@0.5"}
+    assert (d / "summary.csv").read_text().startswith("label,recipe,budget,cells,")
+    first = page.read_bytes()
+    write_report(d)  # regenerating gives the same page
+    assert page.read_bytes() == first
+
+
+def test_summary_numbers(results):
+    rows, _ = enrich(harness.read_results(results))
+    summary = {s["label"]: s for s in summarize(rows)}
+    full = summary["full"]
+    assert full["decode_speedup"] == 1.0 and full["final_kv_ratio"] == 1.0 and full["cells"] == 4
+    assert summary["window@0.25"]["final_kv_ratio"] < summary["window@0.5"]["final_kv_ratio"] < 1
+    assert any(s["pareto"] for s in summary.values())
+
+
+def test_other_schema_versions(results, tmp_path):
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    old = tmp_path / "old"
+    old.mkdir()
+    with open(old / harness.RESULTS_FILE, "w") as fh:  # schema 1: before recipes, budgets and depth scores
+        for row in rows:
+            row = {k: v for k, v in row.items() if k not in ("schema", "recipe", "recipe_name", "budget", "cell",
+                                                              "depth_scores")}
+            fh.write(json.dumps(row) + "\n")
+    read = harness.read_results(old)
+    assert all(r["schema_read"] == 1 and r["recipe_name"] == r["method_spec"] for r in read)
+    assert write_report(old).is_file()
+    new = tmp_path / "new"
+    new.mkdir()
+    rows[3]["schema"] = harness.SCHEMA + 1
+    (new / harness.RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(AttnkitError, match=r"line 4: results schema 3 is newer than this attnkit reads"):
+        write_report(new)
+    (new / harness.RESULTS_FILE).write_text("{broken\n")
+    with pytest.raises(AttnkitError, match="line 1 is not a JSON row"):
+        harness.read_results(new)
+    (new / harness.RESULTS_FILE).write_text("")
+    with pytest.raises(AttnkitError, match="holds no rows"):
+        write_report(new)
+
+
+def test_report_cli(results, tmp_path, capsys):
+    d = _fresh_dir(tmp_path, results)
+    assert main(["report", str(d), "--out", str(tmp_path / "page" / "r.html")]) == 0
+    assert (tmp_path / "page" / "r.html").is_file() and (tmp_path / "page" / "report" / "pareto.png").is_file()
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "no results file" in capsys.readouterr().err
+
+
+CHECK_IMAGES = """<script>
+window.addEventListener("load", function () {
+  var images = Array.prototype.slice.call(document.images);
+  var ok = images.filter(function (i) { return i.complete && i.naturalWidth > 0 && i.naturalHeight > 0; });
+  document.body.setAttribute("data-images", images.length);
+  document.body.setAttribute("data-loaded", ok.length);
+});
+</script></body>"""
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail("chromium is not installed, so the report cannot be checked in a browser: install Debian's "
+                "package (`apt-get install -y chromium`; `./run test` does it when it runs as root or with sudo)")
+
+
+def _render(page: Path, tmp_path: Path) -> tuple[int, int]:
+    probe = page.with_name("probe.html")
+    probe.write_text(page.read_text().replace("</body>", CHECK_IMAGES))
+    out = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                          f"--user-data-dir={tmp_path / 'chromium-profile'}", "--virtual-time-budget=10000",
+                          "--dump-dom", probe.resolve().as_uri()], capture_output=True, text=True, timeout=90)
+    found = re.search(r'data-images="(\d+)"[^>]*data-loaded="(\d+)"', out.stdout)
+    assert found, f"chromium gave no page (exit {out.returncode}): {out.stderr[-1500:]}"
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_page_renders_in_chromium(results, tmp_path):
+    page = write_report(_fresh_dir(tmp_path, results))
+    images, loaded = _render(page, tmp_path)
+    assert images == len(PLOTS) and loaded == images
+    # the check sees a broken image: a page whose first picture is not a PNG loads one fewer
+    broken = page.with_name("broken.html")
+    broken.write_text(re.sub(r"base64,[A-Za-z0-9+/=]+", "base64,AAAA", page.read_text(), count=1))
+    images, loaded = _render(broken, tmp_path)
+    assert loaded == images - 1
