@@ -10,7 +10,9 @@ Two measurements, each interleaved (every variant once per repeat, in turn) and 
    - ``dense``: the fused kernel ``full`` uses (SDPA),
    - ``explicit``: the explicit-softmax path of ``share`` with every head essential (no sharing), which
      separates the cost of the path from the saving of sharing,
-   - ``shared``: the same path with the config's sharing (the layer ``--layer``; or, without a config, a
+   - ``fused`` (prompt only): the fused-kernel prefill of ``share`` (one SDPA call per pair of kv heads a
+     shared head links; a head shared across kv groups recomputes its softmax, see its skipped fraction),
+   - ``shared``: the explicit path with the config's sharing (the layer ``--layer``; or, without a config, a
      synthetic one keeping ``--retention`` of the heads, essential heads spread over the kv groups).
    The fraction of QK^T + softmax head-operations skipped is printed beside the times.
 2. **Generation** (:func:`attnkit.bench.speed.run_bench`): prefill seconds, decode tokens/s and KV bytes of
@@ -35,20 +37,21 @@ import torch
 from attnkit.attention import attend
 from attnkit.bench.speed import format_bench, run_bench
 from attnkit.cli import _split_methods
-from attnkit.methods.share import LayerPlan, ShareConfig, shared_attention
+from attnkit.methods.share import LayerPlan, ShareConfig, shared_attention, shared_prefill_fused
 from attnkit.model import load_model, load_model_for_length
 
 
 def synthetic_config(n_layers: int, n_heads: int, n_kv: int, retention: float) -> dict:
-    """Every layer keeps round(retention x heads) essential heads, spread over the kv groups; each shared head
-    uses an essential head of the NEXT kv group when there is one (the cross-group case of GQA)."""
+    """Every layer keeps round(retention x heads) essential heads, spread over the kv groups; an even shared head
+    uses an essential head of its own kv group, an odd one of the NEXT kv group (the cross-group case of GQA),
+    when there is one."""
     keep = max(1, min(n_heads, round(retention * n_heads)))
     g = n_heads // n_kv
     essential = sorted(sorted(range(n_heads), key=lambda h: (h % g, h // g))[:keep])
     share_to = {}
     for h in range(n_heads):
         if h not in essential:
-            other = [e for e in essential if e // g == (h // g + 1) % n_kv] or essential
+            other = [e for e in essential if e // g == (h // g + h % 2) % n_kv] or essential
             share_to[str(h)] = other[h % len(other)]
     layer = {"essential_heads": essential, "share_to": share_to}
     return {"n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv, "layers": [layer] * n_layers}
@@ -79,22 +82,28 @@ def bench_attention_op(model, context: int, plan: LayerPlan, repeats: int) -> li
         "dense": lambda qq, qp: attend(qq, k, v, scale, qp, pos),
         "explicit": lambda qq, qp: shared_attention(qq, k, v, scale, qp, pos, None, identity),
         "shared": lambda qq, qp: shared_attention(qq, k, v, scale, qp, pos, None, plan),
+        "fused": lambda qq, qp: shared_prefill_fused(qq, k, v, scale, plan),
     }
     phases = {"prefill": (q, pos), "decode": (q[:, :, -1:], pos[-1:])}
     times = {(ph, name): [] for ph in phases for name in variants}
     for _ in range(repeats):
         for ph, (qq, qp) in phases.items():
             for name, fn in variants.items():
+                if name == "fused" and ph == "decode":
+                    continue
                 times[(ph, name)].append(_time(lambda fn=fn, qq=qq, qp=qp: fn(qq, qp), device))
-    skipped = 1 - len(plan.essential) / geo.n_q_heads
+    skipped = {"shared": 1 - len(plan.essential) / geo.n_q_heads,
+               "fused": 1 - sum(len(x) for x in plan.pairs(geo.n_kv_heads).values()) / geo.n_q_heads}
     rows = []
     for ph in phases:
         dense, explicit = (statistics.median(times[(ph, n)]) for n in ("dense", "explicit"))
         for name in variants:
+            if not times[(ph, name)]:
+                continue
             t = statistics.median(times[(ph, name)])
             rows.append({"phase": ph, "variant": name, "context": context, "median_ms": 1000 * t,
                          "x_dense": dense / t, "x_explicit": explicit / t,
-                         "head_ops_skipped": skipped if name == "shared" else 0.0})
+                         "head_ops_skipped": skipped.get(name, 0.0)})
     return rows
 
 

@@ -18,7 +18,7 @@ from attnkit.calibrate.heads import (
 from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import make_method, parse_method_spec
-from attnkit.methods.share import LayerPlan, Share, shared_attention
+from attnkit.methods.share import LayerPlan, Share, shared_attention, shared_prefill_fused
 from conftest import random_ids
 
 SPEC4 = "random:llama:layers=4,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
@@ -133,6 +133,8 @@ def test_shared_attention_reuses_essential_probabilities_across_kv_groups():
     out = shared_attention(q, k, v, d ** -0.5, pos, pos, None, plan, block_elements=4 * hq * n)
     ref = dense_shared_reference(q, k, v, d ** -0.5, share_to)
     assert torch.allclose(out, ref, atol=1e-6)
+    fused = shared_prefill_fused(q, k, v, d ** -0.5, plan)  # one SDPA call per (keys' kv, values' kv) pair
+    assert torch.allclose(fused, ref, atol=1e-5)
     plain = dense_shared_reference(q, k, v, d ** -0.5, {})
     assert (out[0, 1] - plain[0, 1]).abs().max() > 1e-3  # head 1 really changed
     assert torch.allclose(out[0, 0], plain[0, 0], atol=1e-6)  # an essential head did not
@@ -160,6 +162,8 @@ def test_share_with_exact_twins_equals_full_and_really_shares():
     cfg = config_dict(model, [{1: 0, 3: 0}] * 3)
     method = Share(config=cfg)
     assert method.skipped_fraction() == pytest.approx(0.5)
+    # fused prefill: head 1 (same kv group as head 0) is free, head 3 (other group) recomputes its softmax
+    assert method.skipped_fraction(n_kv=2) == pytest.approx(0.25)
     out = gen(model, ids, method)
     assert out.token_ids == ref.token_ids
     assert max_logit_diff(out, ref) < 1e-4
@@ -185,10 +189,12 @@ def test_no_sharing_equals_full(spec, tmp_path):
 def test_share_chunked_prefill_matches_dense_reference(llama4):
     ids = random_ids(90, seed=5)
     cfg = config_dict(llama4, [{1: 2}, {}, {3: 0, 2: 0}, {1: 0}])
-    one = gen(llama4, ids, Share(config=cfg))
-    chunked = gen(llama4, ids, Share(config=cfg), chunk_size=32)
-    assert chunked.token_ids == one.token_ids
-    assert max_logit_diff(chunked, one) < 1e-4
+    one = gen(llama4, ids, Share(config=cfg))  # fused prefill
+    chunked = gen(llama4, ids, Share(config=cfg), chunk_size=32)  # explicit, chunked
+    explicit = gen(llama4, ids, Share(config=cfg, fused_prefill=False))
+    for other in (chunked, explicit):
+        assert other.token_ids == one.token_ids
+        assert max_logit_diff(other, one) < 1e-4
 
 
 # ---- the config file ---------------------------------------------------------------------------------------

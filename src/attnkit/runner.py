@@ -107,10 +107,12 @@ def forward(model: LoadedModel, ids: torch.Tensor, start: int, step_factory: Cal
     positions = torch.arange(start, start + ids.shape[0], device=ids.device)
     hidden = base.embed_tokens(ids[None])
     step = step_factory(positions)
-    if step.session.method.run_layers is None:
+    session = getattr(step, "session", None)  # a step-like object (speculative decoding's tee) has none
+    hook = None if session is None else session.method.run_layers
+    if hook is None:
         hidden = run_decoder_layers(model, hidden, positions, step)
     else:  # model-level hook: the method runs the layers (it may change which tokens later layers see)
-        hidden = step.session.method.run_layers(model, step, hidden, all_positions)
+        hidden = hook(model, step, hidden, all_positions)
     return base.norm(hidden[0] if all_positions else hidden[0, -1:])
 
 

@@ -49,6 +49,7 @@ from attnkit.methods.share import (
     attend_shared,
     essential_probabilities,
     layer_plan,
+    shared_prefill_fused,
 )
 
 HIDDEN = "select:hidden"
@@ -219,9 +220,12 @@ class Select(Method):
     def _uncached(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         """A layer after L: its queries, keys and values are the selected tokens' (ascending positions)."""
         plan = self._plan(ctx, q, k)
-        if (plan is None or not plan.shares) and ctx.native_window is None:
-            return sdpa(q, k, v, ctx.scaling, is_causal=True)  # ascending positions: causal by index = by position
-        return attend_shared(plan, q, k, v, ctx.scaling, ctx.q_pos, ctx.q_pos, ctx.native_window)
+        if ctx.native_window is not None:
+            return attend_shared(plan, q, k, v, ctx.scaling, ctx.q_pos, ctx.q_pos, ctx.native_window)
+        # ascending positions, queries = keys: causal by index is causal by position
+        if plan is None or not plan.shares:
+            return sdpa(q, k, v, ctx.scaling, is_causal=True)
+        return shared_prefill_fused(q, k, v, ctx.scaling, plan)
 
     def _choose(self, ctx: LayerContext, q, q_pos, p: float) -> None:
         keys, values, positions = ctx.kv.view()

@@ -22,6 +22,13 @@ exists. A layer in which no head is shared keeps the fused dense kernel (it is e
 fraction of QK^T + softmax head-operations avoided is :meth:`Share.skipped_fraction` (one minus the mean
 retention rate of the seed's Fig. 7).
 
+A whole prompt in one chunk (``fused_prefill=true``, default) instead goes through the fused SDPA kernel,
+one call per (essential head's kv head, shared head's kv head) pair (:func:`shared_prefill_fused`): the
+explicit path must materialise the probabilities, which on a CPU costs more than the sharing saves; the
+fused one skips every shared head within its essential head's kv group but recomputes the softmax of a head
+shared across groups (the seed's section 5 notes the same limit: FlashAttention would need a kernel that
+applies one softmax to several V).
+
 Parameters: ``config`` is the calibrated JSON file (or a dict of the same shape); ``config=none`` means no
 sharing at all (every head essential: the threshold-0 setting of the seed's Fig. 6), which is ``full``.
 A config whose layer, head or kv-head counts differ from the model's is refused with an
@@ -36,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from attnkit.attention import attend, position_mask
+from attnkit.attention import attend, position_mask, sdpa
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, register
 from attnkit.methods.eviction import SCORE_BLOCK_ELEMENTS
@@ -78,6 +85,16 @@ class LayerPlan:
     def identity(cls, n_heads: int, n_kv: int) -> LayerPlan:
         return cls.build(n_heads, n_kv, {})
 
+    def pairs(self, n_kv: int) -> dict[tuple[int, int], list[tuple[int, list[int]]]]:
+        """For the fused prefill: ``(keys' kv head, values' kv head) -> [(essential head, [heads served])]``.
+        A shared head in its essential head's kv group needs no computation of its own."""
+        g = len(self.source) // n_kv
+        out: dict[tuple[int, int], dict[int, list[int]]] = {}
+        for h, row in enumerate(self.source):
+            e = self.essential[row]
+            out.setdefault((e // g, h // g), {}).setdefault(e, []).append(h)
+        return {key: sorted(m.items()) for key, m in sorted(out.items())}
+
 
 def _shared_positions(k_pos: torch.Tensor) -> torch.Tensor:
     if k_pos.dim() == 1:
@@ -95,15 +112,17 @@ def essential_probabilities(q: torch.Tensor, keys: torch.Tensor, scaling: float,
 
     `q` ``[b, q_heads, c, d]`` at `q_pos`; `keys` ``[b, kv_heads, n, d]`` at the 1-D ascending `k_pos`. Each
     essential head's logits use its own kv head's keys (one matmul per kv group, nothing expanded)."""
-    b, c, n = q.shape[0], q.shape[2], keys.shape[2]
+    b, c, d, n = q.shape[0], q.shape[2], q.shape[3], keys.shape[2]
     logits = torch.empty(b, len(plan.essential), c, n, dtype=torch.float32, device=q.device)
-    heads = torch.tensor(plan.essential, device=q.device)
     for kv, s, e in plan.groups:
-        logits[:, s:e] = torch.matmul(q[:, heads[s:e]], keys[:, kv:kv + 1].transpose(-1, -2)).float()
+        first, last = plan.essential[s], plan.essential[e - 1]
+        # the group's essential heads folded into the query axis: one [m*c, d] x [d, n] product per kv head
+        qs = q[:, first:last + 1] if last - first == e - s - 1 else q[:, list(plan.essential[s:e])]
+        prod = torch.matmul(qs.reshape(b, 1, (e - s) * c, d), keys[:, kv:kv + 1].transpose(-1, -2))
+        logits[:, s:e] = prod.view(b, e - s, c, n)
     logits.mul_(scaling)
-    visible = position_mask(q_pos, k_pos, window)
-    if not bool(visible.all()):
-        logits.masked_fill_(~visible, float("-inf"))
+    if window is not None or int(q_pos.min()) < int(k_pos.max()):  # some key is hidden from some query
+        logits.masked_fill_(~position_mask(q_pos, k_pos, window), float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
@@ -132,8 +151,27 @@ def shared_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
             out[:, :, s:e] = 0
             continue
         probs = essential_probabilities(q[:, :, s:e], keys[:, :, :lim], scaling, qp, k_pos[:lim], window, plan)
-        per_head = probs[:, source].to(values.dtype).view(b, kv, g, e - s, lim)
-        out[:, :, s:e] = torch.matmul(per_head, values[:, :, None, :lim]).view(b, hq, e - s, -1)
+        # each kv head's query heads folded into the query axis: one [g*c, n] x [n, d] product per kv head
+        per_head = probs[:, source].to(values.dtype).view(b, kv, g * (e - s), lim)
+        out[:, :, s:e] = torch.matmul(per_head, values[:, :, :lim]).view(b, hq, e - s, -1)
+    return out
+
+
+def shared_prefill_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                         plan: LayerPlan) -> torch.Tensor:
+    """The causal prompt attention of :func:`shared_attention` (queries = keys, same positions, no window) with
+    the fused kernel: one SDPA call per (keys' kv head, values' kv head) pair of the plan, over only the
+    essential heads that serve it. A shared head in its essential head's kv group costs nothing (a copy of the
+    essential head's output); one in another group costs a softmax of its own (the fused kernel never exposes
+    the probabilities), so this path skips fewer head-operations than the explicit one when sharing crosses
+    kv groups (:meth:`Share.skipped_fraction` reports both)."""
+    b, hq, n, d = q.shape
+    out = torch.empty(b, hq, n, values.shape[-1], dtype=values.dtype, device=q.device)
+    for (kk, vk), items in plan.pairs(keys.shape[1]).items():
+        heads = [e for e, _ in items]
+        res = sdpa(q[:, heads], keys[:, kk:kk + 1], values[:, vk:vk + 1], scaling, is_causal=True)
+        for i, (_, served) in enumerate(items):
+            out[:, served] = res[:, i:i + 1]
     return out
 
 
@@ -231,10 +269,22 @@ def layer_plan(session, key: str, config_source, layer: int, q: torch.Tensor, k:
     return cfg.plan(layer, k.shape[1])
 
 
-def attend_shared(plan: LayerPlan | None, q, keys, values, scaling, q_pos, k_pos, window) -> torch.Tensor:
-    """Dense attention when the layer shares nothing, else :func:`shared_attention`."""
+def _plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor, window) -> bool:
+    """Queries and keys are the same contiguous run of positions, no window: SDPA's causal kernel applies."""
+    if window is not None or k_pos.dim() != 1 or q_pos.shape[0] != k_pos.shape[0] or q_pos.shape[0] < 2:
+        return False
+    lo, hi = int(k_pos[0]), int(k_pos[-1])
+    return int(q_pos[0]) == lo and int(q_pos[-1]) == hi and hi - lo + 1 == k_pos.shape[0]
+
+
+def attend_shared(plan: LayerPlan | None, q, keys, values, scaling, q_pos, k_pos, window,
+                  fused: bool = True) -> torch.Tensor:
+    """Dense attention when the layer shares nothing; else the fused prefill (:func:`shared_prefill_fused`)
+    for a plain causal prompt when `fused`, or the explicit :func:`shared_attention`."""
     if plan is None or not plan.shares:
         return attend(q, keys, values, scaling, q_pos, k_pos, window)
+    if fused and _plain_causal(q_pos, _shared_positions(k_pos), window):
+        return shared_prefill_fused(q, keys, values, scaling, plan)
     return shared_attention(q, keys, values, scaling, q_pos, k_pos, window, plan)
 
 
@@ -245,6 +295,7 @@ class Share(Method):
     only essential heads compute eq. 5 / eq. 8's softmax, shared heads reuse it with their own V."""
 
     config: str | dict | None = None
+    fused_prefill: bool = True
 
     name = "share"
     summary = "Share-Attention: heads share an essential head's softmax (seed 000, eq. 9 clusters)"
@@ -258,18 +309,26 @@ class Share(Method):
         except AttnkitError as exc:
             raise ValueError(str(exc)) from None
 
-    def skipped_fraction(self) -> float:
-        """Fraction of the QK^T + softmax head-operations that sharing avoids (all layers, every query)."""
+    def skipped_fraction(self, n_kv: int | None = None) -> float:
+        """Fraction of the QK^T + softmax head-operations that sharing avoids (all layers, every query) on the
+        explicit path (decode, chunked prefill). With `n_kv` (the model's kv heads): on the fused prefill
+        instead, where a head shared across kv groups is recomputed (:func:`shared_prefill_fused`)."""
         if self._config is None:
             return 0.0
-        return 1.0 - sum(self._config.retention()) / self._config.n_layers
+        if n_kv is None:
+            return 1.0 - sum(self._config.retention()) / self._config.n_layers
+        cfg = self._config
+        computed = sum(sum(len(items) for items in cfg.plan(i, n_kv).pairs(n_kv).values())
+                       for i in range(cfg.n_layers))
+        return 1.0 - computed / (cfg.n_layers * cfg.n_heads)
 
     def _plan(self, ctx: LayerContext, q, k) -> LayerPlan | None:
         return layer_plan(ctx.session, "share:config", self._config, ctx.index, q, k)
 
     def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
         plan = self._plan(ctx, q, keys)
-        return attend_shared(plan, q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window)
+        return attend_shared(plan, q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window,
+                             self.fused_prefill)
 
     def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         ctx.kv.append(k, v, ctx.q_pos)
