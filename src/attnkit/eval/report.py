@@ -189,6 +189,9 @@ def plot_score_vs_budget(rows: list[dict], task: str) -> bytes | None:
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_title(f"{task}, {length} tokens")
+        ax.set_xlim(0, 1.05)  # fixed axes, so panels and methods compare at a glance
+        if cell[0].get("higher_is_better", True):
+            ax.set_ylim(-0.03, 1.03)
         ax.set_xlabel("KV budget (fraction of the prompt)")
         ax.set_ylabel("score" if cell[0].get("higher_is_better", True) else "bits per byte (lower is better)")
         ax.grid(alpha=0.3)
