@@ -104,11 +104,11 @@ def test_example_sweep_parses():
     sweep = load_sweep(ROOT / "sweeps" / "eviction_budgets.yaml")
     assert [r.label for r in sweep.recipes] == ["streaming", "h2o", "keyformer", "snapkv", "window",
                                                 "minference+snapkv"]
-    assert sweep.budgets == [0.1, 0.25, 0.5, 0.7] and sweep.samples == 20
-    assert sweep.tasks == ["passkey", "niah_multikey", "variable_tracking", "code_completion"]
+    assert sweep.budgets == [0.1, 0.2, 0.3, 0.5, 0.7] and sweep.samples == 10
+    assert sweep.tasks == ["passkey", "code_completion"] and sweep.lengths == [2048, 3968]
     entries = sweep.entries(2048)
-    assert entries[0].is_full and len(entries) == 1 + 6 * 4
-    assert sweep.cell_count() == 4 * 2 * 25
+    assert entries[0].is_full and len(entries) == 1 + 6 * 5
+    assert sweep.cell_count() == 2 * 2 * 31
 
 
 @pytest.mark.parametrize("change,match", [

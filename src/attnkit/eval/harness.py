@@ -51,7 +51,7 @@ SCHEMA = 2
 ROW_FIELDS = (
     "schema", "run_id", "cell", "model", "task", "length", "method", "method_params", "method_spec", "recipe",
     "recipe_name", "budget", "samples", "depths", "seeds", "score", "scores", "depth_scores", "higher_is_better",
-    "score_rel_full", "prefill_s", "decode_tokens_per_s", "peak_kv_bytes", "final_kv_bytes", "wall_s", "versions",
+    "score_rel_full", "prefill_s", "decode_tokens_per_s", "peak_kv_bytes", "final_kv_bytes", "kept_fraction", "wall_s", "versions",
     "git_commit", "timestamp", "predictions",
 )
 # fields that differ between two runs of the same cell (timings and provenance of the run)
@@ -293,6 +293,9 @@ class _Peers:
 def _run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar, peers: _Peers) -> dict:
     """Scores, predictions and statistics of one (task, length, recipe) cell."""
     scores, predictions, prefill, decode_tps, peak_kv, final_kv = [], [], [], [], [], []
+    # token-selecting methods (select) count what they kept; the cell's share is the change of the counts
+    counts = None if recipe.is_peer else getattr(recipe.method(), "selection", None)
+    before = dict(counts) if counts else None
     for item in items:
         if task == PERPLEXITY:
             t0 = time.perf_counter()
@@ -322,7 +325,16 @@ def _run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar
         "prefill_s": _mean(prefill), "decode_tokens_per_s": _mean(decode_tps),
         "peak_kv_bytes": max(peak_kv, default=None), "final_kv_bytes": max(final_kv, default=None),
         "predictions": None if task == PERPLEXITY else predictions,
+        "kept_fraction": _kept_share(before, counts),
     }
+
+
+def _kept_share(before: dict | None, after: dict | None) -> float | None:
+    """Kept tokens / context tokens over the selections made since `before` (None: no selection made)."""
+    if not before or not after:
+        return None
+    context = after["context"] - before["context"]
+    return (after["kept"] - before["kept"]) / context if context else None
 
 
 def column_label(recipe_name: str, budget) -> str:
@@ -420,7 +432,7 @@ def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: P
                         "higher_is_better": higher, "score_rel_full": None,
                         "prefill_s": result["prefill_s"], "decode_tokens_per_s": result["decode_tokens_per_s"],
                         "peak_kv_bytes": result["peak_kv_bytes"], "final_kv_bytes": result["final_kv_bytes"],
-                        "wall_s": wall, "versions": versions(), "git_commit": git_commit(), "timestamp": _now(),
+                        "kept_fraction": result["kept_fraction"], "wall_s": wall, "versions": versions(), "git_commit": git_commit(), "timestamp": _now(),
                         "predictions": result["predictions"],
                     }
                     if recipe.is_full and full_score is None:
