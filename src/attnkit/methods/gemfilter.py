@@ -33,7 +33,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, Step, register
-from attnkit.methods.select import check_filter_layer
+from attnkit.methods.select import check_filter_layer, check_filter_layer_param
 from attnkit.methods.share import _shared_positions
 
 _STATE = "gemfilter"
@@ -54,9 +54,7 @@ class GemFilter(Method):
     summary = "GemFilter baseline: top-k prompt tokens from an early layer, then prefill+decode on them (seed 000 [16])"
 
     def __post_init__(self):
-        if self.filter_layer is not None and (not isinstance(self.filter_layer, int)
-                                              or isinstance(self.filter_layer, bool) or self.filter_layer < 0):
-            raise ValueError(f"filter_layer={self.filter_layer!r} must be a layer index >= 0 (or none for the middle)")
+        check_filter_layer_param(self.filter_layer)
         k = self.k
         if isinstance(k, bool) or not isinstance(k, (int, float)) or k <= 0 or (isinstance(k, float) and k >= 1
                                                                                  and not k.is_integer()):

@@ -60,6 +60,12 @@ def check_p(name: str, p) -> None:
         raise ValueError(f"{name}={p!r} is outside the allowed range 0 < p <= 1 (top-p mass of the tokens kept)")
 
 
+def check_filter_layer_param(layer) -> None:
+    """The ``filter_layer`` parameter before a model is known: a layer index >= 0, or None (the middle)."""
+    if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
+        raise ValueError(f"filter_layer={layer!r} must be a layer index >= 0 (or none for the middle)")
+
+
 def check_filter_layer(method: str, layer, n_layers: int) -> int:
     """`layer` (None = ``n_layers // 2 - 1``) checked against the model: an index in ``0 .. n_layers-1``."""
     if layer is None:
@@ -127,9 +133,7 @@ class Select(Method):
     summary = "Select-Attention: top-p tokens of a filter layer feed cache-free later layers (seed 000)"
 
     def __post_init__(self):
-        if self.filter_layer is not None and (not isinstance(self.filter_layer, int)
-                                              or isinstance(self.filter_layer, bool) or self.filter_layer < 0):
-            raise ValueError(f"filter_layer={self.filter_layer!r} must be a layer index >= 0 (or none for the middle)")
+        check_filter_layer_param(self.filter_layer)
         check_p("p_decode", self.p_decode)
         check_p("p_prefill", self.p_prefill)
         self._share = _load_share(self.share_config)
