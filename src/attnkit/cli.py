@@ -145,6 +145,14 @@ def _split_methods(text: str) -> list[str]:
     return specs
 
 
+def _name_list(text: str, what: str) -> list[str]:
+    """"a, b,c" -> ["a", "b", "c"] (a comma-separated option such as --tasks)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise AttnkitError(f"{what} is empty")
+    return names
+
+
 def _int_list(text: str, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -169,7 +177,7 @@ def cmd_eval(args) -> int:
     if args.tasks is None:
         tasks = [LONGBENCH_PREFIX + d for d in data.datasets()] if data is not None else ["passkey"]
     else:
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        tasks = _name_list(args.tasks, "--tasks")
     methods = (_split_methods(args.methods or "full") if args.methods or not args.recipe else [])
     methods += _recipe_files(args.recipe)
     rows = run_eval(model, tasks, _int_list(args.lengths, "--lengths"), methods,
@@ -247,22 +255,15 @@ def _speculation_arguments(p) -> None:
                         "self: the draft cache's method (default streaming:budget_tokens=256,sinks=4)")
 
 
-def cmd_calibrate_patterns(args) -> int:
-    from attnkit.calibrate.patterns import main
+def cmd_calibrate(args) -> int:
+    """``attnkit calibrate patterns|heads|filter-layer``: the list arguments parsed here, then the tool's
+    ``main`` (module ``attnkit.calibrate.<args.calibration>``)."""
+    import importlib
 
-    return main(args)
-
-
-def cmd_calibrate_heads(args) -> int:
-    from attnkit.calibrate.heads import main
-
-    return main(args)
-
-
-def cmd_calibrate_filter_layer(args) -> int:
-    from attnkit.calibrate.filter_layer import main
-
-    return main(args)
+    args.tasks = _name_list(args.tasks, "--tasks")
+    if getattr(args, "layers", None) is not None:
+        args.layers = _int_list(args.layers, "--layers")
+    return importlib.import_module(f"attnkit.calibrate.{args.calibration}").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--last-q", type=int, default=64, help="queries that estimate vertical/slash lines (Alg. 2)")
     c.add_argument("--static", action="store_true", help="also store the first prompt's indices (minference_static)")
     c.add_argument("--threads", type=int, default=None)
-    c.set_defaults(func=cmd_calibrate_patterns)
+    c.set_defaults(func=cmd_calibrate, calibration="patterns")
     c = calibrations.add_parser("heads", help="Share-Attention: cluster heads by the eq. 9 distance (seed 000, 4.1)")
     c.add_argument("--model", default="tiny")
     c.add_argument("--out", required=True, help="the JSON share config to write")
@@ -351,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--split", choices=["calibration", "train"], default="calibration",
                    help="calibration: held-out text, seeds apart from eval; train: the training stream (slower)")
     c.add_argument("--threads", type=int, default=None)
-    c.set_defaults(func=cmd_calibrate_heads)
+    c.set_defaults(func=cmd_calibrate, calibration="heads")
     c = calibrations.add_parser("filter-layer", help="Select-Attention: sweep the filter layer on calibration tasks")
     c.add_argument("--model", default="tiny")
     c.add_argument("--tasks", default="passkey,kv_retrieval", help="calibration tasks (scored by their metric)")
@@ -365,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--split", choices=["calibration", "train"], default="calibration")
     c.add_argument("--out", default=None, help="optional JSON file with the table")
     c.add_argument("--threads", type=int, default=None)
-    c.set_defaults(func=cmd_calibrate_filter_layer)
+    c.set_defaults(func=cmd_calibrate, calibration="filter_layer")
 
     p = sub.add_parser("report", help="an HTML page (tables, plots) and PNGs from a results directory")
     p.add_argument("dir", help="a directory holding results.jsonl (from eval --out or eval --sweep)")

@@ -4,3 +4,10 @@
 - :mod:`attnkit.calibrate.heads`: Share-Attention's head clusters by the eq. 9 distance (seed 000).
 - :mod:`attnkit.calibrate.filter_layer`: Select-Attention's filter-layer sweep (seed 000).
 """
+
+import sys
+
+
+def progress_to_stderr(message: str) -> None:
+    """The calibration commands' progress lines (stderr, so stdout keeps only the summary)."""
+    print(f"  {message}", file=sys.stderr, flush=True)

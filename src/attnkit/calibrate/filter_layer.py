@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from attnkit.calibrate import progress_to_stderr
 from attnkit.calibrate.heads import calibration_samples
 from attnkit.errors import AttnkitError
 from attnkit.methods.select import Select, check_p
@@ -105,17 +106,10 @@ def main(args) -> int:
     from attnkit.model import load_model_for_length
 
     model = load_model_for_length(args.model, max(args.length + 64, 4096))
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    layers = None
-    if args.layers:
-        try:
-            layers = [int(x) for x in args.layers.split(",") if x.strip()]
-        except ValueError:
-            raise AttnkitError(f"--layers must be comma-separated layer numbers, got {args.layers!r}") from None
-    result = sweep_filter_layer(model, tasks=tasks, length=args.length, samples=args.samples, seed=args.seed,
-                                split=args.split, p=args.p, layers=layers, prefill_select=args.prefill_select,
+    result = sweep_filter_layer(model, tasks=args.tasks, length=args.length, samples=args.samples, seed=args.seed,
+                                split=args.split, p=args.p, layers=args.layers, prefill_select=args.prefill_select,
                                 value_weighted=args.value_weighted,
-                                progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+                                progress=progress_to_stderr)
     print(format_table(result))
     if args.out:
         path = Path(args.out)

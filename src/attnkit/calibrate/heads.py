@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from attnkit.calibrate import progress_to_stderr
 from attnkit.calibrate.patterns import SEED_OFFSET
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
@@ -345,11 +346,10 @@ def main(args) -> int:
     from attnkit.model import load_model_for_length
 
     model = load_model_for_length(args.model, max(args.length, 4096))
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    config = calibrate_heads(model, length=args.length, tasks=tasks, samples=args.samples, seed=args.seed,
+    config = calibrate_heads(model, length=args.length, tasks=args.tasks, samples=args.samples, seed=args.seed,
                              split=args.split, threshold=args.threshold, thresholds=args.thresholds,
                              schedule=args.threshold_schedule,
-                             progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+                             progress=progress_to_stderr)
     path = write_config(config, args.out)
     print(summary(config))
     print(f"wrote {path}", file=sys.stderr)

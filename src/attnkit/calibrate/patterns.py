@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from attnkit import sparse_attention as sa
+from attnkit.calibrate import progress_to_stderr
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
 from attnkit.methods.minference import CONFIG_FORMAT, pattern_config_from_dict
@@ -400,10 +401,9 @@ def main(args) -> int:
     from attnkit.model import load_model_for_length
 
     model = load_model_for_length(args.model, max(args.length, 4096))
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    config = search_patterns(model, args.length, args.flops_budget, tasks=tasks, samples=args.samples, seed=args.seed,
+    config = search_patterns(model, args.length, args.flops_budget, tasks=args.tasks, samples=args.samples, seed=args.seed,
                              block_size=args.block_size, last_q=args.last_q, static=args.static,
-                             progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+                             progress=progress_to_stderr)
     path = write_pattern_config(config, args.out)
     print(summary(config))
     print(f"wrote {path}", file=sys.stderr)
