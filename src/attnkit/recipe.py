@@ -37,6 +37,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method, make_method, split_method_spec
 
@@ -64,22 +65,6 @@ def recipe_from_dict(data, source: str = "recipe") -> Method:
     if not isinstance(params, dict):
         raise AttnkitError(f"{source}: 'params' must be a mapping of parameter names to values")
     return make_method(data["method"], **params)
-
-
-def read_structured_file(path: str | Path, what: str):
-    """The parsed contents of a .json / .yaml / .yml file, with clear errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise AttnkitError(f"{what} file {str(path)!r} does not exist")
-    text = path.read_text()
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            return yaml.safe_load(text)
-        return json.loads(text)
-    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
-        raise AttnkitError(f"{what} file {str(path)!r} is malformed: {str(exc).splitlines()[0]}") from None
 
 
 def load_recipe(path: str | Path) -> Method:
@@ -449,7 +434,7 @@ def _parse_decode(value, source: str) -> dict | None:
 
 def load_recipe_file(path: str | Path) -> Recipe:
     """Read a recipe file (.json, .yaml or .yml) into a :class:`Recipe`."""
-    data = read_structured_file(path, "recipe")
+    data = read_config_file(path, "recipe file")
     return Recipe.parse(data, f"recipe file {str(path)!r}")
 
 
@@ -459,4 +444,4 @@ def as_recipe(value, source: str = "recipe") -> Recipe:
 
 
 __all__ = ["Recipe", "as_recipe", "load_recipe", "load_recipe_file", "recipe_from_dict", "recipe_to_dict",
-           "read_structured_file", "check_budget_value", "format_budget"]
+           "check_budget_value", "format_budget"]

@@ -29,9 +29,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.eval import harness
-from attnkit.recipe import Recipe, as_recipe, check_budget_value, read_structured_file
+from attnkit.recipe import Recipe, as_recipe, check_budget_value
 
 SWEEP_KEYS = ("model", "recipes", "budgets", "tasks", "lengths", "samples", "seed", "depths", "data", "name",
               "description")
@@ -166,7 +167,7 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
 
 def load_sweep(path: str | Path) -> Sweep:
     path = Path(path)
-    return sweep_from_dict(read_structured_file(path, "sweep"), f"sweep file {str(path)!r}", path.parent)
+    return sweep_from_dict(read_config_file(path, "sweep file"), f"sweep file {str(path)!r}", path.parent)
 
 
 def _done_rows(results: Path) -> dict[str, dict]:

@@ -31,13 +31,13 @@ speculative verification) also run dense.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from attnkit import sparse_attention as sa
+from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, register
 
@@ -104,15 +104,8 @@ def pattern_config_from_dict(data, source: str = "pattern config") -> PatternCon
 
 def load_pattern_config(path: str | Path) -> PatternConfig:
     """Read a pattern config written by ``attnkit calibrate patterns`` (clear errors for bad files)."""
-    path = Path(path)
-    source = f"pattern config {str(path)!r}"
-    if not path.is_file():
-        raise AttnkitError(f"{source} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AttnkitError(f"{source} is not valid JSON: {exc}") from None
-    return pattern_config_from_dict(data, source)
+    data = read_config_file(path, "pattern config", " (write one with `attnkit calibrate patterns`)")
+    return pattern_config_from_dict(data, f"pattern config {str(path)!r}")
 
 
 # ---- the methods ------------------------------------------------------------------------------------------

@@ -37,13 +37,12 @@ A config whose layer, head or kv-head counts differ from the model's is refused 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from attnkit.attention import attend, position_mask, sdpa
+from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, register
 from attnkit.methods.eviction import SCORE_BLOCK_ELEMENTS
@@ -179,13 +178,8 @@ def shared_prefill_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 def _read(source) -> tuple[dict, str]:
     if isinstance(source, dict):
         return source, "the share config"
-    path = Path(source)
-    if not path.is_file():
-        raise AttnkitError(f"share config {str(source)!r} does not exist (write one with `attnkit calibrate heads`)")
-    try:
-        return json.loads(path.read_text()), f"share config {str(source)!r}"
-    except json.JSONDecodeError as exc:
-        raise AttnkitError(f"share config {str(source)!r} is not valid JSON: {exc}") from None
+    data = read_config_file(source, "share config", " (write one with `attnkit calibrate heads`)")
+    return data, f"share config {str(source)!r}"
 
 
 def parse_share_config(data: dict, what: str = "the share config") -> list[dict[int, int]]:
