@@ -398,6 +398,7 @@ def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: P
 
         bar = tqdm(total=todo, desc=desc, unit="sample", dynamic_ncols=True)
     run_id = run_id or _now()
+    run_versions, commit = versions(), git_commit()  # the same for every cell of this run
     peers = _Peers(model)
     rows: list[dict] = []
     try:
@@ -432,16 +433,15 @@ def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: P
                         "higher_is_better": higher, "score_rel_full": None,
                         "prefill_s": result["prefill_s"], "decode_tokens_per_s": result["decode_tokens_per_s"],
                         "peak_kv_bytes": result["peak_kv_bytes"], "final_kv_bytes": result["final_kv_bytes"],
-                        "kept_fraction": result["kept_fraction"], "wall_s": wall, "versions": versions(), "git_commit": git_commit(), "timestamp": _now(),
-                        "predictions": result["predictions"],
+                        "kept_fraction": result["kept_fraction"], "wall_s": wall, "versions": run_versions,
+                        "git_commit": commit, "timestamp": _now(), "predictions": result["predictions"],
                     }
-                    if recipe.is_full and full_score is None:
-                        full_score = row["score"]
+                if recipe.is_full and full_score is None:
+                    full_score = row["score"]
+                if k not in done:
                     row["score_rel_full"] = _rel_full(row["score"], full_score, higher)
                     if out_path is not None:
                         append_row(out_path, json.loads(json.dumps(row, default=str)))
-                if recipe.is_full and full_score is None:
-                    full_score = row["score"]
                 rows.append(row)
     finally:
         peers.close()
