@@ -39,6 +39,7 @@ from attnkit.bench.speed import format_bench, run_bench
 from attnkit.cli import _split_methods
 from attnkit.methods.share import LayerPlan, ShareConfig, shared_attention, shared_prefill_fused
 from attnkit.model import load_model, load_model_for_length
+from attnkit.runner import _sync
 
 
 def synthetic_config(n_layers: int, n_heads: int, n_kv: int, retention: float) -> dict:
@@ -58,12 +59,10 @@ def synthetic_config(n_layers: int, n_heads: int, n_kv: int, retention: float) -
 
 
 def _time(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     t0 = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     return time.perf_counter() - t0
 
 

@@ -217,8 +217,9 @@ class TokenEmitter:
 
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def _sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (CUDA), so a timer read after it measures the work."""
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 

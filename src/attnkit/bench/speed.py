@@ -20,13 +20,9 @@ import torch
 
 from attnkit.model import LoadedModel
 from attnkit.recipe import as_recipe
+from attnkit.runner import _sync
 
 FIELDS = ("prefill_s", "decode_tokens_per_s", "peak_kv_bytes", "final_kv_bytes")
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_bandwidth(device="cpu", nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
