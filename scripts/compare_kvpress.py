@@ -49,15 +49,15 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from attnkit.bench.peers import LineWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,37 +226,15 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
     return rows, list(ours.values()), list(theirs.values())
 
 
-class Worker:
+def start_worker(side: str, args, model_dir: str, warmup: list[int], log) -> LineWorker:
     """A worker process kept alive for the whole comparison: one JSON request line in, one answer line out."""
-
-    def __init__(self, side: str, args, model_dir: str, warmup: list[int], log):
-        setup = json.dumps({"model_dir": model_dir, "threads": args.threads, "new_tokens": args.new_tokens,
-                            "warmup": warmup})
-        if side == "attnkit":
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "attnkit", setup]
-        else:
-            cmd = [args.kvpress_python, str(ROOT / "scripts" / "kvpress_worker.py"), setup]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-                   TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-        self.side = side
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                     text=True)
-        self.meta = self._answer()
-
-    def _answer(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"the {self.side} worker stopped (exit code {self.proc.wait()}); see its log")
-        return json.loads(line)
-
-    def run(self, case: dict, mode: str) -> dict:
-        self.proc.stdin.write(json.dumps({"case": case, "mode": mode}) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
+    setup = json.dumps({"model_dir": model_dir, "threads": args.threads, "new_tokens": args.new_tokens,
+                        "warmup": warmup})
+    if side == "attnkit":
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "attnkit", setup]
+    else:
+        cmd = [args.kvpress_python, str(ROOT / "scripts" / "kvpress_worker.py"), setup]
+    return LineWorker(cmd, args.threads, side, log)
 
 
 def compare_sets(a: dict[str, list[list[int]]], b: dict[str, list[list[int]]]) -> dict:
@@ -415,15 +393,15 @@ def main(argv=None) -> int:
               f"worker logs in {tmp}", file=sys.stderr)
         with open(tmp / "attnkit.log", "w") as log_a, open(tmp / "kvpress.log", "w") as log_k:
             try:
-                workers = {"attnkit": Worker("attnkit", args, model_dir, warmup, log_a),
-                           "kvpress": Worker("kvpress", args, model_dir, warmup, log_k)}
+                workers = {"attnkit": start_worker("attnkit", args, model_dir, warmup, log_a),
+                           "kvpress": start_worker("kvpress", args, model_dir, warmup, log_k)}
             except SystemExit:
                 for name in ("attnkit.log", "kvpress.log"):
                     sys.stderr.write((tmp / name).read_text()[-4000:])
                 raise
             t0 = time.time()
-            ours_trace = {c["id"]: workers["attnkit"].run(c, "trace") for c in ours}
-            theirs_trace = {c["id"]: workers["kvpress"].run(c, "trace") for c in theirs}
+            ours_trace = {c["id"]: workers["attnkit"].request({"case": c, "mode": "trace"}) for c in ours}
+            theirs_trace = {c["id"]: workers["kvpress"].request({"case": c, "mode": "trace"}) for c in theirs}
             print(f"  traces: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
             # timing: per repeat, every timed case of both sides back to back (which side goes first alternates)
             by_id = {"attnkit": {c["id"]: c for c in ours}, "kvpress": {c["id"]: c for c in theirs}}
@@ -441,7 +419,7 @@ def main(argv=None) -> int:
                     order = [("attnkit", pair[0]), ("kvpress", pair[1])]
                     for side, key in (order if (r + i) % 2 == 0 else order[::-1]):
                         if key not in got[side]:
-                            got[side][key] = workers[side].run(by_id[side][key], "timing")
+                            got[side][key] = workers[side].request({"case": by_id[side][key], "mode": "timing"})
                 ours_times.append(got["attnkit"])
                 theirs_times.append(got["kvpress"])
                 print(f"  timing repeat {r + 1}/{args.repeats}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -96,6 +96,53 @@ def require_kvpress() -> str:
     return python
 
 
+class LineWorker:
+    """A worker process that answers each JSON request line with one JSON line (the kvpress worker here,
+    both workers of scripts/compare_kvpress.py). It runs with `threads` intra-op threads; its stderr goes to
+    `log` (default: a temporary file whose tail is shown when the worker dies). The first line it writes
+    is its description (:attr:`meta`); an answer with an ``error`` key is raised as an error."""
+
+    def __init__(self, cmd: list[str], threads: int, name: str, log=None):
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+        self.name = name
+        self._own_log = log is None
+        self._log = tempfile.TemporaryFile(mode="w+") if log is None else log
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, env=env)
+        self.meta = self._answer()
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            tail = ""
+            if self._own_log:
+                self._log.seek(0)
+                tail = ":\n" + self._log.read()[-2000:]
+            raise AttnkitError(f"the {self.name} worker stopped (exit code {code}){tail or '; see its log'}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise AttnkitError(f"{self.name}: {answer['error']}")
+        return answer
+
+    def request(self, payload: dict) -> dict:
+        self.proc.stdin.write(json.dumps(payload) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._own_log:
+            self._log.close()
+
+
 class KvpressRunner:
     """One kvpress worker process for `model`, answering generations until :meth:`close`."""
 
@@ -116,25 +163,9 @@ class KvpressRunner:
         threads = threads or torch.get_num_threads()
         bos = list(model.tokenizer("").input_ids)
         setup = {"model_dir": model_dir, "threads": threads, "new_tokens": 4, "warmup": bos + [3] * 16}
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-        self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([python, str(WORKER), json.dumps(setup)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
-        self.meta = self._answer()
+        self.worker = LineWorker([python, str(WORKER), json.dumps(setup)], threads, "kvpress")
+        self.meta = self.worker.meta
         self._stop_ids: dict[str, list[int]] = {}
-
-    def _answer(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait()
-            self._log.seek(0)
-            tail = self._log.read()[-2000:]
-            raise AttnkitError(f"the kvpress worker stopped (exit code {code}):\n{tail}")
-        answer = json.loads(line)
-        if "error" in answer:
-            raise AttnkitError(f"kvpress: {answer['error']}")
-        return answer
 
     def stop_ids(self, stop: str | None) -> list[int]:
         """Token ids whose text contains `stop` (the worker stops after one), plus EOS."""
@@ -154,9 +185,7 @@ class KvpressRunner:
         press, params = peer
         case = {"prompt": ids, "new_tokens": max_new_tokens, "stop_ids": self.stop_ids(stop),
                 "press": {"kind": "class", "name": press, "params": params}}
-        self.proc.stdin.write(json.dumps({"case": case, "mode": "timing"}) + "\n")
-        self.proc.stdin.flush()
-        out = self._answer()
+        out = self.worker.request({"case": case, "mode": "timing"})
         tokens = out["tokens"]
         text = self.model.tokenizer.decode(tokens, skip_special_tokens=True)
         finish = "length"
@@ -173,13 +202,6 @@ class KvpressRunner:
         return Generation(text, tokens, stats)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        self.worker.close()
         if self._tmp is not None:
             self._tmp.cleanup()
