@@ -249,7 +249,8 @@ def bits_per_byte(model: LoadedModel, ids: list[int], method: Method) -> float:
 # running
 
 
-def _mean(values: list) -> float | None:
+def mean_present(values: list) -> float | None:
+    """Mean of the values that are not None (None when there are none)."""
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
@@ -321,8 +322,8 @@ def _run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar
     peak_kv = [v for v in peak_kv if v is not None]
     final_kv = [v for v in final_kv if v is not None]
     return {
-        "score": _mean(scores), "scores": scores, "depth_scores": depth_scores(task, items, scores),
-        "prefill_s": _mean(prefill), "decode_tokens_per_s": _mean(decode_tps),
+        "score": mean_present(scores), "scores": scores, "depth_scores": depth_scores(task, items, scores),
+        "prefill_s": mean_present(prefill), "decode_tokens_per_s": mean_present(decode_tps),
         "peak_kv_bytes": max(peak_kv, default=None), "final_kv_bytes": max(final_kv, default=None),
         "predictions": None if task == PERPLEXITY else predictions,
         "kept_fraction": _kept_share(before, counts),

@@ -30,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.eval.harness import format_table, latest_rows, read_results
+from attnkit.eval.harness import format_table, latest_rows, mean_present, read_results
 from attnkit.eval.tasks import NEEDLE_TASKS
 
 REPORT_FILE = "report.html"
@@ -63,11 +63,6 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def _mean(values):
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
 def enrich(rows: list[dict]) -> tuple[list[dict], dict]:
     """Rows with a ``label`` and ratios to the full row of the same (model, task, length); and the
     full rows by that key."""
@@ -98,7 +93,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     for label, rs in by.items():
         lines.append({
             "label": label, "recipe": rs[0].get("recipe_name"), "budget": rs[0].get("budget"), "cells": len(rs),
-            "score_rel_full": _mean([r.get("score_rel_full") for r in rs]),
+            "score_rel_full": mean_present([r.get("score_rel_full") for r in rs]),
             "prefill_speedup": _median([r.get("prefill_speedup") for r in rs]),
             "decode_speedup": _median([r.get("decode_speedup") for r in rs]),
             "peak_kv_ratio": _median([r.get("peak_kv_ratio") for r in rs]),
