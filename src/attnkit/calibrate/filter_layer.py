@@ -2,7 +2,7 @@
 
 The seed chose layer 15 of Llama3 "by validation on the benchmark" (section 4.2: "ベンチマークでの検証により
 Llama3 では 15 層目が最も適切"). This tool does the same on attnkit's synthetic tasks: for every candidate ``L``
-it generates the calibration samples (:func:`attnkit.calibrate.heads.calibration_samples`, never an evaluation
+it generates the calibration samples (:func:`attnkit.calibrate.patterns.calibration_samples`, never an evaluation
 sample) with ``select:filter_layer=L,p_decode=p`` and scores them with the task's own metric
 (:mod:`attnkit.eval.tasks`), beside ``full`` on the same samples. The best ``L`` has the highest mean score;
 on a tie the smaller ``L`` wins, since it keeps fewer cached layers (memory per token
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from attnkit.calibrate import progress_to_stderr
-from attnkit.calibrate.heads import calibration_samples
+from attnkit.calibrate.patterns import calibration_samples
 from attnkit.errors import AttnkitError
 from attnkit.methods.select import Select, check_p
 from attnkit.model import LoadedModel

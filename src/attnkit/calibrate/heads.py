@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from attnkit.calibrate import progress_to_stderr
-from attnkit.calibrate.patterns import SEED_OFFSET
+from attnkit.calibrate.patterns import calibration_samples
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
 from attnkit.methods.eviction import SCORE_BLOCK_ELEMENTS
@@ -52,7 +52,6 @@ from attnkit.model import LoadedModel
 
 DEFAULT_TASKS = ("passkey", "kv_retrieval", "code_completion")
 DEFAULT_THRESHOLD = 0.18  # the seed's example (section 3.1, layer 13 of Llama3)
-SPLITS = ("calibration", "train")
 
 
 # ---- eq. 9 ---------------------------------------------------------------------------------------------
@@ -191,41 +190,6 @@ def resolve_thresholds(n_layers: int, threshold: float | None = None, thresholds
 
 
 # ---- prompts and the probe -------------------------------------------------------------------------------------
-def calibration_samples(model: LoadedModel, length: int, tasks: Sequence[str], samples: int, seed: int,
-                        split: str = "calibration"):
-    """``samples`` seeded task samples per task as ``(info, Sample, ids)``; never an evaluation sample (see the
-    module docstring for the two splits)."""
-    from attnkit.eval.tasks import TASKS
-    from attnkit.runner import encode_prompt
-
-    if split not in SPLITS:
-        raise AttnkitError(f"calibration split must be one of {', '.join(SPLITS)}, got {split!r}")
-    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
-        raise AttnkitError(f"samples must be a whole number >= 1, got {samples!r}")
-    if not isinstance(length, int) or isinstance(length, bool) or length < 2:
-        raise AttnkitError(f"length must be a whole number of tokens >= 2, got {length!r}")
-    if length > model.geometry.max_positions:
-        raise AttnkitError(f"length {length} exceeds the {model.geometry.max_positions} positions model "
-                           f"{model.spec!r} allows")
-    out = []
-    for task in tasks:
-        if task not in TASKS:
-            raise AttnkitError(f"unknown calibration task {task!r}; available: {', '.join(TASKS)}")
-        for i in range(samples):
-            depth = (i + 0.5) / samples
-            task_seed = SEED_OFFSET + seed + i
-            try:
-                sample = TASKS[task].make(model.tokenizer, length, depth=depth, seed=task_seed,
-                                          split="train" if split == "train" else "eval")
-            except ValueError as exc:
-                raise AttnkitError(f"calibration task {task!r} at length {length}: {exc}") from None
-            ids = encode_prompt(model, sample.prompt)
-            info = {"task": task, "split": split, "seed": task_seed, "depth": round(depth, 6),
-                    "tokens": int(ids.shape[0])}
-            out.append((info, sample, ids))
-    return out
-
-
 class _MapProbe(Method):
     """Dense prefill (as ``full``) that hands each layer's queries and stored keys to `visit`."""
 
@@ -357,5 +321,5 @@ def main(args) -> int:
 
 
 __all__ = ["eq9_distance", "squared_differences", "head_distances", "cluster_heads", "schedule_thresholds",
-           "read_thresholds", "resolve_thresholds", "calibration_samples", "layer_distances", "calibrate_heads",
+           "read_thresholds", "resolve_thresholds", "layer_distances", "calibrate_heads",
            "dumps_config", "write_config", "summary", "main"]

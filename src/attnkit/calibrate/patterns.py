@@ -55,6 +55,7 @@ SEARCH_SPACE: dict[str, tuple[tuple[int, ...], ...]] = {
 }
 DEFAULT_TASKS = ("passkey", "kv_retrieval", "code_completion")
 SEED_OFFSET = 1_000_000
+SPLITS = ("calibration", "train")  # calibration: held-out text, eval-split generators; train: training stream
 _BISECTIONS = 24
 _STATS_ELEMENTS = 1 << 24  # probabilities held at once by the dense pass
 
@@ -226,24 +227,45 @@ def layout_recall(layout: sa.SparseLayout, stats: _DenseStats) -> torch.Tensor:
 
 
 # ---- the search -------------------------------------------------------------------------------------------
-def calibration_prompts(model: LoadedModel, length: int, tasks: Sequence[str], samples: int, seed: int):
-    """``samples`` seeded prompts per task, as ``(description, token ids)`` (seeds offset by SEED_OFFSET)."""
+def calibration_samples(model: LoadedModel, length: int, tasks: Sequence[str], samples: int, seed: int,
+                        split: str = "calibration"):
+    """``samples`` seeded task samples per task as ``(info, Sample, ids)``; never an evaluation sample (see the
+    module docstring for the two splits)."""
     from attnkit.eval.tasks import TASKS
     from attnkit.runner import encode_prompt
 
+    if split not in SPLITS:
+        raise AttnkitError(f"calibration split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise AttnkitError(f"samples must be a whole number >= 1, got {samples!r}")
+    if not isinstance(length, int) or isinstance(length, bool) or length < 2:
+        raise AttnkitError(f"length must be a whole number of tokens >= 2, got {length!r}")
+    if length > model.geometry.max_positions:
+        raise AttnkitError(f"length {length} exceeds the {model.geometry.max_positions} positions model "
+                           f"{model.spec!r} allows")
     out = []
     for task in tasks:
         if task not in TASKS:
             raise AttnkitError(f"unknown calibration task {task!r}; available: {', '.join(TASKS)}")
         for i in range(samples):
             depth = (i + 0.5) / samples
+            task_seed = SEED_OFFSET + seed + i
             try:
-                sample = TASKS[task].make(model.tokenizer, length, depth=depth, seed=SEED_OFFSET + seed + i)
+                sample = TASKS[task].make(model.tokenizer, length, depth=depth, seed=task_seed,
+                                          split="train" if split == "train" else "eval")
             except ValueError as exc:
                 raise AttnkitError(f"calibration task {task!r} at length {length}: {exc}") from None
             ids = encode_prompt(model, sample.prompt)
-            out.append(({"task": task, "seed": SEED_OFFSET + seed + i, "depth": round(depth, 6), "tokens": int(ids.shape[0])}, ids))
+            info = {"task": task, "split": split, "seed": task_seed, "depth": round(depth, 6),
+                    "tokens": int(ids.shape[0])}
+            out.append((info, sample, ids))
     return out
+
+
+def calibration_prompts(model: LoadedModel, length: int, tasks: Sequence[str], samples: int, seed: int):
+    """``samples`` seeded prompts per task, as ``(description, token ids)`` (seeds offset by SEED_OFFSET)."""
+    return [({k: v for k, v in info.items() if k != "split"}, ids)
+            for info, _sample, ids in calibration_samples(model, length, tasks, samples, seed)]
 
 
 def _check_args(model: LoadedModel, length, budget, samples, block, last_q) -> None:
