@@ -82,7 +82,7 @@ class LayerKV:
         self.values.scatter_(2, idx, v)
         self.positions.scatter_(2, slots, pos.expand_as(slots) if pos.dim() == 1 else pos)
         for stat in self.extras.values():
-            stat.scatter_(2, slots, torch.zeros_like(slots, dtype=stat.dtype))
+            stat.scatter_(2, slots, 0)
 
     def keep(self, indices: torch.Tensor, spare: int = 0) -> None:
         """Keep only the slots `indices` ``[b, kv, n]`` per head, compacted into new tensors of

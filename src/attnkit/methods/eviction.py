@@ -279,21 +279,56 @@ def _signed32(c: int) -> int:
 _M1, _M2 = _signed32(0x85EBCA6B), _signed32(0xC2B2AE35)
 
 
-def _mix32_i32(x: torch.Tensor) -> torch.Tensor:
-    """:func:`_mix32` on an int32 tensor, in place (the same bits: multiplication wraps, shifts are made
-    logical by masking); about three times as fast as int64 on the large tensors of the score computation."""
-    for shift, mask, mult in ((16, 0xFFFF, _M1), (13, 0x7FFFF, _M2), (16, 0xFFFF, None)):
-        t = torch.bitwise_right_shift(x, shift)
-        t &= mask
-        x ^= t
-        if mult is not None:
-            x.mul_(mult)
-    return x
-
-
 def _to_i32(x: torch.Tensor) -> torch.Tensor:
     """int64 tensor of values in [0, 2**32) -> int32 with the same bits."""
     return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
+def _stream_base(seed: int, stream: int, second: bool) -> int:
+    base = _mix32(_mix32((seed * 0x9E3779B1 + 0x632BE5AB) & _MASK32) ^ ((stream * 0x85EBCA77 + 0x27D4EB2F) & _MASK32))
+    return _mix32(base ^ 0x5BD1E995) if second else base
+
+
+def head_hashes(seed: int, stream: int, heads: torch.Tensor, second: bool = False) -> torch.Tensor:
+    """The (seed, stream, head) part of :func:`counter_uniforms`'s row hash (int64, values < 2**32)."""
+    return _mix32(heads.to(torch.int64) ^ _stream_base(seed, stream, second))
+
+
+def row_hashes(heads_hashed: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """The row hash of :func:`counter_uniforms`: :func:`head_hashes` with the query position mixed in (int32)."""
+    return _to_i32(_mix32(heads_hashed ^ q_pos.to(torch.int64)))
+
+
+def row_hash_ints(heads_hashed: list[int], q: int) -> list[int]:
+    """:func:`row_hashes` on Python ints for one query position (the int32 values, signed): cheaper than
+    tensor operations for the few heads of a decode step."""
+    return [_signed32(_mix32(h ^ q)) for h in heads_hashed]
+
+
+def key_hashes(k_pos: torch.Tensor) -> torch.Tensor:
+    """The column hash of :func:`counter_uniforms`, one per key position (int32)."""
+    return _to_i32(_mix32(k_pos.to(torch.int64) ^ 0x27220A95))
+
+
+def uniforms_from_hashes(rows: torch.Tensor, keys: torch.Tensor,
+                         buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Uniforms on (0, 1) from int32 :func:`row_hashes` and :func:`key_hashes`, broadcast together.
+
+    Both hashes are already fully mixed, so their combination gets one multiply-xorshift-multiply round
+    (enough to decorrelate rows that share keys; half the work of a full :func:`_mix32` at full size).
+    `buffers`: two int32 tensors of the broadcast shape to compute in (the result is a float32 view of
+    the second) instead of fresh ones."""
+    x, scratch = buffers if buffers is not None else (None, None)
+    x = torch.bitwise_xor(rows, keys, out=x).mul_(_M1)
+    t = torch.bitwise_right_shift(x, 16, out=scratch)
+    t &= 0xFFFF
+    x ^= t
+    x.mul_(_M2)
+    # the top 23 bits as the mantissa of a float in [1, 2), shifted to (m + 1/2) / 2**23 in (0, 1) (exact)
+    x = torch.bitwise_right_shift(x, 9, out=scratch)
+    x &= 0x7FFFFF
+    x |= 0x3F800000
+    return x.view(torch.float32).sub_(1.0 - 2.0 ** -24)
 
 
 def counter_uniforms(seed: int, stream: int, heads: torch.Tensor, q_pos: torch.Tensor,
@@ -303,20 +338,11 @@ def counter_uniforms(seed: int, stream: int, heads: torch.Tensor, q_pos: torch.T
 
     Each draw is a hash of its coordinates, so the noise a (query, key) pair of a head gets does not
     depend on chunking, on which slot the key occupies, on the device or on the order of computation.
-    The (head, query) and key coordinates are mixed separately on the small tensors; only their
-    combination is mixed at full size.
+    The (head, query) and key coordinates are mixed separately on the small tensors (:func:`row_hashes`,
+    :func:`key_hashes`, which a caller may also compute once and reuse); only their combination is mixed
+    at full size (:func:`uniforms_from_hashes`).
     """
-    base = _mix32(_mix32((seed * 0x9E3779B1 + 0x632BE5AB) & _MASK32) ^ ((stream * 0x85EBCA77 + 0x27D4EB2F) & _MASK32))
-    if second:
-        base = _mix32(base ^ 0x5BD1E995)
-    row = _mix32(_mix32(heads.to(torch.int64) ^ base) ^ q_pos.to(torch.int64))
-    col = _mix32(k_pos.to(torch.int64) ^ 0x27220A95)
-    x = _mix32_i32(_to_i32(row) ^ _to_i32(col))
-    # 23 random bits as the mantissa of a float in [1, 2), shifted to (m + 1/2) / 2**23 in (0, 1) (exact)
-    x = torch.bitwise_right_shift(x, 9)
-    x &= 0x7FFFFF
-    x |= 0x3F800000
-    return x.view(torch.float32).sub_(1.0 - 2.0 ** -24)
+    return uniforms_from_hashes(row_hashes(head_hashes(seed, stream, heads, second), q_pos), key_hashes(k_pos))
 
 
 # ---- the common flow -------------------------------------------------------------------------------

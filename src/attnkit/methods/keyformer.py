@@ -48,8 +48,12 @@ from attnkit.methods.eviction import (
     attention_statistics,
     check_choice,
     counter_uniforms,
+    head_hashes,
+    key_hashes,
     reduce_heads,
     resolve_budget,
+    row_hash_ints,
+    uniforms_from_hashes,
 )
 
 NOISES = ("gumbel", "gaussian", "constant", "none")
@@ -82,9 +86,64 @@ def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int
     kp = k_pos.view(1, 1, 1, 1, -1) if k_pos.dim() == 1 else k_pos[:, :, None, None, :]
     u = counter_uniforms(seed, layer, heads, qp, kp)
     if kind == "gumbel":
-        return u.log_().neg_().log_().neg_()  # -log(-log(u))
-    u2 = counter_uniforms(seed, layer, heads, qp, kp, second=True)
+        return gumbel_from_uniforms(u)
+    return gaussian_from_uniforms(u, counter_uniforms(seed, layer, heads, qp, kp, second=True))
+
+
+def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel draws ``-log(-log(u))`` (density eq. 5), computed in place in `u`."""
+    return u.log_().neg_().log_().neg_()
+
+
+def gaussian_from_uniforms(u: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+    """``N(0.5772, 1.2825^2)`` draws (eq. 11) from two uniforms by Box-Muller, computed in place in `u`."""
     return u.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2 * math.pi).cos_()).mul_(GUMBEL_STD).add_(EULER_GAMMA)
+
+
+class DecodeNoise:
+    """:func:`keyformer_noise` for decode steps, bit for bit, at a fraction of its cost.
+
+    A decode step needs fresh noise for each (layer, head, held key) and the step's one query. Of the
+    hashes behind the draws (:func:`attnkit.methods.eviction.counter_uniforms`), the (layer, head) part
+    is computed once per generation, the query position is mixed in once per step for all layers
+    together (on Python ints: a few small tensor operations would cost more), and the key-position
+    hashes are looked up in a table over positions (grown on demand); each layer then only combines
+    them at full size, in buffers reused from step to step.
+    """
+
+    def __init__(self, kind: str, seed: int, n_layers: int, heads: int, device: torch.device):
+        self.kind = kind
+        self.device = device
+        h = torch.arange(heads)
+        draws = (False,) if kind == "gumbel" else (False, True)
+        self.heads = {second: [head_hashes(seed, layer, h, second).tolist() for layer in range(n_layers)]
+                      for second in draws}
+        self.keys = key_hashes(torch.arange(0, device=device))
+        self.step = None
+        self.rows: dict[bool, torch.Tensor] = {}
+        self.buffers = [torch.empty(0, dtype=torch.int32, device=device)] * 3
+
+    def _new_step(self, q: int) -> None:
+        if q >= self.keys.shape[0]:
+            self.keys = key_hashes(torch.arange(max(q + 1, 2 * self.keys.shape[0]), device=self.device))
+        self.rows = {second: torch.tensor([row_hash_ints(layer, q) for layer in table], dtype=torch.int32).to(self.device)
+                     for second, table in self.heads.items()}
+
+    def __call__(self, ctx: LayerContext, kv_heads: int, groups: int, k_pos: torch.Tensor) -> torch.Tensor:
+        """Noise ``[b, kv, g, 1, keys]`` for the held keys at `k_pos` ``[b, kv, keys]`` of layer ``ctx.index``;
+        valid until the next call (it lives in a buffer reused by every call of the same shape)."""
+        if self.step is not ctx.step:  # first layer of a new step
+            self.step = ctx.step
+            self._new_step(int(ctx.q_pos[-1]))
+        b, _, n = k_pos.shape
+        shape = (b, kv_heads, groups, 1, n)
+        if self.buffers[0].shape != shape:
+            self.buffers = [torch.empty(shape, dtype=torch.int32, device=k_pos.device) for _ in range(3)]
+        x, first, second = self.buffers
+        cols = self.keys.take(k_pos)[:, :, None, None, :]
+        u = [uniforms_from_hashes(rows[ctx.index].view(1, kv_heads, groups, 1, 1), cols, (x, out))
+             for rows, out in zip(self.rows.values(), (first, second))]
+        return gumbel_from_uniforms(*u) if self.kind == "gumbel" else gaussian_from_uniforms(*u)
 
 
 @register
@@ -126,13 +185,17 @@ class Keyformer(RecentWindowEviction):
         return keyformer_tau(t, T, self.tau_init, self.tau_end)
 
     # ---- the score f (eq. 9) ---------------------------------------------------------------------------
-    def _weights(self, ctx: LayerContext, tau: float):
+    def _weights(self, ctx: LayerContext, tau: float, decoding: bool = False):
         kv_heads = ctx.kv.keys.shape[1]
 
         def f(logits: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
             # overwrites `logits` (a fresh tensor): y = x + zeta (eq. 4; masked logits stay -inf), then eq. 9
             if self.noise in ("gumbel", "gaussian"):
-                logits += keyformer_noise(self.noise, self.seed, ctx.index, kv_heads, logits.shape[2], q_pos, k_pos)
+                if decoding:
+                    logits += self._decode_noise(ctx, kv_heads * logits.shape[2])(ctx, kv_heads, logits.shape[2], k_pos)
+                else:
+                    logits += keyformer_noise(self.noise, self.seed, ctx.index, kv_heads, logits.shape[2], q_pos,
+                                              k_pos)
             elif self.noise == "constant":
                 logits += EULER_GAMMA
             if tau != 1.0:
@@ -140,6 +203,13 @@ class Keyformer(RecentWindowEviction):
             return torch.softmax(logits, dim=-1)
 
         return f
+
+    def _decode_noise(self, ctx: LayerContext, heads: int) -> DecodeNoise:
+        """This generation's :class:`DecodeNoise` (one for all layers)."""
+        key = f"{self.name}.noise"
+        if key not in ctx.session.shared:
+            ctx.session.shared[key] = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads, ctx.kv.keys.device)
+        return ctx.session.shared[key]
 
     def _shared(self, ctx: LayerContext) -> dict:
         """Keyformer's shared score: one value per token position, summed over layers and heads."""
@@ -214,8 +284,8 @@ class Keyformer(RecentWindowEviction):
         t = ctx.state.get("t", 1)
         tau = self.tau(t, ctx.session.max_new_tokens)
         ctx.state["tau"] = tau
-        f = self._weights(ctx, tau)(logits, ctx.q_pos, positions)
-        self._accumulate(ctx, reduce_heads(f, self.gqa_reduce).sum(dim=2))
+        f = self._weights(ctx, tau, decoding=True)(logits, ctx.q_pos, positions)
+        self._accumulate(ctx, reduce_heads(f, self.gqa_reduce)[:, :, 0])  # the step's one query
         return out
 
     def _at_new_positions(self, ctx: LayerContext, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
