@@ -102,7 +102,12 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--adaptive-gamma", action="store_true")
+    ap.add_argument("--adaptive-gamma", action="store_true", help="gamma from the observed acceptance; prompt "
+                    "lookup sizes each proposal from its match length (up to --max-gamma)")
+    ap.add_argument("--max-gamma", type=int, default=None, help="cap of adaptive gamma (default max(2 gamma, 8))")
+    ap.add_argument("--verify-cost", type=float, default=None,
+                    help="extra cost of one more verified token relative to a 1-token target step, for "
+                         "adaptive gamma (default attnkit.speculative.drafts.DEFAULT_VERIFY_COST)")
     ap.add_argument("--prompts", type=int, default=3, help="different code prompts")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
@@ -118,12 +123,13 @@ def main(argv=None) -> int:
     draft = make_draft(args.kind, args.draft, model)
     prompts = [code_prompt(model, args.context, seed) for seed in range(args.prompts)]
 
+    verify_cost = {} if args.verify_cost is None else {"verify_cost": args.verify_cost}
     decoders = {
         "attnkit plain": lambda ids: ours(attnkit.generate(model, ids, max_new_tokens=args.new_tokens,
                                                            stop_at_eos=False)),
         f"attnkit speculative {draft.describe()}": lambda ids: ours(speculative_generate(
-            model, ids, draft, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma,
-            max_new_tokens=args.new_tokens, stop_at_eos=False)),
+            model, ids, draft, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma, max_gamma=args.max_gamma,
+            max_new_tokens=args.new_tokens, stop_at_eos=False, **verify_cost)),
     }
     if not args.no_hf:
         decoders["transformers plain"] = lambda ids: hf_generate(model, ids, args.new_tokens)
@@ -178,7 +184,7 @@ def main(argv=None) -> int:
     head = (f"{'decoder':<64} {'decode tok/s':>12} {'x ak plain':>10} {'x hf plain':>10} {'e2e tok/s':>10} "
             f"{'accept':>7} {'tok/fwd':>8} {'same':>5}")
     print(f"{model.spec}: {args.kind}, {args.context}-token code prompts x{args.prompts}, {args.new_tokens} new "
-          f"tokens, gamma {args.gamma}{' adaptive' if args.adaptive_gamma else ''}, {args.repeats} repeats, "
+          f"tokens, gamma {args.gamma}{f' adaptive (max {args.max_gamma or max(2 * args.gamma, 8)})' if args.adaptive_gamma else ''}, {args.repeats} repeats, "
           f"{torch.get_num_threads()} threads")
     print(head)
     print("-" * len(head))

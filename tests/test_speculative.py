@@ -32,7 +32,7 @@ from attnkit.speculative import (
     speculative_generate,
 )
 from attnkit.speculative.drafts import snapshot_session, truncate_session
-from attnkit.speculative.generate import folded_attention, prefill_sessions
+from attnkit.speculative.generate import VerifyingFull, folded_attention, prefill_sessions
 from attnkit.tokenizer import build_byte_tokenizer
 from conftest import SMALL, random_ids
 
@@ -416,6 +416,36 @@ def test_folded_verification_attention_equals_reference(window):
     assert torch.allclose(folded_attention(q, k, v, 0.25, q_pos, k_pos, window), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_spec", [
+    f"random:llama:{SMALL}",
+    "random:mistral:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128,sliding_window=20",
+])
+def test_verifying_full_steps_equal_one_token_decoding(greedy_models, model_spec):
+    """VerifyingFull's verification forwards (mask built once per forward and shared by the layers; a
+    single query without mask) give the logits of plain one-token decoding with ``full``, forward after
+    forward, across rollbacks."""
+    model = greedy_models[0] if model_spec == f"random:llama:{SMALL}" else attnkit.load_model(model_spec)
+    ids = random_ids(40, seed=5)
+    with torch.inference_mode():
+        a = new_session(model, VerifyingFull(), 40, 20)
+        prefill(model, a, ids)
+        b = new_session(model, resolve_method("full"), 40, 20)
+        prefill(model, b, ids)
+        pos = 40
+        for extra in ([5, 77, 130], [9], [200, 3, 4, 5, 6], [11, 12]):
+            multi = logits_of(model, forward(model, torch.tensor(extra), pos,
+                                             lambda p: Step(a, "prefill", p, False), all_positions=True))
+            single = []
+            for i, t in enumerate(extra):
+                single.append(logits_of(model, forward(model, torch.tensor([t]), pos + i,
+                                                       lambda p: Step(b, "decode", p)))[-1])
+            assert torch.allclose(multi, torch.stack(single), atol=1e-5)
+            keep = pos + max(1, len(extra) - 1)  # roll back the last token (when there are several)
+            truncate_session(a, keep)
+            truncate_session(b, keep)
+            pos = keep
+
+
 def _state_equal(x, y) -> bool:
     if isinstance(x, torch.Tensor):
         return isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y)
@@ -512,6 +542,41 @@ def test_prompt_lookup_finds_most_recent_continuation():
     assert d.lookup([1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
     assert d.lookup([8, 8, 8, 42], 4) == []
     assert PromptLookupDraft(2, 2).lookup([1, 7, 3, 0, 7], 2) == []  # only a 1-gram match
+
+
+def test_prompt_lookup_sizes_proposals_by_match_length():
+    """Adaptive prompt lookup: a long match earns a longer proposal than a short one, a match whose
+    drafts the target keeps rejecting earns none (at a CPU-like verification cost), and a free
+    verification drafts up to the cap."""
+    d = PromptLookupDraft()
+    d.adaptive, d.verify_cost = True, 0.1
+    assert d.planned_length(30, 16) > d.planned_length(4, 16) > d.planned_length(1, 16) >= 1
+    for _ in range(20):  # 1-token matches whose first draft is always rejected
+        d._last = (1, 3)
+        d.feedback(0)
+    assert d.planned_length(1, 16) == 0
+    assert d.planned_length(30, 16) <= 16
+    d.verify_cost = 0.0  # a free verification (memory-bound GPU): draft all the way
+    assert d.planned_length(30, 16) == 16
+    d.verify_cost = 0.1
+    base = b"def f(x):\n    return x + 1\n\n"
+    ctx = list(base * 3) + list(b"def f(x):\n    re")
+    m, e = d.match(ctx)
+    assert m >= 16 and ctx[e + 1] == ord("t")
+    before = d.next_accept_probability(m)
+    out = d.lookup(ctx, 16)
+    assert out and out[0] == ord("t")
+    d.feedback(0)  # the target rejected the first draft
+    assert d.next_accept_probability(m) < before
+    # without adaptive gamma the proposal is the fixed length
+    fixed = PromptLookupDraft()
+    assert len(fixed.lookup(ctx, 5)) == 5
+
+
+def test_best_gamma_counts_verification_cost():
+    assert best_gamma(0.9, 0.05, 16, verify_cost=0.2) < best_gamma(0.9, 0.05, 16)
+    with pytest.raises(attnkit.AttnkitError, match="verify_cost"):
+        speculative_generate(attnkit.load_model(f"random:llama:{SMALL}"), "hi", "prompt_lookup", verify_cost=-1)
 
 
 def test_mismatched_vocabularies_raise(greedy_models):

@@ -19,6 +19,14 @@ target and draft alike (:func:`attnkit.sampling.next_token_distribution`, as the
 before the acceptance rule, so the output distribution is the plain sampler's. In greedy mode the
 output is token for token :func:`attnkit.generate`'s.
 
+Where the time goes on one CPU core (``tiny``, 2k context, measured with perf_counter around each
+piece): the target's forward is nearly all of a round (the n-gram lookup, the acceptance rule and the
+rollback, a length assignment per layer, take tens of microseconds). A forward over ``n`` tokens costs
+about ``1 + 0.08..0.1 (n - 1)`` one-token steps there: the decoder layers' per-op Python and dispatch
+overhead is paid once per forward, but the matmuls and the attention over the cache are compute-bound
+for a few rows (5 queries over a 16k cache: 2.3x the attention time of 1 query), unlike a GPU where the
+step is memory-bound and ``n`` tokens cost about what one does. Hence ``verify_cost``.
+
 Adaptive gamma (``adaptive_gamma=True``): the per-token acceptance rate ``alpha`` is estimated from
 the rounds so far (a discounted count of accepted over examined drafts; each round is a run of
 Bernoulli trials up to the first rejection), and gamma is set to the value maximising Leviathan et
@@ -27,8 +35,10 @@ al.'s expected walltime improvement (their Theorem 3.8)
     (1 - alpha^(gamma + 1)) / ((1 - alpha) (gamma c + 1)),
 
 ``c`` being the draft's cost per token relative to a target forward (the source's estimate: bytes
-read per step, MagicDec's memory-bound model; at least :data:`MIN_DRAFT_COST`). It depends on the
-acceptances only, never on timings, so a seeded run is reproducible.
+read per step, MagicDec's memory-bound model; at least :data:`MIN_DRAFT_COST`). With a verification
+cost ``v`` per drafted token (``verify_cost``) the denominator is ``gamma (c + v) + 1``. A source that
+sizes its own proposals (prompt lookup, from the length of its match) gets ``max_gamma`` as a cap
+instead. Either depends on the acceptances only, never on timings, so a seeded run is reproducible.
 """
 
 from __future__ import annotations
@@ -60,7 +70,14 @@ from attnkit.runner import (
 )
 from attnkit.sampling import choose_token, next_token_distribution
 from attnkit.speculative.acceptance import greedy_accept, speculative_accept
-from attnkit.speculative.drafts import DraftRun, DraftSource, Proposal, make_draft, truncate_session
+from attnkit.speculative.drafts import (
+    DEFAULT_VERIFY_COST,
+    DraftRun,
+    DraftSource,
+    Proposal,
+    make_draft,
+    truncate_session,
+)
 
 # Floor of the relative draft cost in the adaptive-gamma model: python and kernel-launch overhead make
 # even a free draft (prompt lookup) cost something per verified token.
@@ -97,8 +114,14 @@ class VerifyingFull(FullAttention):
     query heads of each kv group are folded into the query axis (``[b, kv, groups * n, d]``, as the
     decode path does for one token) with an additive mask tiled over the groups, so the cache is read
     once per kv head. Measured on CPU at 16k tokens, 5 queries, GQA 4:1: 4.6 ms -> 2.7 ms per layer.
+    Every layer of a full cache holds the same positions, so the tiled mask is built once per forward
+    (on its first layer) and reused by the others (at 2k tokens, 5 queries: 220 -> 145 us per layer).
     Not registered: it is ``full`` to everyone else.
     """
+
+    _bias_step: Step | None = None  # the forward whose mask `_bias` is, with its (window, keys, groups)
+    _bias_shape: tuple | None = None
+    _bias: torch.Tensor | None = None
 
     def prefill_attention(self, ctx, q, k, v):
         n = q.shape[2]
@@ -106,20 +129,41 @@ class VerifyingFull(FullAttention):
             return super().prefill_attention(ctx, q, k, v)
         ctx.kv.append(k, v, ctx.q_pos)
         keys, values, positions = ctx.kv.view()
-        return folded_attention(q, keys, values, ctx.scaling, ctx.q_pos, positions[0, 0], ctx.native_window)
+        groups = q.shape[1] // keys.shape[1]
+        if n == 1 and ctx.native_window is None:  # one query sees every key: no mask (the decode call)
+            return folded_attention(q, keys, values, ctx.scaling, bias=None, causal=False)
+        shape = (ctx.native_window, keys.shape[2], groups)
+        if ctx.step is not self._bias_step or shape != self._bias_shape:
+            self._bias = folded_bias(ctx.q_pos, positions[0, 0], groups, ctx.native_window, q.dtype)
+            self._bias_step, self._bias_shape = ctx.step, shape
+        return folded_attention(q, keys, values, ctx.scaling, bias=self._bias)
+
+
+def folded_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, groups: int, window: int | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[groups * n, L]`` (0 = attend, -inf = masked) of `n` queries at `q_pos` over keys
+    at `k_pos` ``[L]``, causal by position and within `window`, tiled over the query heads of a group
+    in the row order of :func:`folded_attention`."""
+    allowed = position_mask(q_pos, k_pos, window)  # [n, L]
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
+    return bias.repeat(groups, 1)
 
 
 def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                     q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+                     q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+                     window: int | None = None, bias: torch.Tensor | None = None,
+                     causal: bool = True) -> torch.Tensor:
     """Attention of a few queries ``[b, hq, n, d]`` over keys/values ``[b, kv, L, d]`` shared by all
-    heads at positions `k_pos` ``[L]``: causal by position (and within `window`), GQA folded."""
+    heads at positions `k_pos` ``[L]``: causal by position (and within `window`), GQA folded. A
+    precomputed `bias` (:func:`folded_bias`) replaces `q_pos`, `k_pos` and `window`; ``causal=False``
+    (no bias) attends to every key (a single query after all of them)."""
     b, hq, n, d = q.shape
     kv = keys.shape[1]
     groups = hq // kv
-    allowed = position_mask(q_pos, k_pos, window)  # [n, L]
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    if bias is None and causal:
+        bias = folded_bias(q_pos, k_pos, groups, window, q.dtype)
     folded = q.reshape(b, kv, groups * n, d)  # row = group * n + i
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias.repeat(groups, 1), scale=scaling)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scaling)
     return out.view(b, hq, n, d)
 
 
@@ -127,7 +171,7 @@ class GammaController:
     """Fixed gamma, or adaptive from the observed acceptance (see the module docstring)."""
 
     def __init__(self, gamma: int = 4, adaptive: bool = False, max_gamma: int | None = None, cost: float = 0.0,
-                 prior_alpha: float = 0.6, decay: float = 0.9):
+                 prior_alpha: float = 0.6, decay: float = 0.9, verify_cost: float = 0.0):
         if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
             raise AttnkitError(f"gamma must be a whole number of drafted tokens >= 1, got {gamma!r}")
         max_gamma = max(2 * gamma, 8) if max_gamma is None else max_gamma
@@ -135,6 +179,7 @@ class GammaController:
             raise AttnkitError(f"max_gamma must be a whole number >= gamma ({gamma}), got {max_gamma!r}")
         self.gamma, self.adaptive, self.max_gamma = gamma, adaptive, max_gamma
         self.cost = max(MIN_DRAFT_COST, float(cost))
+        self.verify_cost = float(verify_cost)
         self.decay = decay
         self._accepted, self._trials = 2 * prior_alpha, 2.0  # a weak prior worth two trials
 
@@ -149,7 +194,7 @@ class GammaController:
         self._accepted = self.decay * self._accepted + accepted
         self._trials = self.decay * self._trials + trials
         if self.adaptive:
-            self.gamma = best_gamma(self.alpha, self.cost, self.max_gamma)
+            self.gamma = best_gamma(self.alpha, self.cost, self.max_gamma, self.verify_cost)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -159,10 +204,12 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def best_gamma(alpha: float, cost: float, max_gamma: int) -> int:
-    """The gamma in 1..max_gamma maximising expected tokens per unit time, ``E / (gamma c + 1)``; the
-    smallest gamma within 1% of the best (extra drafts that barely help still cost verification)."""
-    scores = [expected_tokens(alpha, g) / (g * cost + 1.0) for g in range(1, max_gamma + 1)]
+def best_gamma(alpha: float, cost: float, max_gamma: int, verify_cost: float = 0.0) -> int:
+    """The gamma in 1..max_gamma maximising expected tokens per unit time, ``E / (gamma (c + v) + 1)``
+    (Leviathan et al.'s Theorem 3.8 denominator ``gamma c + 1`` plus `verify_cost` ``v`` per drafted
+    token: the target's forward over gamma + 1 tokens is not free where it is compute-bound, e.g. on a
+    CPU); the smallest gamma within 1% of the best (extra drafts that barely help still cost)."""
+    scores = [expected_tokens(alpha, g) / (g * (cost + verify_cost) + 1.0) for g in range(1, max_gamma + 1)]
     best = max(scores)
     return next(g for g, s in enumerate(scores, start=1) if s >= 0.99 * best)
 
@@ -252,7 +299,8 @@ def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel) -> D
 @torch.inference_mode()
 def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = "prompt_lookup", *,
                          draft_spec=None, gamma: int = 4, adaptive_gamma: bool = False,
-                         max_gamma: int | None = None, max_new_tokens: int = 64, chunk_size: int | None = None,
+                         max_gamma: int | None = None, verify_cost: float = DEFAULT_VERIFY_COST,
+                         max_new_tokens: int = 64, chunk_size: int | None = None,
                          do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                          top_p: float | None = None, seed: int | None = None,
                          stop: Sequence[str] | str | None = None, stop_at_eos: bool = True,
@@ -263,8 +311,10 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     `draft` is ``"draft_model"`` (`draft_spec`: a model spec, default ``tiny-draft``, or a loaded
     model), ``"prompt_lookup"`` (`draft_spec`: ``"max_ngram=3,min_ngram=1"``), ``"self"``
     (`draft_spec`: an eviction method spec for the draft's cache, default
-    ``streaming:budget_tokens=256,sinks=4``), or a :class:`DraftSource`. The other arguments are the
-    plain runner's. Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
+    ``streaming:budget_tokens=256,sinks=4``), or a :class:`DraftSource`. `verify_cost` is the extra
+    cost of one more token in the target's verification forward relative to a one-token step (used only
+    to choose gamma adaptively: ~0 on a GPU, ~0.1 on one CPU core). A round with nothing to verify (the
+    source proposed nothing) is an ordinary decoding step. The other arguments are the plain runner's. Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
     """
     sampling, stops = generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
     source = resolve_draft(draft, draft_spec, model)
@@ -280,7 +330,10 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
 
     _sync(device)
     t0 = time.perf_counter()
-    shared = source.start(DraftRun(model, ids, max_new_tokens, sampling, generator, chunk_size))
+    if not isinstance(verify_cost, (int, float)) or isinstance(verify_cost, bool) or verify_cost < 0:
+        raise AttnkitError(f"verify_cost must be a number >= 0, got {verify_cost!r}")
+    shared = source.start(DraftRun(model, ids, max_new_tokens, sampling, generator, chunk_size, adaptive_gamma,
+                                   float(verify_cost)))
     sessions = [session] if shared is None else [session, shared]
     logits = logits_of(model, prefill_sessions(model, sessions, ids, chunk_size))[-1]
     _sync(device)
@@ -288,7 +341,8 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     first = choose_token(logits, sampling, generator)
     ttft_s = time.perf_counter() - t0
 
-    control = GammaController(gamma, adaptive_gamma, max_gamma, source.relative_cost())
+    control = GammaController(gamma, adaptive_gamma, max_gamma, source.relative_cost(), verify_cost=verify_cost)
+    own_sizes = adaptive_gamma and source.sizes_own_proposals()  # the source picks each round's length
     emit = TokenEmitter(tokenizer, eos, stops, on_token)
     context = ids.tolist() + [first]
     rounds = drafted_total = accepted_total = emitted_by_rounds = 0
@@ -297,7 +351,7 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     done = emit.push(first)
     while not done and len(emit.generated) < max_new_tokens:
         remaining = max_new_tokens - len(emit.generated)
-        g = min(control.gamma, remaining - 1)  # a round emits at most g + 1 tokens
+        g = min(control.max_gamma if own_sizes else control.gamma, remaining - 1)  # a round emits <= g + 1
         t_round = time.perf_counter()
         proposal = source.propose(context, g) if g > 0 else Proposal([])
         drafted = list(proposal.tokens[:g])
