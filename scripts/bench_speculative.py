@@ -1,14 +1,19 @@
 """Speculative decoding speed, side by side in one process: attnkit plain vs attnkit speculative vs
 transformers' plain ``generate`` vs transformers' own assisted generation, on the same model and prompts.
 
-    # prompt lookup on code completion (transformers: prompt_lookup_num_tokens)
-    python scripts/bench_speculative.py prompt_lookup --model tiny --context 2048 --new-tokens 128
+    # prompt lookup on code completion (transformers: prompt_lookup_num_tokens), proposals sized from
+    # the match length (results/bench_spec_prompt_lookup.txt)
+    python scripts/bench_speculative.py prompt_lookup --model tiny --context 2048 --new-tokens 128 \
+        --gamma 4 --adaptive-gamma --max-gamma 16
     # a draft model (transformers: assistant_model)
     python scripts/bench_speculative.py draft_model --model tiny --draft tiny-draft --context 2048
     # self-speculation with a compressed draft cache at long context (transformers has no equivalent:
-    # its plain decoding is the reference)
+    # its plain decoding is the reference); --gamma 4, 8, 16 at 16k and 16 at 32k in results/
     python scripts/bench_speculative.py self --model random:llama:layers=6,hidden=256,heads=8,kv_heads=2,\
-head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --context 16384 --new-tokens 64
+head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --context 16384 --new-tokens 64 \
+        --gamma 16 --no-hf
+
+Results in results/bench_spec_*.txt were taken with OMP_NUM_THREADS=1 ... --threads 1 --repeats 2.
 
 Greedy decoding throughout. Every decoder runs on every prompt in every repeat, in turn (interleaved,
 so machine drifts hit all alike); figures are medians over prompts x repeats. Decode tok/s counts the
