@@ -15,6 +15,10 @@ On a 2-layer model of a few MB on a CPU that bound is low; a Llama-family attent
 128, 4 query heads per kv head) makes the KV cache, not this fixed cost, dominate as in real models:
 
     python scripts/bench_eviction.py --model random:llama:head_dim=128 --contexts 16384,32768 ...
+
+The recorded results (results/bench_eviction.txt and results/bench_eviction_hd128.txt, the JSON rows
+beside them) were taken on a quiet machine, one run at a time, with OMP_NUM_THREADS=1 and
+``--threads 1 --repeats 3 --budget-tokens 2048 --new-tokens 128 --contexts 16384,32768``.
 """
 
 from __future__ import annotations
