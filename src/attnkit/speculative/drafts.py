@@ -391,8 +391,8 @@ class PromptLookupDraft(DraftSource):
 
     def _extend_index(self, context: list[int]) -> None:
         known = len(self._tokens)
-        if known > len(context) or (known and (context[known - 1] != self._tokens[-1] or context[0] != self._tokens[0])):
-            self._index = {n: {} for n in self._index}  # not a continuation of the indexed context
+        if context[:known] != self._tokens:  # not a continuation of the indexed context
+            self._index = {n: {} for n in self._index}
             self._tokens, known = [], 0
         tokens = self._tokens
         tokens.extend(context[known:])
