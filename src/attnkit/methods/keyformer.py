@@ -114,6 +114,7 @@ class DecodeNoise:
     def __init__(self, kind: str, seed: int, n_layers: int, heads: int, device: torch.device):
         self.kind = kind
         self.device = device
+        self.n_heads = heads
         h = torch.arange(heads)
         draws = (False,) if kind == "gumbel" else (False, True)
         self.heads = {second: [head_hashes(seed, layer, h, second).tolist() for layer in range(n_layers)]
@@ -129,13 +130,14 @@ class DecodeNoise:
         self.rows = {second: torch.tensor([row_hash_ints(layer, q) for layer in table], dtype=torch.int32).to(self.device)
                      for second, table in self.heads.items()}
 
-    def __call__(self, ctx: LayerContext, kv_heads: int, groups: int, k_pos: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ctx: LayerContext, k_pos: torch.Tensor) -> torch.Tensor:
         """Noise ``[b, kv, g, 1, keys]`` for the held keys at `k_pos` ``[b, kv, keys]`` of layer ``ctx.index``;
         valid until the next call (it lives in a buffer reused by every call of the same shape)."""
         if self.step is not ctx.step:  # first layer of a new step
             self.step = ctx.step
             self._new_step(int(ctx.q_pos[-1]))
-        b, _, n = k_pos.shape
+        b, kv_heads, n = k_pos.shape
+        groups = self.n_heads // kv_heads
         shape = (b, kv_heads, groups, 1, n)
         if self.buffers[0].shape != shape:
             self.buffers = [torch.empty(shape, dtype=torch.int32, device=k_pos.device) for _ in range(3)]
@@ -192,7 +194,7 @@ class Keyformer(RecentWindowEviction):
             # overwrites `logits` (a fresh tensor): y = x + zeta (eq. 4; masked logits stay -inf), then eq. 9
             if self.noise in ("gumbel", "gaussian"):
                 if decoding:
-                    logits += self._decode_noise(ctx, kv_heads * logits.shape[2])(ctx, kv_heads, logits.shape[2], k_pos)
+                    logits += self._decode_noise(ctx, kv_heads * logits.shape[2])(ctx, k_pos)
                 else:
                     logits += keyformer_noise(self.noise, self.seed, ctx.index, kv_heads, logits.shape[2], q_pos,
                                               k_pos)
