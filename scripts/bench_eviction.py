@@ -78,7 +78,8 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
             runs.append(method)
             if len(runs) % len(methods) == 0:  # after each repeat of the methods: the decode step without context
-                ids = torch.randint(3, model.geometry.vocab_size, (OVERHEAD_PROMPT,))
+                ids = torch.randint(3, model.geometry.vocab_size, (OVERHEAD_PROMPT,),
+                                    generator=torch.Generator().manual_seed(r))
                 out = attnkit.generate(model, ids, "full", max_new_tokens=args.new_tokens, stop_at_eos=False)
                 overhead.append(1000.0 / out.stats.decode_tokens_per_s)
 
