@@ -22,10 +22,12 @@ output is token for token :func:`attnkit.generate`'s.
 Where the time goes on one CPU core (``tiny``, 2k context, measured with perf_counter around each
 piece): the target's forward is nearly all of a round (the n-gram lookup, the acceptance rule and the
 rollback, a length assignment per layer, take tens of microseconds). A forward over ``n`` tokens costs
-about ``1 + 0.08..0.1 (n - 1)`` one-token steps there: the decoder layers' per-op Python and dispatch
-overhead is paid once per forward, but the matmuls and the attention over the cache are compute-bound
-for a few rows (5 queries over a 16k cache: 2.3x the attention time of 1 query), unlike a GPU where the
-step is memory-bound and ``n`` tokens cost about what one does. Hence ``verify_cost``.
+about ``1 + 0.07..0.1 (n - 1)`` one-token steps there (on both cores as on one): the decoder layers'
+per-op Python and dispatch overhead is paid once per forward, but the matmuls and the attention over the
+cache are compute-bound for a few rows (5 queries over a 16k cache: 2.3x the attention time of 1 query;
+the softmax alone evaluates an exponential per query row and key), unlike a GPU where the step is
+memory-bound and ``n`` tokens cost about what one does. Hence ``verify_cost``. The projections' part is
+smaller with the weights stored input-major (:func:`attnkit.model.store_linear_weights_input_major`).
 
 Adaptive gamma (``adaptive_gamma=True``): the per-token acceptance rate ``alpha`` is estimated from
 the rounds so far (a discounted count of accepted over examined drafts; each round is a run of
