@@ -60,26 +60,3 @@ def test_full_cache_holds_every_token(model):
     per_token = 2 * g.n_layers * g.n_kv_heads * g.head_dim * 4
     # preallocated once for prompt + new tokens: peak == final, nothing reallocated
     assert out.stats.final_kv_bytes == out.stats.peak_kv_bytes == per_token * (300 + 10)
-
-
-def test_linear_weights_stored_input_major_with_unchanged_values():
-    """On the CPU the decoder layers' projections are stored input-major (a faster GEMM for a few
-    tokens); the parameters, the state_dict and the model's outputs are those of the default layout."""
-    from transformers import AutoModelForCausalLM
-
-    model = attnkit.load_model("random:llama:seed=5")
-    default = AutoModelForCausalLM.from_config(model.hf.config, dtype=torch.float32, attn_implementation="sdpa")
-    default.load_state_dict(model.hf.state_dict())
-    default.eval()
-    for name, weight in model.hf.named_parameters():
-        if name.startswith("model.layers.") and weight.dim() == 2:
-            assert weight.stride() == (1, weight.shape[0]), name
-            assert default.get_parameter(name).is_contiguous()
-    assert model.hf.lm_head.weight.is_contiguous()  # tied to the embedding: left alone
-    assert attnkit.model.store_linear_weights_input_major(model.hf) == 0  # already done: nothing to change
-    ids = random_ids(40, seed=2)
-    with torch.no_grad():
-        ours, theirs = model.hf(ids[None]).logits, default(ids[None]).logits
-    assert (ours - theirs).abs().max().item() < 1e-4
-    state = model.hf.state_dict()
-    assert all(torch.equal(state[k], v) for k, v in default.state_dict().items())

@@ -101,37 +101,11 @@ def read_geometry(hf: PreTrainedModel) -> Geometry:
 
 def prepare(hf: PreTrainedModel, tokenizer, spec: str = "custom") -> LoadedModel:
     """Wrap an already loaded transformers model: checks the architecture, switches its attention
-    implementation to attnkit's (which behaves as SDPA unless attnkit drives the forward), and on the
-    CPU stores the decoder layers' linear weights input-major (:func:`store_linear_weights_input_major`)."""
+    implementation to attnkit's (which behaves as SDPA unless attnkit drives the forward)."""
     geometry = read_geometry(hf)
     hf.set_attn_implementation(ATTN_IMPLEMENTATION)
     hf.eval()
-    store_linear_weights_input_major(hf)
     return LoadedModel(hf, tokenizer, geometry, spec)
-
-
-def store_linear_weights_input_major(hf: PreTrainedModel) -> int:
-    """Give every ``nn.Linear`` weight of the decoder layers on the CPU the memory layout of its
-    transpose: the same ``[out, in]`` tensor (shape, values, parameter object, ``state_dict`` and saved
-    files unchanged), stored ``[in, out]`` row-major (strides ``(1, out)``). Returns how many changed.
-
-    ``F.linear`` then hands MKL a GEMM whose weight operand needs no transposition. For a forward over a
-    few tokens (speculative decoding's verification) that is the faster kernel: measured on this
-    project's CPU, one thread, the seven projections of ``tiny``'s six layers take 1.23 ms instead of 1.53
-    ms for 4 tokens and 1.33 ms instead of 1.94 ms for 8, and a 1024x4096 projection 0.90 ms instead of 1.41
-    ms for 5 tokens; one token and a prompt cost the same, 2-3 tokens up to 18 % more on large matrices.
-    GPUs are left alone (cuBLAS takes either layout at the same speed). Results agree with the default
-    layout to float rounding (a different summation order)."""
-    changed = 0
-    for layer in hf.model.layers:
-        for module in layer.modules():
-            weight = getattr(module, "weight", None)
-            if (isinstance(module, torch.nn.Linear) and weight.device.type == "cpu" and weight.dim() == 2
-                    and weight.is_contiguous() and weight.shape[0] > 1 and weight.shape[1] > 1):
-                with torch.no_grad():
-                    weight.data = weight.data.t().contiguous().t()
-                changed += 1
-    return changed
 
 
 def bundled_path(name: str) -> Path:
