@@ -1,0 +1,96 @@
+"""Replay prompt lookup's drafting against a model's own greedy outputs, offline, under a cost model of
+the verification forward: how many tokens a round would emit, and what speed-up over plain decoding a
+verification costing ``1 + c * drafted`` one-token steps would give.
+
+    OMP_NUM_THREADS=1 python scripts/simulate_prompt_lookup.py --model tiny --prompts 16 --cost 0.085
+
+Greedy speculative output equals plain greedy output, so the target's verdicts are known in advance:
+a draft is accepted while it agrees with the greedy continuation. The replay drives the real
+:class:`attnkit.speculative.drafts.PromptLookupDraft` (adaptive proposal sizing, its acceptance model
+updated by the verdicts) for each option set in ``--grid``, and also an oracle that copies the same
+earlier occurrence but proposes exactly the drafts that will pass plus one (the bound on what better
+proposal sizing alone could give). Prompts are the held-out code prompts of the speed benchmark
+(:func:`attnkit.speculative.bench.code_prompt`, seeds 0..N-1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import attnkit  # noqa: E402
+from attnkit.speculative.bench import code_prompt  # noqa: E402
+from attnkit.speculative.drafts import PromptLookupDraft  # noqa: E402
+
+
+def replay(prompt: list[int], truth: list[int], source: PromptLookupDraft | None, cost: float, cap: int,
+           verify_cost: float) -> tuple[int, int, float]:
+    """(tokens emitted after the first, rounds, modelled cost in one-token steps) of one generation.
+    `source` None: the oracle (the source's match, proposals sized by hindsight)."""
+    drafter = source or PromptLookupDraft()
+    drafter._reset()
+    drafter.adaptive, drafter.verify_cost = source is not None, verify_cost
+    drafter._extend_index(prompt)
+    context, i, rounds, steps = prompt + truth[:1], 1, 0, 0.0
+    while i < len(truth):
+        g = min(cap, len(truth) - i - 1)
+        proposal = drafter.lookup(context, g) if g > 0 else []
+        accepted = 0
+        while accepted < len(proposal) and proposal[accepted] == truth[i + accepted]:
+            accepted += 1
+        if source is None:  # hindsight: the passing drafts and the first failing one
+            proposal = proposal[:accepted + 1]
+        elif g > 0:
+            drafter.feedback(accepted)
+        new = truth[i:i + accepted + 1]
+        context += new
+        i += len(new)
+        rounds += 1
+        steps += 1.0 + cost * len(proposal)
+    return len(truth) - 1, rounds, steps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--cost", type=float, default=0.085, help="verification cost per drafted token, in steps")
+    ap.add_argument("--verify-cost", type=float, default=0.1, help="the drafter's own cost estimate (sizing)")
+    ap.add_argument("--max-gamma", type=int, default=16)
+    ap.add_argument("--grid", default="max_ngram=3;max_ngram=4;max_ngram=8;max_ngram=12;max_ngram=3,max_candidates=2;"
+                    "max_ngram=3,max_candidates=4;max_ngram=8,max_candidates=4",
+                    help="option sets of prompt_lookup, separated by ';'")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = attnkit.load_model(args.model)
+    runs = []
+    for seed in range(args.prompts):
+        ids = code_prompt(model, args.context, seed)
+        out = attnkit.generate(model, ids, "full", max_new_tokens=args.new_tokens, stop_at_eos=False)
+        runs.append((ids.tolist(), out.token_ids))
+    print(f"{args.model}: {args.prompts} held-out code prompts of {args.context} tokens, {args.new_tokens} greedy "
+          f"tokens; verification modelled as 1 + {args.cost} x drafted steps; cap {args.max_gamma}")
+    print(f"{'drafter':<40} {'tok/round':>9} {'x plain':>8} {'median prompt x plain':>22}")
+    sets = [(spec, PromptLookupDraft(**{k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}))
+            for spec in args.grid.split(";")] + [("oracle sizing (max_ngram=3)", None)]
+    for spec, source in sets:
+        rows = [replay(p, t, source, args.cost, args.max_gamma, args.verify_cost) for p, t in runs]
+        tokens, rounds, steps = (sum(r[k] for r in rows) for k in range(3))
+        per_prompt = statistics.median(r[0] / r[2] for r in rows)
+        print(f"{spec:<40} {tokens / rounds:>9.2f} {tokens / steps:>8.2f} {per_prompt:>22.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
