@@ -25,8 +25,8 @@ rollback, a length assignment per layer, take tens of microseconds). A forward o
 about ``1 + 0.07..0.1 (n - 1)`` one-token steps there (on both cores as on one): the decoder layers'
 per-op Python and dispatch overhead is paid once per forward, but the matmuls and the attention over the
 cache are compute-bound for a few rows (5 queries over a 16k cache: 2.3x the attention time of 1 query;
-the softmax alone evaluates an exponential per query row and key), unlike a GPU where the step is
-memory-bound and ``n`` tokens cost about what one does. Hence ``verify_cost``. (Storing the projection
+at 2k, each further query costs about 28 us per layer, about 75 GFLOP/s), unlike a GPU where the step
+is memory-bound and ``n`` tokens cost about what one does. Hence ``verify_cost``. (Storing the projection
 weights transposed, so that MKL's GEMM needs no transposition, does not make them cheaper inside a
 forward, and makes a 1024x4096 model's 36-59 % dearer for 2-3 tokens: ``scripts/bench_linear_layout.py``.)
 
