@@ -13,7 +13,7 @@ transformers' plain ``generate`` vs transformers' own assisted generation, on th
 head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --context 16384 --new-tokens 64 \
         --gamma 16 --no-hf
 
-Results in results/bench_spec_*.txt were taken with OMP_NUM_THREADS=1 ... --threads 1 --repeats 2;
+Results in results/bench_spec_*.txt were taken with OMP_NUM_THREADS=1 ... --threads 1 --repeats 2 (prompt lookup: --repeats 4);
 results/bench_spec_prompt_lookup_2threads.txt with OMP_NUM_THREADS=2 ... --threads 2 (both cores of the
 machine, torch's default there).
 
