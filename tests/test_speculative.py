@@ -32,7 +32,7 @@ from attnkit.speculative import (
     speculative_generate,
 )
 from attnkit.speculative.drafts import snapshot_session, truncate_session
-from attnkit.speculative.generate import VerifyingFull, folded_attention, prefill_sessions
+from attnkit.speculative.generate import VerifyingFull, folded_attention, folded_bias, prefill_sessions
 from attnkit.tokenizer import build_byte_tokenizer
 from conftest import SMALL, random_ids
 
@@ -413,7 +413,8 @@ def test_folded_verification_attention_equals_reference(window):
     k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
     q_pos, k_pos = torch.arange(35, 40), torch.arange(40)
     ref = attend(q, k, v, 0.25, q_pos, k_pos, window)
-    assert torch.allclose(folded_attention(q, k, v, 0.25, q_pos, k_pos, window), ref, atol=1e-5)
+    bias = folded_bias(q_pos, k_pos, q.shape[1] // k.shape[1], window, q.dtype)
+    assert torch.allclose(folded_attention(q, k, v, 0.25, bias), ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_spec", [

@@ -134,12 +134,12 @@ class VerifyingFull(FullAttention):
         keys, values, positions = ctx.kv.view()
         groups = q.shape[1] // keys.shape[1]
         if n == 1 and ctx.native_window is None:  # one query sees every key: no mask (the decode call)
-            return folded_attention(q, keys, values, ctx.scaling, bias=None, causal=False)
+            return folded_attention(q, keys, values, ctx.scaling)
         shape = (ctx.native_window, keys.shape[2], groups)
         if ctx.step is not self._bias_step or shape != self._bias_shape:
             self._bias = folded_bias(ctx.q_pos, positions[0, 0], groups, ctx.native_window, q.dtype)
             self._bias_step, self._bias_shape = ctx.step, shape
-        return folded_attention(q, keys, values, ctx.scaling, bias=self._bias)
+        return folded_attention(q, keys, values, ctx.scaling, self._bias)
 
 
 def folded_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, groups: int, window: int | None,
@@ -153,19 +153,13 @@ def folded_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, groups: int, window: i
 
 
 def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                     q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-                     window: int | None = None, bias: torch.Tensor | None = None,
-                     causal: bool = True) -> torch.Tensor:
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a few queries ``[b, hq, n, d]`` over keys/values ``[b, kv, L, d]`` shared by all
-    heads at positions `k_pos` ``[L]``: causal by position (and within `window`), GQA folded. A
-    precomputed `bias` (:func:`folded_bias`) replaces `q_pos`, `k_pos` and `window`; ``causal=False``
-    (no bias) attends to every key (a single query after all of them)."""
+    heads, GQA folded, masked by `bias` (:func:`folded_bias`: causal by position, the window); without
+    a bias every query attends to every key (a single query after all of them)."""
     b, hq, n, d = q.shape
     kv = keys.shape[1]
-    groups = hq // kv
-    if bias is None and causal:
-        bias = folded_bias(q_pos, k_pos, groups, window, q.dtype)
-    folded = q.reshape(b, kv, groups * n, d)  # row = group * n + i
+    folded = q.reshape(b, kv, (hq // kv) * n, d)  # row = group * n + i
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scaling)
     return out.view(b, hq, n, d)
 
@@ -317,9 +311,12 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     ``streaming:budget_tokens=256,sinks=4``), or a :class:`DraftSource`. `verify_cost` is the extra
     cost of one more token in the target's verification forward relative to a one-token step (used only
     to choose gamma adaptively: ~0 on a GPU, ~0.1 on one CPU core). A round with nothing to verify (the
-    source proposed nothing) is an ordinary decoding step. The other arguments are the plain runner's. Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
+    source proposed nothing) is an ordinary decoding step. The other arguments are the plain runner's.
+    Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
     """
     sampling, stops = generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
+    if not isinstance(verify_cost, (int, float)) or isinstance(verify_cost, bool) or verify_cost < 0:
+        raise AttnkitError(f"verify_cost must be a number >= 0, got {verify_cost!r}")
     source = resolve_draft(draft, draft_spec, model)
     ids = encode_prompt(model, prompt)
     n = ids.shape[0]
@@ -333,8 +330,6 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
 
     _sync(device)
     t0 = time.perf_counter()
-    if not isinstance(verify_cost, (int, float)) or isinstance(verify_cost, bool) or verify_cost < 0:
-        raise AttnkitError(f"verify_cost must be a number >= 0, got {verify_cost!r}")
     shared = source.start(DraftRun(model, ids, max_new_tokens, sampling, generator, chunk_size, adaptive_gamma,
                                    float(verify_cost)))
     sessions = [session] if shared is None else [session, shared]
