@@ -40,7 +40,8 @@ def projection_time(weights: list[torch.Tensor], tokens: int, per_layer: int, re
     """Median over `repeats` of the summed seconds of ``F.linear`` over all `weights` (in order), with
     one attention call over a `cache_tokens` cache after every `per_layer` weights."""
     inputs = {w.shape[1]: torch.randn(1, tokens, w.shape[1]) for w in weights}
-    q, k, v = torch.randn(1, 2, 4 * tokens, 32), torch.randn(1, 2, cache_tokens, 32), torch.randn(1, 2, cache_tokens, 32)
+    q = torch.randn(1, 2, 4 * tokens, 32)
+    k, v = torch.randn(1, 2, cache_tokens, 32), torch.randn(1, 2, cache_tokens, 32)
     runs = []
     for _ in range(repeats + 3):
         total = 0.0

@@ -13,9 +13,9 @@ transformers' plain ``generate`` vs transformers' own assisted generation, on th
 head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --context 16384 --new-tokens 64 \
         --gamma 16 --no-hf
 
-Results in results/bench_spec_*.txt were taken with OMP_NUM_THREADS=1 ... --threads 1 --repeats 2 (prompt lookup: --repeats 4);
-results/bench_spec_prompt_lookup_2threads.txt with OMP_NUM_THREADS=2 ... --threads 2 (both cores of the
-machine, torch's default there).
+Results in results/bench_spec_*.txt were taken with OMP_NUM_THREADS=1 ... --threads 1 --repeats 2
+(prompt lookup: --repeats 4); results/bench_spec_prompt_lookup_2threads.txt with OMP_NUM_THREADS=2 ...
+--threads 2 --repeats 4 (both cores of the machine, torch's default there).
 
 Greedy decoding throughout. Every decoder runs on every prompt in every repeat, in turn (interleaved,
 so machine drifts hit all alike); figures are medians over prompts x repeats. Decode tok/s counts the
@@ -190,9 +190,9 @@ def main(argv=None) -> int:
 
     head = (f"{'decoder':<64} {'decode tok/s':>12} {'x ak plain':>10} {'x hf plain':>10} {'e2e tok/s':>10} "
             f"{'accept':>7} {'tok/fwd':>8} {'same':>5}")
+    adaptive = f" adaptive (max {args.max_gamma or max(2 * args.gamma, 8)})" if args.adaptive_gamma else ""
     print(f"{model.spec}: {args.kind}, {args.context}-token code prompts x{args.prompts}, {args.new_tokens} new "
-          f"tokens, gamma {args.gamma}{f' adaptive (max {args.max_gamma or max(2 * args.gamma, 8)})' if args.adaptive_gamma else ''}, {args.repeats} repeats, "
-          f"{torch.get_num_threads()} threads")
+          f"tokens, gamma {args.gamma}{adaptive}, {args.repeats} repeats, {torch.get_num_threads()} threads")
     print(head)
     print("-" * len(head))
     for row in rows:

@@ -16,6 +16,7 @@ proposal sizing alone could give). Prompts are the held-out code prompts of the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -34,10 +35,8 @@ def replay(prompt: list[int], truth: list[int], source: PromptLookupDraft | None
            verify_cost: float) -> tuple[int, int, float]:
     """(tokens emitted after the first, rounds, modelled cost in one-token steps) of one generation.
     `source` None: the oracle (the source's match, proposals sized by hindsight)."""
-    drafter = source or PromptLookupDraft()
-    drafter._reset()
+    drafter = dataclasses.replace(source) if source is not None else PromptLookupDraft()  # a fresh index
     drafter.adaptive, drafter.verify_cost = source is not None, verify_cost
-    drafter._extend_index(prompt)
     context, i, rounds, steps = prompt + truth[:1], 1, 0, 0.0
     while i < len(truth):
         g = min(cap, len(truth) - i - 1)
