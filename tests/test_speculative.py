@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attnkit
-from attnkit.attention import attend
+from attnkit.attention import attend, folded_attention, folded_bias
 from attnkit.cli import main
 from attnkit.methods.base import Step
 from attnkit.runner import forward, logits_of, new_session, prefill, resolve_method
@@ -32,7 +32,7 @@ from attnkit.speculative import (
     speculative_generate,
 )
 from attnkit.speculative.drafts import snapshot_session, truncate_session
-from attnkit.speculative.generate import VerifyingFull, folded_attention, folded_bias, prefill_sessions
+from attnkit.speculative.generate import VerifyingFull, prefill_sessions
 from attnkit.tokenizer import build_byte_tokenizer
 from conftest import SMALL, random_ids
 

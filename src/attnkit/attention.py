@@ -37,14 +37,33 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
          mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with grouped kv heads (no copy of the kv heads when avoidable)."""
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and q.shape[2] == 1 and mask is None:
-        # decode: fold the query heads of a group into the query-length axis; one matmul per kv head
-        b, hq, _, d = q.shape
-        folded = q.view(b, k.shape[1], groups, d)
-        out = F.scaled_dot_product_attention(folded, k, v, scale=scaling)
-        return out.view(b, hq, 1, d)
+    if groups > 1 and q.shape[2] == 1 and mask is None:  # decode: one pass over each kv head
+        return folded_attention(q, k, v, scaling)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scaling,
                                           enable_gqa=groups > 1)
+
+
+def folded_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, groups: int, window: int | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[groups * n, L]`` (0 = attend, -inf = masked) of `n` queries at `q_pos` over keys
+    at `k_pos` ``[L]``, causal by position and within `window`, tiled over the query heads of a group
+    in the row order of :func:`folded_attention`."""
+    allowed = position_mask(q_pos, k_pos, window)  # [n, L]
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
+    return bias.repeat(groups, 1)
+
+
+def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a few queries ``[b, hq, n, d]`` over keys/values ``[b, kv, L, d]`` with grouped kv
+    heads: the query heads of each kv group are folded into the query axis (``[b, kv, groups * n, d]``),
+    so each kv head is read once, in one kernel call, and the kv heads are never expanded. Masked by
+    `bias` (:func:`folded_bias`); without one every query attends to every key (one decoding query)."""
+    b, hq, n, d = q.shape
+    kv = keys.shape[1]
+    folded = q.reshape(b, kv, (hq // kv) * n, d)  # row = group * n + i
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scaling)
+    return out.view(b, hq, n, d)
 
 
 def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
