@@ -47,8 +47,10 @@ DRAFT_KINDS = ("draft_model", "prompt_lookup", "self")
 # Extra cost of each drafted token in the target's verification forward, relative to a one-token target
 # step (the forward over gamma + 1 tokens costs about 1 + gamma * this). On a GPU the step is
 # memory-bound and this is ~0; on one CPU core the extra rows cost matmul and attention compute.
-# Measured here (1 thread, tiny at 2k context): 1.29 plain steps for 5 tokens, 2.2 for 16, i.e. 0.08, in
-# isolated forwards; 0.07-0.1 per token timed inside the speculative loop.
+# Measured here (1 thread, tiny at 2k context, timed inside the speculative loop, against the decoding
+# step without position checks): 1.1 steps for 2 tokens, 1.2-1.3 for 3, 1.4 for 4, 1.5 for 5, about 2 for
+# 9: 0.1-0.13 per token. (Sizing with 0.12 instead of 0.1 changes prompt lookup's modelled speed-up by
+# 1 %, below the benchmark's spread: scripts/simulate_prompt_lookup.py --verify-cost 0.1,0.12.)
 DEFAULT_VERIFY_COST = 0.1
 
 

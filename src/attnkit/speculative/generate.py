@@ -21,14 +21,16 @@ output is token for token :func:`attnkit.generate`'s.
 
 Where the time goes on one CPU core (``tiny``, 2k context, measured with perf_counter around each
 piece): the target's forward is nearly all of a round (the n-gram lookup, the acceptance rule and the
-rollback, a length assignment per layer, take tens of microseconds). A forward over ``n`` tokens costs
-about ``1 + 0.07..0.1 (n - 1)`` one-token steps there (on both cores as on one): the decoder layers'
-per-op Python and dispatch overhead is paid once per forward, but the matmuls and the attention over the
-cache are compute-bound for a few rows (5 queries over a 16k cache: 2.3x the attention time of 1 query;
-at 2k, each further query costs about 28 us per layer, about 75 GFLOP/s), unlike a GPU where the step
-is memory-bound and ``n`` tokens cost about what one does. Hence ``verify_cost``. (Storing the projection
-weights transposed, so that MKL's GEMM needs no transposition, does not make them cheaper inside a
-forward, and makes a 1024x4096 model's 36-59 % dearer for 2-3 tokens: ``scripts/bench_linear_layout.py``.)
+rollback, a length assignment per layer, take tens of microseconds). Timed inside the loop, a forward
+over ``n`` tokens costs about ``1 + 0.1..0.13 (n - 1)`` one-token decoding steps there: the decoder
+layers' per-op Python and dispatch overhead is paid once per forward, but the attention over the cache
+is compute-bound for a few rows (5 queries over a 16k cache: 2.3x the attention time of 1 query; at 2k,
+each further query costs about 28 us per layer, about 75 GFLOP/s), and MKL's projections cost a
+staircase in the rows (1-3 rows what one does, the weights being read once; a fourth adds a third of
+their time), unlike a GPU where the step is memory-bound and ``n`` tokens cost about what one does.
+Hence ``verify_cost``. (Other weight layouts: ``scripts/bench_linear_layout.py``. Storing them
+transposed helps ``tiny`` at 4-16 rows and costs a 1024x4096 model 50-80 % at 2-3; oneDNN's prepacked
+weights halve that model's projections at 4-12 rows but cost ``tiny`` twice as much at every length.)
 
 Adaptive gamma (``adaptive_gamma=True``): the per-token acceptance rate ``alpha`` is estimated from
 the rounds so far (a discounted count of accepted over examined drafts; each round is a run of
@@ -337,7 +339,7 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
         L = len(context)
         phase = "prefill" if drafted else "decode"  # nothing to verify: an ordinary decoding step
         hidden = forward(model, torch.tensor([context[-1]] + drafted, device=device), L - 1,
-                         lambda pos: Step(session, phase, pos, False), all_positions=True)
+                         lambda pos, phase=phase: Step(session, phase, pos, False), all_positions=True)
         logits = logits_of(model, hidden)
         drafted_t = torch.tensor(drafted, dtype=torch.long, device=device)
         if sampling.do_sample:
