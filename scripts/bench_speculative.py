@@ -14,11 +14,14 @@ head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --conte
         --gamma 16 --no-hf
 
 Results in results/bench_spec_*.txt were taken with OMP_NUM_THREADS=1 ... --threads 1 --repeats 2
-(prompt lookup: --repeats 4); results/bench_spec_prompt_lookup_2threads.txt with OMP_NUM_THREADS=2 ...
---threads 2 --repeats 4 (both cores of the machine, torch's default there).
+(prompt lookup: --repeats 3 --prompts 16); results/bench_spec_prompt_lookup_2threads.txt with
+OMP_NUM_THREADS=2 ... --threads 2 --repeats 3 --prompts 16 (both cores of the machine, torch's default
+there).
 
 Greedy decoding throughout. Every decoder runs on every prompt in every repeat, in turn (interleaved,
-so machine drifts hit all alike); figures are medians over prompts x repeats. Decode tok/s counts the
+so machine drifts hit all alike); figures are medians over prompts x repeats, and a last line gives the
+spread of the per-run speed-ups (speculative / plain on the same prompt and repeat) and each prompt's
+median (in the JSON: ``per_run_x_attnkit_plain``). Decode tok/s counts the
 tokens after the first over the time after the first token (attnkit: its stats; transformers: a
 streamer timestamps the first new token). Prompts are held-out standard-library code (LongBench lcc
 style, :func:`attnkit.speculative.bench.code_prompt`).
@@ -205,6 +208,15 @@ def main(argv=None) -> int:
     if hf_assist:
         ratio = by[spec_name]["decode_tokens_per_s"] / by[hf_assist[0]]["decode_tokens_per_s"]
         print(f"attnkit speculative / {hf_assist[0]}: {ratio:.2f}x decode tok/s")
+    # each run's speed-up on its own prompt and repeat (the two ran back to back): their spread, and each
+    # prompt's median over the repeats
+    per_run = [s["decode_tokens_per_s"] / p["decode_tokens_per_s"] for s, p in zip(runs[spec_name], runs[plain_name])]
+    per_prompt = [statistics.median(per_run[i::len(prompts)]) for i in range(len(prompts))]  # run = r * P + p
+    spread = {"median": statistics.median(per_run), "min": min(per_run), "max": max(per_run),
+              "per_prompt": per_prompt}
+    by[spec_name]["per_run_x_attnkit_plain"] = spread
+    print(f"attnkit speculative / attnkit plain per run ({len(per_run)} runs): median {spread['median']:.2f}, "
+          f"range {spread['min']:.2f}-{spread['max']:.2f}; per prompt " + " ".join(f"{x:.2f}" for x in per_prompt))
     print("same: share of runs whose tokens equal attnkit plain greedy (attnkit speculative must be 1.00)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
