@@ -9,7 +9,7 @@ at the same context length).
 
 The measured costs are of isolated forwards, ten of one length in a row; inside the speculative loop the
 same forwards cost 10-20 % more (timed there on ``tiny``), so the modelled speed-ups run above the
-benchmark's: 2.09x modelled against 1.76x measured (2026-11-22, 1 thread). They rank drafting policies;
+benchmark's: 2.09x modelled against 1.68-1.76x measured (2026-11-22, 1 thread). They rank drafting policies;
 the benchmark (scripts/bench_speculative.py) measures them.
 
 Measuring another model's costs (e.g. a random-weight model of a larger geometry) replays `--model`'s
@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -51,8 +52,6 @@ def measure_verify_costs(spec: str, context: int, max_tokens: int, repeats: int 
     one-token decoding steps (``[0]`` is 1): timed as the speculative loop runs it (``n = 1`` a decoding
     step, more tokens a verification step), each ``n`` `calls` times per repeat, the ``n`` interleaved
     within a repeat; medians over `repeats`."""
-    import time
-
     model = attnkit.load_model(spec)
     session = new_session(model, VerifyingFull(), context, max_tokens)
     with torch.inference_mode():
