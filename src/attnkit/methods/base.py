@@ -158,9 +158,15 @@ class Method:
 
     def _store_and_attend(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         ctx.kv.append(k, v, ctx.q_pos)
-        keys, values, positions = ctx.kv.view()
         if ctx.step.phase == "prefill":
+            keys, values, positions = ctx.kv.view()
             return ctx.session.method.prefill_output(ctx, q, keys, values, positions)
+        return self._attend_held(ctx, q)
+
+    @staticmethod
+    def _attend_held(ctx: LayerContext, q) -> torch.Tensor:
+        """Attention of a decoding step's queries over the held entries (their own already stored)."""
+        keys, values, positions = ctx.kv.view()
         if ctx.native_window is None and q.shape[2] == 1:
             # the newest token's query: every held key is at or before it, so no mask and none of
             # attend's checks of the key positions (reductions over the whole cache in every layer:

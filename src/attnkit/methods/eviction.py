@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.attention import attend, sdpa
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method
 
@@ -421,10 +420,7 @@ class EvictionMethod(Method):
 
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
         """Attention of the incoming token over the held entries (it is already stored)."""
-        keys, values, positions = ctx.kv.view()
-        if ctx.native_window is None:  # every held key is at or before the query: no mask needed
-            return sdpa(q, keys, values, ctx.scaling)
-        return attend(q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window)
+        return self._attend_held(ctx, q)
 
     def before_write(self, ctx: LayerContext) -> None:
         """Hook at the start of every decode step, before the incoming token is stored."""
