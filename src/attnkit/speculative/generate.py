@@ -317,8 +317,10 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     first = choose_token(logits, sampling, generator)
     ttft_s = time.perf_counter() - t0
 
-    control = GammaController(gamma, adaptive_gamma, max_gamma, source.relative_cost(), verify_cost=verify_cost)
     own_sizes = adaptive_gamma and source.sizes_own_proposals()  # the source picks each round's length
+    # the controller adapts gamma only for a source that does not size its proposals (else it only caps)
+    control = GammaController(gamma, adaptive_gamma and not own_sizes, max_gamma, source.relative_cost(),
+                              verify_cost=verify_cost)
     emit = TokenEmitter(tokenizer, eos, stops, on_token)
     context = ids.tolist() + [first]
     rounds = drafted_total = accepted_total = emitted_by_rounds = 0
