@@ -422,8 +422,8 @@ def test_folded_verification_attention_equals_reference(window):
     "random:mistral:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128,sliding_window=20",
 ])
 def test_verifying_full_steps_equal_one_token_decoding(greedy_models, model_spec):
-    """VerifyingFull's verification forwards (mask built once per forward and shared by the layers; a
-    single query without mask) give the logits of plain one-token decoding with ``full``, forward after
+    """VerifyingFull's verification forwards (mask built once per forward and shared by the layers, for
+    a single query too) give the logits of plain one-token decoding with ``full``, forward after
     forward, across rollbacks."""
     model = greedy_models[0] if model_spec == f"random:llama:{SMALL}" else attnkit.load_model(model_spec)
     ids = random_ids(40, seed=5)
