@@ -9,7 +9,7 @@ at the same context length).
 
 The measured costs are steady-state costs: forwards of one length in a row, after an untimed one (see
 :func:`measure_verify_costs`). Inside the speculative loop, where the length changes from round to
-round, a forward that follows a larger one costs 5-10 % more, and the loop's own work (lookup,
+round, a forward that follows a larger one costs 5-20 % more, and the loop's own work (lookup,
 acceptance, rollback) adds about 4 %, so the modelled speed-ups run above the benchmark's: 2.01x modelled
 against 1.68-1.76x measured (2026-11-22, 1 thread; before the untimed call was added the ``n = 1``
 baseline was timed right after the largest forward and the model said 2.09x). They rank drafting
