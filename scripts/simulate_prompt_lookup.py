@@ -9,9 +9,9 @@ at the same context length).
 
 The measured costs are steady-state costs: forwards of one length in a row, after an untimed one (see
 :func:`measure_verify_costs`). Inside the speculative loop, where the length changes from round to
-round, a forward that follows a larger one costs 5-20 % more, and the loop's own work (lookup,
-acceptance, rollback) adds about 4 %, so the modelled speed-ups run above the benchmark's: 2.01x modelled
-against 1.68-1.76x measured (2026-11-22, 1 thread; before the untimed call was added the ``n = 1``
+round, a forward that does not follow one of its own size costs 5-20 % more, and the loop's own work
+(lookup, acceptance, rollback) adds about 4 %, so the modelled speed-ups run above the benchmark's: 2.01x
+modelled against 1.68-1.81x measured (2026-11-22, 1 thread; before the untimed call was added the ``n = 1``
 baseline was timed right after the largest forward and the model said 2.09x). They rank drafting
 policies; the benchmark (scripts/bench_speculative.py) measures them.
 
@@ -61,9 +61,11 @@ def measure_verify_costs(spec: str, context: int, max_tokens: int, repeats: int 
 
     The untimed call matters: on this CPU a forward that follows a larger one runs 5-20 % slower than
     the same forward after one of its own size (a lone attention call over 2k keys: 46 -> 64 us for one
-    query after one of 17; not the allocator: tuned glibc, jemalloc and tcmalloc give the same), so
-    timing the first call of each block made ``n = 1``, which follows the largest size, too dear and
-    every ratio too small.
+    query after one of 17; not the allocator: tuned glibc, jemalloc and tcmalloc give the same). Any
+    break in routine does it, more than the size: a one-token forward costs 7 % more after a 4-token
+    one, 9 % after a 17-token one, and 15-17 % after 5 ms of sleep, of a Python loop or of unrelated
+    GEMMs (medians of 60 alternations, 2026-11-22). So timing the first call of each block made
+    ``n = 1``, which follows the largest size, too dear and every ratio too small.
     The loop alternates sizes, so it pays part of that penalty; the steady costs are a lower bound."""
     model = attnkit.load_model(spec)
     session = new_session(model, VerifyingFull(), context, max_tokens)
