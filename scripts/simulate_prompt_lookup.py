@@ -62,9 +62,9 @@ def measure_verify_costs(spec: str, context: int, max_tokens: int, repeats: int 
     The untimed call matters: on this CPU a forward that follows a larger one runs 5-20 % slower than
     the same forward after one of its own size (a lone attention call over 2k keys: 46 -> 64 us for one
     query after one of 17; not the allocator: tuned glibc, jemalloc and tcmalloc give the same). Any
-    break in routine does it, more than the size: a one-token forward costs 7 % more after a 4-token
-    one, 9 % after a 17-token one, and 15-17 % after 5 ms of sleep, of a Python loop or of unrelated
-    GEMMs (medians of 60 alternations, 2026-11-22). So timing the first call of each block made
+    break in routine does it, a pause more than a change of size: a one-token forward costs 7 % more
+    after a 4-token one, 9 % after a 17-token one, and 15-17 % after 5 ms of sleep, of a Python loop or
+    of unrelated GEMMs (medians of 60 alternations, 2026-11-22). So timing the first call of each block made
     ``n = 1``, which follows the largest size, too dear and every ratio too small.
     The loop alternates sizes, so it pays part of that penalty; the steady costs are a lower bound."""
     model = attnkit.load_model(spec)
