@@ -137,12 +137,19 @@ def test_exact_joint_distribution_by_enumeration(p_kind, config):
         assert result.get(seq, 0.0) == pytest.approx(expected, abs=1e-12)
 
 
-def test_greedy_accept_rule():
+@pytest.mark.parametrize("as_tensor", [True, False], ids=["tensor", "list"])
+def test_greedy_accept_rule(as_tensor):
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 1.0, 4.0], [9.0, 0.0, 0.0]])
-    assert greedy_accept(torch.tensor([1, 0, 2]), logits).tokens([1, 0, 2]) == [1, 0, 2, 0]
-    assert greedy_accept(torch.tensor([1, 2, 2]), logits).tokens([1, 2, 2]) == [1, 0]
-    assert greedy_accept(torch.tensor([0, 0, 2]), logits).tokens([0, 0, 2]) == [1]
-    assert greedy_accept(torch.tensor([], dtype=torch.long), logits[:1]).tokens([]) == [1]
+
+    def drafts(ids):
+        return torch.tensor(ids, dtype=torch.long) if as_tensor else list(ids)
+
+    assert greedy_accept(drafts([1, 0, 2]), logits).tokens([1, 0, 2]) == [1, 0, 2, 0]
+    assert greedy_accept(drafts([1, 2, 2]), logits).tokens([1, 2, 2]) == [1, 0]
+    assert greedy_accept(drafts([0, 0, 2]), logits).tokens([0, 0, 2]) == [1]
+    assert greedy_accept(drafts([]), logits[:1]).tokens([]) == [1]
+    with pytest.raises(attnkit.AttnkitError, match=r"\[gamma \+ 1, vocab\] = \[3, V\]"):
+        greedy_accept(drafts([1, 0]), logits)
 
 
 # ---- the sampler, statistically --------------------------------------------------------------------------

@@ -60,10 +60,11 @@ class Acceptance:
         return list(drafted[: self.accepted]) + [self.next_token]
 
 
-def _check_shapes(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target: torch.Tensor) -> int:
-    if draft_tokens.dim() != 1:
+def _check_shapes(draft_tokens: torch.Tensor | list[int], draft_probs: torch.Tensor | None,
+                  target: torch.Tensor) -> int:
+    if isinstance(draft_tokens, torch.Tensor) and draft_tokens.dim() != 1:
         raise AttnkitError(f"draft tokens must be 1-D [gamma], got shape {tuple(draft_tokens.shape)}")
-    gamma = draft_tokens.shape[0]
+    gamma = len(draft_tokens)
     if target.dim() != 2 or target.shape[0] != gamma + 1:
         raise AttnkitError(f"target distributions must be [gamma + 1, vocab] = [{gamma + 1}, V], "
                            f"got shape {tuple(target.shape)}")
@@ -140,16 +141,19 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | N
     return Acceptance(accepted, token)
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Acceptance:
+def greedy_accept(draft_tokens: torch.Tensor | list[int], target_logits: torch.Tensor) -> Acceptance:
     """Greedy verification: accept drafts while each equals the target's argmax at its position; the
-    next token is the target's argmax after the accepted prefix. `target_logits` ``[gamma + 1, V]``."""
+    next token is the target's argmax after the accepted prefix. `target_logits` ``[gamma + 1, V]``;
+    `draft_tokens` ``[gamma]`` (a tensor or a list of ids). The argmaxes come back to Python in one
+    transfer and the prefix is compared there (a handful of ids: cheaper than tensor ops, which the
+    speculative loop would pay once per round)."""
     gamma = _check_shapes(draft_tokens, None, target_logits)
-    best = target_logits.argmax(-1)
-    if gamma == 0:
-        return Acceptance(0, int(best[0]))
-    agree = (draft_tokens.to(best.device) == best[:gamma]).to(torch.int64)
-    accepted = int(agree.cumprod(0).sum())
-    return Acceptance(accepted, int(best[accepted]))
+    drafted = draft_tokens.tolist() if isinstance(draft_tokens, torch.Tensor) else draft_tokens
+    best = target_logits.argmax(-1).tolist()
+    accepted = 0
+    while accepted < gamma and drafted[accepted] == best[accepted]:
+        accepted += 1
+    return Acceptance(accepted, best[accepted])
 
 
 def outcome_probabilities(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,

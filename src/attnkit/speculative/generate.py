@@ -343,11 +343,11 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
         hidden = forward(model, torch.tensor([context[-1]] + drafted, device=device), L - 1,
                          lambda pos, phase=phase: Step(session, phase, pos, False), all_positions=True)
         logits = logits_of(model, hidden)
-        drafted_t = torch.tensor(drafted, dtype=torch.long, device=device)
         if sampling.do_sample:
-            result = speculative_accept(drafted_t, probs, next_token_distribution(logits, sampling), generator)
+            result = speculative_accept(torch.tensor(drafted, dtype=torch.long, device=device), probs,
+                                        next_token_distribution(logits, sampling), generator)
         else:
-            result = greedy_accept(drafted_t, logits)
+            result = greedy_accept(drafted, logits)
         truncate_session(session, L + result.accepted)  # the target keeps c_L and the accepted drafts
         if g > 0:
             source.feedback(result.accepted)
