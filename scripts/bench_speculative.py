@@ -12,13 +12,18 @@ transformers' plain ``generate`` vs transformers' own assisted generation, on th
     python scripts/bench_speculative.py self --model random:llama:layers=6,hidden=256,heads=8,kv_heads=2,\
 head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --context 16384 --new-tokens 64 \
         --gamma 16 --no-hf
+    # the same with a trained model: tiny with its RoPE extended by YaRN to 32k (results/*_yarn_*)
+    python scripts/bench_speculative.py self --model tiny:yarn=8 --draft snapkv:budget_tokens=512 \
+        --context 32000 --new-tokens 64 --gamma 8 --no-hf --prompts 2 --repeats 2 --threads 2
 
-Results in results/bench_spec_*.txt were taken with OMP_NUM_THREADS=1 ... --threads 1 --repeats 2
-(prompt lookup: --repeats 3 --prompts 64); results/bench_spec_prompt_lookup_2threads.txt with
-OMP_NUM_THREADS=2 ... --threads 2 --repeats 3 --prompts 64 (both cores of the machine, torch's default
-there). Prompt lookup's speed-up depends strongly on the prompt (1.2-5.8x per prompt on held-out code), so
-it is measured over 64 prompts: the four disjoint sets of 16 among them give per-prompt medians of 1.76,
-2.33, 1.65 and 2.28 (1 thread) against 1.92 for all 64.
+Results in results/bench_spec_*.txt were taken on an Intel Xeon (2 cores) with OMP_NUM_THREADS=1 ...
+--threads 1 --repeats 2 (prompt lookup: --repeats 3 --prompts 64); results/bench_spec_prompt_lookup_
+2threads.txt with OMP_NUM_THREADS=2 ... --threads 2 --repeats 3 --prompts 64 (both cores of the
+machine, torch's default there). The *_epyc.txt and *_yarn_*.txt results on an AMD EPYC (2 cores; the
+header line now names the CPU) with OMP_NUM_THREADS=2 ... --threads 2 --repeats 2 (--prompts 64 for
+prompt lookup, --prompts 2 for self). Prompt lookup's speed-up depends strongly on the prompt (1.1-5.8x
+per prompt on held-out code), so it is measured over 64 prompts: the four disjoint sets of 16 among them
+give per-prompt medians of 1.76, 2.33, 1.65 and 2.28 (Xeon, 1 thread) against 1.92 for all 64.
 
 Greedy decoding throughout. Every decoder runs on every prompt in every repeat, in turn (interleaved,
 so machine drifts hit all alike); figures are medians over prompts x repeats, and a last line gives the
@@ -44,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import attnkit  # noqa: E402
+from attnkit.eval.harness import cpu_name  # noqa: E402
 from attnkit.speculative import make_draft, speculative_generate  # noqa: E402
 from attnkit.speculative.bench import code_prompt  # noqa: E402
 
@@ -180,7 +186,8 @@ def main(argv=None) -> int:
         acc = [r["acceptance_rate"] for r in results if r["acceptance_rate"] is not None]
         rows.append({
             "decoder": name, "model": model.spec, "context": args.context, "new_tokens": args.new_tokens,
-            "gamma": args.gamma, "prompts": args.prompts, "repeats": args.repeats,
+            "gamma": args.gamma, "prompts": args.prompts, "repeats": args.repeats, "cpu": cpu_name(),
+            "threads": torch.get_num_threads(),
             "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in results),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
             "tokens_per_target_forward": statistics.median(r["tokens_per_target_forward"] for r in results),
@@ -197,7 +204,8 @@ def main(argv=None) -> int:
             f"{'accept':>7} {'tok/fwd':>8} {'same':>5}")
     adaptive = f" adaptive (max {args.max_gamma or max(2 * args.gamma, 8)})" if args.adaptive_gamma else ""
     print(f"{model.spec}: {args.kind}, {args.context}-token code prompts x{args.prompts}, {args.new_tokens} new "
-          f"tokens, gamma {args.gamma}{adaptive}, {args.repeats} repeats, {torch.get_num_threads()} threads")
+          f"tokens, gamma {args.gamma}{adaptive}, {args.repeats} repeats, {torch.get_num_threads()} threads, "
+          f"{cpu_name()}")
     print(head)
     print("-" * len(head))
     for row in rows:

@@ -38,3 +38,28 @@ def test_full_attention_finds_distant_passkeys_a_small_window_does_not(tiny):
     window = passkey_scores(tiny, "window", {"window": 256})
     assert sum(full) >= 3, full
     assert sum(window) == 0, window
+
+
+def test_yarn_extends_tiny_beyond_its_trained_positions():
+    """``tiny:yarn=2`` runs past tiny's 4096 positions (where plain ``tiny`` refuses the prompt), and
+    greedy self-speculation with a compressed draft cache is still token for token plain greedy there."""
+    from attnkit.speculative.bench import code_prompt
+    from attnkit.speculative.drafts import make_draft
+    from attnkit.speculative.generate import speculative_generate
+
+    extended = attnkit.load_model("tiny:yarn=2")
+    assert extended.geometry.max_positions == 8192
+    assert extended.hf.config.rope_parameters["rope_type"] == "yarn"
+    ids = code_prompt(extended, 4300, seed=0)
+    with pytest.raises(attnkit.AttnkitError, match="4096"):
+        attnkit.generate(attnkit.load_model("tiny"), ids, max_new_tokens=8)
+    plain = attnkit.generate(extended, ids, max_new_tokens=12, stop_at_eos=False)
+    spec = speculative_generate(extended, ids, make_draft("self", "snapkv:budget_tokens=256", extended), gamma=4,
+                                max_new_tokens=12, stop_at_eos=False)
+    assert spec.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("spec", ["tiny:yarn=1", "tiny:yarn=x", ":yarn=4"])
+def test_bad_yarn_factor_is_refused(spec):
+    with pytest.raises(attnkit.AttnkitError, match="factor F > 1"):
+        attnkit.load_model(spec)

@@ -7,7 +7,11 @@
 - ``"random:<arch>[:key=value,...]"`` with arch in llama, mistral, qwen2, qwen3: a small random-weight
   model built in memory from a config (GQA, seedable), with the byte tokenizer so text prompts work.
   Keys: layers, hidden, heads, kv_heads, head_dim, intermediate, context, seed, sliding_window, rope_theta;
-- a local Hugging Face model directory, or a hub id (needs the network or a local hub cache).
+- a local Hugging Face model directory, or a hub id (needs the network or a local hub cache);
+- any of the last two followed by ``:yarn=F`` (``tiny:yarn=8``): the model with its RoPE extended by
+  YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models", eq. 15-20
+  as transformers implements them) to F times its positions, without training (the bundled ``tiny``,
+  trained to 4096 positions, then runs at 32768; a long-context model for this machine's benchmarks).
 
 Supported architectures are the Llama-family decoders whose modules the runner drives directly.
 """
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -126,6 +131,36 @@ def _parse_options(spec: str, text: str) -> dict:
     return options
 
 
+def _split_yarn(spec: str) -> tuple[str, float | None]:
+    """``"tiny:yarn=8"`` -> ``("tiny", 8.0)``; a spec without the suffix -> ``(spec, None)``."""
+    base, sep, option = spec.rpartition(":yarn=")
+    if not sep:
+        return spec, None
+    try:
+        factor = float(option)
+    except ValueError:
+        factor = float("nan")
+    if not base or not factor > 1.0 or factor != factor:
+        raise AttnkitError(f"model spec {spec!r}: yarn=F needs a model before it and a factor F > 1 "
+                           f"(e.g. 'tiny:yarn=8'), got {option!r}")
+    return base, factor
+
+
+def _yarn_config(source: str, factor: float):
+    """The model's config with YaRN RoPE scaling by `factor` over its trained positions."""
+    config = AutoConfig.from_pretrained(source)
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise AttnkitError(f"{source}: its RoPE is already scaled ({rope.get('rope_type')!r}); yarn= extends "
+                           f"only a model with plain RoPE")
+    original = int(config.max_position_embeddings)
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": float(theta), "factor": float(factor),
+                              "original_max_position_embeddings": original}
+    config.max_position_embeddings = int(original * factor)
+    return config
+
+
 def random_model(arch: str, spec: str = "", **overrides) -> LoadedModel:
     """A small random-weight model of `arch` with the byte tokenizer (for tests and benchmarks)."""
     if arch not in _RANDOM_CONFIGS:
@@ -174,17 +209,19 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
         model = random_model(arch, spec, **{k: v for k, v in options.items()})
         model.hf.to(device=device, dtype=dtype)
         return model
-    if spec in BUNDLED:
-        path = bundled_path(spec)
+    base, yarn_factor = _split_yarn(spec)
+    if base in BUNDLED:
+        path = bundled_path(base)
         if not (path / "config.json").is_file():
             raise AttnkitError(f"the bundled model {spec!r} is missing at {path}; train it with "
                                f"`python scripts/train_tiny.py --model {spec}`")
     else:
-        path = Path(spec)
-    source = str(path) if path.is_dir() else spec
+        path = Path(base)
+    source = str(path) if path.is_dir() else base
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        extra = {} if yarn_factor is None else {"config": _yarn_config(source, yarn_factor)}
+        hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", **extra)
     except (OSError, ValueError) as exc:
         if path.is_dir():
             raise AttnkitError(f"could not load the model directory {spec!r}: {exc}") from None

@@ -78,6 +78,21 @@ def versions() -> dict:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``; else what :mod:`platform` says) and its core
+    count: speed ratios change with the machine (the Python overhead of a step against its arithmetic)."""
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return f"{name or platform.processor() or platform.machine() or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
+@functools.lru_cache(maxsize=1)
 def git_commit() -> str | None:
     """HEAD of the git checkout attnkit is imported from, or None (not a checkout, no git, no commits)."""
     try:
