@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=None, help="draft_model: model spec (default tiny-draft); self: draft cache "
                                                   "method (default streaming:budget_tokens=256,sinks=4); "
                                                   "prompt_lookup: max_ngram=N,min_ngram=M")
+    ap.add_argument("--draft-lookup", action="store_true", help="draft_model/self: the draft verifies prompt-lookup "
+                    "guesses several tokens per forward (TriForce's hierarchy)")
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=4)
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     model = load(args.model, args.context + args.new_tokens + 64)
-    draft = make_draft(args.kind, args.draft, model)
+    draft = make_draft(args.kind, args.draft, model, lookup=args.draft_lookup)
     prompts = [code_prompt(model, args.context, seed) for seed in range(args.prompts)]
 
     verify_cost = {} if args.verify_cost is None else {"verify_cost": args.verify_cost}

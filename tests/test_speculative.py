@@ -31,7 +31,7 @@ from attnkit.speculative import (
     speculative_accept,
     speculative_generate,
 )
-from attnkit.speculative.drafts import snapshot_session, truncate_session
+from attnkit.speculative.drafts import drop_newest, snapshot_session, truncate_session
 from attnkit.speculative.generate import VerifyingFull, prefill_sessions
 from attnkit.tokenizer import build_byte_tokenizer
 from conftest import SMALL, random_ids
@@ -230,22 +230,52 @@ def target_and_draft():
     return sharpened(0), sharpened(0, noise=0.3)
 
 
-@pytest.mark.parametrize("source", ["draft_model", "self"])
-def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source):
-    """The first three tokens generated with speculation (top-k 3, gamma 2) over 1000 seeds match the
-    target's exact joint distribution (27 cells), computed from the target's logits."""
+@pytest.mark.parametrize("source", ["draft_model", "self", "self+lookup"])
+def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source, monkeypatch):
+    """The first three of four tokens generated with speculation (top-k 3, gamma 3: the first round
+    drafts 2) over 1000 seeds match the target's exact joint distribution (27 cells), computed from the
+    target's logits. ``self+lookup``:
+    the draft judges prompt-lookup guesses (a prompt of all-distinct tokens: every lookup succeeds)."""
     target, draft = target_and_draft
     prompt = random_ids(24, seed=5)
     kw = dict(do_sample=True, top_k=3, temperature=1.0)
     config = SamplingConfig(**kw)
-    spec = draft if source == "draft_model" else "streaming:budget_tokens=8,sinks=2"
+    spec = {"draft_model": draft, "self": "streaming:budget_tokens=8,sinks=2",
+            "self+lookup": "snapkv:budget_tokens=8,window_size=2"}[source]
+    lookup = source == "self+lookup"
+    if lookup:
+        prompt = torch.randperm(256, generator=torch.Generator().manual_seed(9)) + 3
+    judged = []
+    original = ModelDraft._judge
+    monkeypatch.setattr(ModelDraft, "_judge", lambda self, *a: judged.append(1) or original(self, *a))
     runs, counts = 1000, {}
     for seed in range(runs):
-        out = speculative_generate(target, prompt, source, draft_spec=spec, gamma=2, max_new_tokens=3,
-                                   stop_at_eos=False, seed=seed, **kw)
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+        out = speculative_generate(target, prompt, source.split("+")[0], draft_spec=spec, draft_lookup=lookup,
+                                   gamma=3, max_new_tokens=4, stop_at_eos=False, seed=seed, **kw)
+        first = tuple(out.token_ids[:3])
+        counts[first] = counts.get(first, 0) + 1
+    assert (len(judged) > runs / 2) == lookup  # guesses were judged, and only with lookup
     expected = target_joint(target, prompt, config, 3)
     assert chi_square_p_value(counts, expected, runs) > SIGNIFICANCE
+
+
+def test_judging_a_guess_draws_from_the_draft_distribution():
+    """:meth:`ModelDraft._judge` (accept the guess with probability q(guess), else draw from q without
+    it) gives tokens distributed as q itself, at temperature 1 and with top-p, for a likely and an
+    unlikely guess (chi-square over 20000 draws)."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
+    for config in (SamplingConfig(True), SamplingConfig(True, top_p=0.8)):
+        d = ModelDraft(None, "snapkv:budget_tokens=8,window_size=2")
+        d.sampling, d.generator = config, torch.Generator().manual_seed(3)
+        q = next_token_distribution(logits, config).double()
+        for guess in (0, 4):
+            n, counts = 20000, {}
+            for _ in range(n):
+                _, tok, dist = d._judge(logits, guess)
+                counts[tok] = counts.get(tok, 0) + 1
+            assert torch.allclose(dist.double(), q)
+            expected = {i: float(q[i]) for i in range(len(q)) if q[i] > 0}
+            assert chi_square_p_value(counts, expected, n) > SIGNIFICANCE
 
 
 class ArgmaxDraft(DraftSource):
@@ -327,6 +357,51 @@ def test_greedy_equals_plain(greedy_models, source, spec):
         assert s.tokens_per_target_forward == pytest.approx((s.accepted_tokens + s.rounds) / s.rounds)
     if spec is target:  # the target drafting for itself is always right
         assert out.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("source,spec", [("self", "snapkv:budget_tokens=24,window_size=4"),
+                                         ("draft_model", "other"), ("draft_model", "same")])
+def test_greedy_with_a_lookup_guessing_draft_equals_plain(greedy_models, source, spec, monkeypatch):
+    """The draft verifies prompt-lookup guesses several per forward (TriForce's hierarchy): still the
+    plain greedy tokens, and the draft did take several tokens in one forward."""
+    target, other = greedy_models
+    spec = {"other": other, "same": target}.get(spec, spec)
+    prompt = repetitive_prompt()
+    plain = attnkit.generate(target, prompt, max_new_tokens=40, stop_at_eos=False)
+    fed = []
+    original = ModelDraft._feed
+    monkeypatch.setattr(ModelDraft, "_feed", lambda self, tokens, start: fed.append(len(tokens)) or
+                        original(self, tokens, start))
+    for gamma, adaptive in ((1, False), (4, False), (6, True)):
+        out = speculative_generate(target, prompt, source, draft_spec=spec, draft_lookup=True, gamma=gamma,
+                                   adaptive_gamma=adaptive, max_new_tokens=40, stop_at_eos=False)
+        assert out.token_ids == plain.token_ids, (gamma, adaptive)
+    assert "prompt_lookup" in out.stats.draft
+    assert max(fed) > 1
+    if spec is target:
+        assert out.stats.acceptance_rate == 1.0
+
+
+def test_snapkv_decodes_several_tokens_in_one_step(greedy_models):
+    """After its prompt compression SnapKV only appends, so one decoding step over several tokens gives
+    the logits and the cache of one step per token, and dropping the newest slots undoes the last."""
+    model, _ = greedy_models
+    prompt = random_ids(30, seed=4)
+    run = DraftRun(model, prompt, 20, SamplingConfig(), None)
+    together, one_by_one = (ModelDraft(None, "snapkv:budget_tokens=12,window_size=4", share_prefill=False)
+                            for _ in range(2))
+    together.start(run)
+    one_by_one.start(run)
+    new = [5, 9, 13, 21]
+    with torch.inference_mode():
+        rows = together._feed(new, 30)
+        ref = torch.stack([one_by_one._feed([tok], 30 + i)[-1] for i, tok in enumerate(new)])
+        assert rows.shape == ref.shape and torch.allclose(rows, ref, atol=1e-5)
+        for (ka, va, pa, _), (kb, vb, pb, _) in zip(_filled(together.session), _filled(one_by_one.session)):
+            assert torch.equal(pa, pb) and torch.allclose(ka, kb, atol=1e-6) and torch.allclose(va, vb, atol=1e-6)
+        drop_newest(together.session, 2)
+        again = together._feed([13, 21], 32)
+    assert torch.allclose(again, ref[2:], atol=1e-5)
 
 
 def test_greedy_equals_plain_sliding_window_model_and_chunked_prefill():
@@ -473,7 +548,8 @@ def _filled(session):
 
 
 @pytest.mark.parametrize("spec", ["streaming:budget_tokens=12,sinks=2", "h2o:budget_tokens=12,recent_tokens=4",
-                                  "keyformer:budget_tokens=12,score=shared", "full"])
+                                  "keyformer:budget_tokens=12,score=shared", "full",
+                                  "snapkv:budget_tokens=12,window_size=4"])
 def test_draft_rollback_equals_feeding_only_accepted_tokens(greedy_models, spec):
     """After propose(gamma) + feedback(n), the draft's session (slots, positions, score buffers, layer
     and shared state) is what feeding only the accepted tokens produces, for every n."""
@@ -621,6 +697,16 @@ def test_mismatched_vocabularies_raise(greedy_models):
 def test_bad_draft_specs_raise(kind, spec, match):
     with pytest.raises(attnkit.AttnkitError, match=match):
         make_draft(kind, spec)
+
+
+@pytest.mark.parametrize("kind,spec,match", [
+    ("self", "streaming:budget_tokens=12,sinks=2", "only appends while decoding"),
+    ("self", "snapkv:budget_tokens=12,window_size=4,decode_budget=4", "only appends while decoding"),
+    ("prompt_lookup", None, "model draft"),
+])
+def test_lookup_guessing_needs_a_model_draft_whose_cache_only_appends(kind, spec, match):
+    with pytest.raises(attnkit.AttnkitError, match=match):
+        make_draft(kind, spec, lookup=True)
 
 
 def test_bad_gamma_raises(greedy_models):

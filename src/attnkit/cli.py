@@ -79,7 +79,8 @@ def cmd_generate(args) -> int:
         if getattr(method, "name", None) != "full":
             raise AttnkitError(f"--speculate verifies with full attention; --method {method.describe()} is not used "
                                f"(for self-speculation give the draft's method with --draft)")
-        out = speculative_generate(model, prompt, args.speculate, draft_spec=args.draft, gamma=args.gamma,
+        out = speculative_generate(model, prompt, args.speculate, draft_spec=args.draft,
+                                   draft_lookup=args.draft_lookup, gamma=args.gamma,
                                    adaptive_gamma=args.adaptive_gamma, **sampling)
     else:
         out = recipe.generate(model, prompt, **sampling)
@@ -253,6 +254,9 @@ def _speculation_arguments(p) -> None:
     g.add_argument("--draft", default=None, metavar="SPEC",
                    help="draft_model: model spec (default tiny-draft); prompt_lookup: max_ngram=N,min_ngram=M; "
                         "self: the draft cache's method (default streaming:budget_tokens=256,sinks=4)")
+    g.add_argument("--draft-lookup", action="store_true",
+                   help="draft_model/self: the draft verifies prompt-lookup guesses several tokens per forward "
+                        "(TriForce's hierarchy; needs a draft cache that only appends, e.g. --draft snapkv:budget_tokens=512)")
 
 
 def cmd_calibrate(args) -> int:

@@ -15,9 +15,9 @@ each part is a method spec string or ``{"method": NAME, "params": {...}}``)::
 ``heads`` (head sharing) and ``select`` (token selection) name a method the same way; today the
 ``compose`` mechanism joins a prefill method and a cache method only, so either stands alone.
 ``decode`` is speculative decoding (:func:`attnkit.speculative_generate`): ``speculate`` is
-``draft_model``, ``prompt_lookup`` or ``self``, with ``gamma``, ``adaptive_gamma``, ``max_gamma`` and
-``draft`` (the draft's spec, as ``--draft``); it verifies with full attention, so it is not combined
-with another attention method.
+``draft_model``, ``prompt_lookup`` or ``self``, with ``gamma``, ``adaptive_gamma``, ``max_gamma``,
+``draft`` (the draft's spec, as ``--draft``) and ``draft_lookup`` (as ``--draft-lookup``); it verifies
+with full attention, so it is not combined with another attention method.
 
 A peer's method (NVIDIA's kvpress, run in its own environment by :mod:`attnkit.bench.peers`)::
 
@@ -44,7 +44,7 @@ from attnkit.methods.base import Method, make_method, split_method_spec
 RECIPE_KEYS = ("method", "params", "name", "description")
 PART_ROLES = ("prefill", "cache", "heads", "select")
 ALL_RECIPE_KEYS = RECIPE_KEYS + PART_ROLES + ("decode", "kvpress")
-DECODE_KEYS = ("speculate", "gamma", "adaptive_gamma", "max_gamma", "draft")
+DECODE_KEYS = ("speculate", "gamma", "adaptive_gamma", "max_gamma", "draft", "draft_lookup")
 PEER_PREFIX = "kvpress:"
 
 
@@ -353,6 +353,7 @@ class Recipe:
 
         d = self.decode
         return speculative_generate(model, prompt, d["speculate"], draft_spec=d.get("draft"),
+                                    draft_lookup=d.get("draft_lookup", False),
                                     gamma=d.get("gamma", 4), adaptive_gamma=d.get("adaptive_gamma", False),
                                     max_gamma=d.get("max_gamma"), **options)
 
@@ -425,8 +426,9 @@ def _parse_decode(value, source: str) -> dict | None:
         v = value.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise AttnkitError(f"{source}: decode.{key} must be a whole number >= 1, got {v!r}")
-    if not isinstance(value.get("adaptive_gamma", False), bool):
-        raise AttnkitError(f"{source}: decode.adaptive_gamma must be true or false")
+    for key in ("adaptive_gamma", "draft_lookup"):
+        if not isinstance(value.get(key, False), bool):
+            raise AttnkitError(f"{source}: decode.{key} must be true or false")
     if value.get("draft") is not None and not isinstance(value["draft"], str):
         raise AttnkitError(f"{source}: decode.draft must be a spec string (as --draft takes)")
     return {k: value[k] for k in DECODE_KEYS if k in value}

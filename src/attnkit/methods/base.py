@@ -149,6 +149,12 @@ class Method:
     def after_decode(self, ctx: LayerContext) -> None:
         pass
 
+    def decode_only_appends(self) -> bool:
+        """Whether decoding only appends to the cache (nothing evicted, no statistics gathered), so that
+        a decode step may take several tokens and cutting the cache back to its first ``L`` entries
+        (``LayerKV.length = L``) undoes the steps after them exactly (speculative decoding's rollback)."""
+        return False
+
     # ---- shared machinery ------------------------------------------------------------------------
     def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
         """Output of a prompt chunk's queries over the layer's stored `keys`/`values` (at `positions`):

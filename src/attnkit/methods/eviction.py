@@ -453,7 +453,7 @@ class EvictionMethod(Method):
             self.on_evict(ctx)
 
     def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
-        if q.shape[2] != 1:
+        if q.shape[2] != 1 and not self.decode_only_appends():
             raise AttnkitError(f"method {self.name!r} decodes one token per step, got {q.shape[2]} at once")
         kv = ctx.kv
         if self.evicts(ctx):

@@ -18,3 +18,6 @@ class FullAttention(Method):
 
     name = "full"
     summary = "dense attention, every token kept (the reference)"
+
+    def decode_only_appends(self) -> bool:
+        return True

@@ -15,17 +15,22 @@ speed.
   cache is filled during the target's own prompt pass (one forward feeds both caches).
 - :class:`PromptLookupDraft` ``prompt_lookup``: the continuation of the most recent earlier occurrence
   of the context's last n-gram in prompt + output (prompt lookup decoding; Saxena 2023), no model.
+- A model draft may itself be drafted for (``lookup``, ``--draft-lookup``): it verifies prompt-lookup
+  guesses several per forward instead of decoding one token per forward, TriForce's hierarchy (Sun et
+  al. 2024, section 4.2) with prompt lookup at the bottom. Where a draft step is mostly fixed cost (a
+  small model on a CPU) this is what makes self-speculation pay (README: 1.29x -> 1.77x at 32k).
 
 **Rolling back a draft cache.** After a round the draft has fed ``gamma - 1`` of its own tokens;
-those beyond the accepted ones must be undone. For an append-only cache (``full``) keeping the first
-``L`` slots (``LayerKV.length = L``) is exact: later slots are never read and the next append
-overwrites them. An evicting cache cannot be truncated: writing a drafted token may have evicted an
-entry for good, and the method's statistics (``LayerKV.extras`` score buffers, ``session.layer_state``
-counters and saved keys, ``session.shared`` scores) have absorbed the drafted tokens. For those the
-source snapshots the whole draft session after each token it feeds (tensors cloned, cost: one copy of
-the *compressed* cache per drafted token, ``gamma - 1`` copies per round) and restores the snapshot
-of the last accepted token (no replay forward). When all, or all but the last, drafted tokens are
-accepted the live state is already right and nothing is restored.
+those beyond the accepted ones must be undone. For a cache that only appends while decoding (``full``;
+``snapkv``, which compresses the prompt once) dropping the newest slots (``LayerKV.length -= k``) is
+exact: later slots are never read and the next append overwrites them. An evicting cache cannot be
+truncated: writing a drafted token may have evicted an entry for good, and the method's statistics
+(``LayerKV.extras`` score buffers, ``session.layer_state`` counters and saved keys, ``session.shared``
+scores) have absorbed the drafted tokens. For those the source snapshots the whole draft session
+after each token it feeds (tensors cloned, cost: one copy of the *compressed* cache per drafted token,
+``gamma - 1`` copies per round) and restores the snapshot of the last accepted token (no replay
+forward). When all, or all but the last, drafted tokens are accepted the live state is already right
+and nothing is restored.
 """
 
 from __future__ import annotations
@@ -162,9 +167,21 @@ def truncate_session(session: Session, length: int) -> None:
         kv.length = length
 
 
+def drop_newest(session: Session, count: int) -> None:
+    """Undo the last `count` tokens fed to a cache that only appends (:func:`append_only`): its newest
+    `count` slots in every layer (a compressed cache holds fewer slots than positions)."""
+    for kv in session.cache.layers:
+        if kv is None:
+            continue
+        if kv.ring or count > kv.length:
+            raise AttnkitError(f"cannot drop the newest {count} of {kv.length} entries of this cache")
+        kv.length -= count
+
+
 def append_only(method: Method) -> bool:
-    """Whether truncation is an exact rollback for this method's cache (dense attention, no eviction)."""
-    return isinstance(method, FullAttention)
+    """Whether truncation is an exact rollback for this method's cache once the prompt is in (``full``,
+    or a method that compresses the prompt once and then only appends, such as SnapKV)."""
+    return method.decode_only_appends()
 
 
 # ---- vocabulary check ------------------------------------------------------------------------------
@@ -195,8 +212,9 @@ class ModelDraft(DraftSource):
     """
 
     def __init__(self, model: LoadedModel | None = None, method: str | Method | None = "full", *,
-                 share_prefill: bool = True, kind: str | None = None):
+                 share_prefill: bool = True, kind: str | None = None, lookup: PromptLookupDraft | None = None):
         self.model = model
+        self.lookup = lookup  # prompt lookup guessing for the draft (TriForce's hierarchy); needs append_only
         self.method = parse_method_spec(method) if isinstance(method, str) else resolve_method(method)
         self.share_prefill = share_prefill
         self.kind = kind or ("self" if model is None else "draft_model")
@@ -208,10 +226,11 @@ class ModelDraft(DraftSource):
         self._cost = 1.0
 
     def describe(self) -> str:
+        under = "" if self.lookup is None else f" <- {self.lookup.describe()}"
         if self.model is None:
-            return f"self[{self.method.describe()}]"
+            return f"self[{self.method.describe()}]{under}"
         suffix = "" if isinstance(self.method, FullAttention) else f"[{self.method.describe()}]"
-        return f"draft_model[{self.model.spec}]{suffix}"
+        return f"draft_model[{self.model.spec}]{suffix}{under}"
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self, run: DraftRun) -> Session | None:
@@ -231,6 +250,9 @@ class ModelDraft(DraftSource):
                                f"({n}) + max_new_tokens ({run.max_new_tokens})")
         self.session = new_session(self.drafter, self.method, n, run.max_new_tokens)
         self._snapshots = []
+        if self.lookup is not None:
+            self.lookup.start(run)
+            self.lookup.adaptive = True  # guesses sized from their match length, whatever the loop's gamma
         self.cached = n
         self._cost = self._estimate_cost(run.target, n)
         if self.model is None and self.share_prefill:
@@ -265,17 +287,46 @@ class ModelDraft(DraftSource):
 
     # ---- feeding -------------------------------------------------------------------------------------
     def _feed(self, tokens: list[int], start: int) -> torch.Tensor:
-        """Run `tokens` at positions start.. through the draft; logits ``[V]`` after the last one."""
+        """Run `tokens` at positions start.. through the draft; logits ``[len(tokens), V]`` after each
+        (one forward when the cache only appends, else one decode step per token)."""
         model, session = self.drafter, self.session
         device = model.device
         if len(tokens) > 1 and append_only(self.method):
+            phase = "prefill" if isinstance(self.method, FullAttention) else "decode"
             ids = torch.tensor(tokens, device=device)
-            hidden = forward(model, ids, start, lambda pos: Step(session, "prefill", pos, False))
-        else:  # one decode step per token (evicting methods decode one token at a time)
-            for i, tok in enumerate(tokens):
-                hidden = forward(model, torch.tensor([tok], device=device), start + i,
-                                 lambda pos: Step(session, "decode", pos))
-        return logits_of(model, hidden)[-1]
+            hidden = forward(model, ids, start, lambda pos: Step(session, phase, pos, False), all_positions=True)
+            return logits_of(model, hidden)
+        rows = []
+        for i, tok in enumerate(tokens):  # evicting methods decode one token at a time
+            hidden = forward(model, torch.tensor([tok], device=device), start + i,
+                             lambda pos: Step(session, "decode", pos))
+            rows.append(logits_of(model, hidden)[-1])
+        return torch.stack(rows)
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """The draft's own next token from `logits` ``[V]`` and the distribution it was drawn from
+        (None when greedy)."""
+        if self.sampling.do_sample:
+            p = next_token_distribution(logits, self.sampling)
+            return int(torch.multinomial(p, 1, generator=self.generator)), p
+        return int(logits.argmax(-1)), None
+
+    def _judge(self, logits: torch.Tensor, guess: int) -> tuple[bool, int, torch.Tensor | None]:
+        """The draft's next token when a point-mass guess proposes `guess` (seed 003's rule with ``p`` a
+        point mass: accept with probability ``q(guess)``, else draw from ``q`` without `guess`), so the
+        token is distributed exactly as the draft's own ``q``: ``(accepted, token, q)``."""
+        if not self.sampling.do_sample:
+            tok = int(logits.argmax(-1))
+            return tok == guess, tok, None
+        q = next_token_distribution(logits, self.sampling)
+        u = float(torch.rand((), generator=self.generator, device=q.device))
+        if u < float(q[guess]):
+            return True, guess, q
+        rest = q.clone()
+        rest[guess] = 0.0
+        if float(rest.sum()) <= 0.0:  # q is a point mass on guess (u < 1 = q(guess) always): unreachable
+            return True, guess, q
+        return False, int(torch.multinomial(rest / rest.sum(), 1, generator=self.generator)), q
 
     def propose(self, context: list[int], gamma: int) -> Proposal:
         if self.session is None:
@@ -283,32 +334,69 @@ class ModelDraft(DraftSource):
         L = len(context)
         if self.cached >= L:  # cannot happen in the loop: the context always ends with an unfed token
             raise AttnkitError("draft cache is ahead of the context")
-        logits = self._feed(context[self.cached:], self.cached)
+        logits = self._feed(context[self.cached:], self.cached)[-1]
         self.cached = L
         self._round_start = L
-        snapshot = not append_only(self.method)
         self._snapshots = []
+        if self.lookup is not None and append_only(self.method):
+            return self._propose_with_lookup(context, gamma, logits)
+        snapshot = not append_only(self.method)
         tokens, probs = [], []
         for i in range(gamma):
-            if self.sampling.do_sample:
-                p = next_token_distribution(logits, self.sampling)
-                tok = int(torch.multinomial(p, 1, generator=self.generator))
-                probs.append(p)
-            else:
-                tok = int(logits.argmax(-1))
+            tok, p = self._choose(logits)
             tokens.append(tok)
+            if p is not None:
+                probs.append(p)
             if i < gamma - 1:
                 if snapshot:
                     self._snapshots.append(snapshot_session(self.session))  # state after token L - 1 + i
-                logits = self._feed([tok], L + i)
+                logits = self._feed([tok], L + i)[-1]
                 self.cached = L + i + 1
         return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def _propose_with_lookup(self, context: list[int], gamma: int, logits: torch.Tensor) -> Proposal:
+        """TriForce's hierarchy (Sun et al. 2024, section 4.2) with prompt lookup at the bottom: the
+        draft verifies n-gram guesses in one forward of several tokens, as the target verifies the
+        draft, instead of one forward per drafted token. Every drafted token is still distributed as the
+        draft's own next-token distribution (:meth:`_judge`), and the draft's cache is cut back to the
+        tokens it kept after each of its forwards (exact: it only appends)."""
+        L = len(context)
+        tok, p = self._choose(logits)
+        tokens, probs = [tok], [p]
+        while len(tokens) < gamma:
+            pos = L + len(tokens) - 1  # position of the last drafted token, not yet fed
+            guesses = self.lookup.lookup_after(context, tokens, gamma - len(tokens))
+            rows = self._feed([tokens[-1]] + guesses, pos)
+            self.cached = pos + 1 + len(guesses)
+            kept = 0
+            for j in range(len(guesses) + 1):
+                if len(tokens) >= gamma:
+                    break
+                if j == len(guesses):  # every guess passed: the draft's own next token
+                    tok, p = self._choose(rows[j])
+                    tokens.append(tok)
+                    probs.append(p)
+                    break
+                ok, tok, p = self._judge(rows[j], guesses[j])
+                tokens.append(tok)
+                probs.append(p)
+                if not ok:
+                    break
+                kept += 1
+            if guesses:
+                self.lookup.feedback(kept)
+            keep = pos + 1 + kept  # the fed drafted token and the guesses that passed
+            if self.cached > keep:
+                drop_newest(self.session, self.cached - keep)
+                self.cached = keep
+        tokens, probs = tokens[:gamma], probs[:gamma]
+        return Proposal(tokens, torch.stack(probs) if self.sampling.do_sample else None)
 
     def feedback(self, accepted: int) -> None:
         keep = self._round_start + accepted  # context + the accepted drafts
         if self.cached > keep:
             if append_only(self.method):
-                truncate_session(self.session, keep)
+                drop_newest(self.session, self.cached - keep)
             else:
                 restore_session(self.session, self._snapshots[accepted])
             self.cached = keep
@@ -411,6 +499,10 @@ class PromptLookupDraft(DraftSource):
         (``m`` tokens, at most `max_match`) among the latest `max_candidates` occurrences of its last
         n-gram (the longest ``n`` that occurs); ``(0, None)`` when not even `min_ngram` tokens recur."""
         self._extend_index(context)
+        return self._match_indexed(context)
+
+    def _match_indexed(self, context: list[int]) -> tuple[int, int | None]:
+        """:meth:`match` among the occurrences indexed so far (the index is not extended)."""
         L = len(context)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             ends = self._index[n].get(tuple(context[L - n:]))
@@ -431,7 +523,17 @@ class PromptLookupDraft(DraftSource):
         ``e``) of the context's suffix. When that continuation runs into the end of the context it goes
         on through the proposal itself (a copy with period ``L - 1 - e``: ``...abcab`` -> ``cab``), which
         is what copying the earlier occurrence predicts."""
-        m, e = self.match(context)
+        self._extend_index(context)
+        return self._lookup_indexed(context, gamma)
+
+    def lookup_after(self, context: list[int], drafted: list[int], gamma: int) -> list[int]:
+        """:meth:`lookup` after ``context + drafted``, indexing only `context` (drafted tokens may be
+        rolled back: indexing them would force a reindexing of the whole context next round)."""
+        self._extend_index(context)
+        return self._lookup_indexed(context + drafted, gamma)
+
+    def _lookup_indexed(self, context: list[int], gamma: int) -> list[int]:
+        m, e = self._match_indexed(context)
         self._last = (m, 0)
         if e is None:
             return []
@@ -494,8 +596,8 @@ def _key_values(spec: str, what: str) -> dict[str, str]:
     return out
 
 
-def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target: LoadedModel | None = None
-               ) -> DraftSource:
+def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target: LoadedModel | None = None,
+               *, lookup: bool | str = False) -> DraftSource:
     """A draft source from the CLI's ``--speculate KIND [--draft SPEC]``:
 
     - ``draft_model``: SPEC is a model spec (default ``tiny-draft``) or a :class:`LoadedModel`; an
@@ -505,9 +607,17 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
       1, 64 and 1);
     - ``self``: SPEC is the draft cache's method spec (default ``streaming:budget_tokens=256,sinks=4``)
       or a :class:`Method`.
+
+    `lookup` (``draft_model`` and ``self``; ``--draft-lookup``): the draft verifies prompt-lookup
+    guesses several at a time instead of decoding token by token (TriForce's hierarchy,
+    :meth:`ModelDraft._propose_with_lookup`); True for the default lookup, or a ``prompt_lookup`` SPEC.
+    It needs a draft cache that only appends while decoding (``full``, ``snapkv`` without
+    ``decode_budget``).
     """
     from attnkit.model import load_model
 
+    if lookup and kind not in ("draft_model", "self"):
+        raise AttnkitError(f"lookup guessing is for a model draft (draft_model, self), not {kind!r}")
     if kind == "prompt_lookup":
         if spec is not None and not isinstance(spec, str):
             raise AttnkitError(f"prompt_lookup takes a spec string like 'max_ngram=3,min_ngram=1', got "
@@ -527,10 +637,10 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
             method = spec
         else:
             method = parse_method_spec(spec or DEFAULT_SELF_METHOD)
-        if append_only(method):
+        if isinstance(method, FullAttention):
             raise AttnkitError("self-speculation drafts with a compressed cache: give an eviction method such as "
                                f"{DEFAULT_SELF_METHOD!r}, not {method.describe()!r} (that is the target itself)")
-        return ModelDraft(None, method, kind="self")
+        return ModelDraft(None, method, kind="self", lookup=_nested_lookup(lookup, method))
     if kind == "draft_model":
         method: str | Method = "full"
         if isinstance(spec, LoadedModel):
@@ -544,5 +654,24 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
                                dtype=target.dtype if target is not None else torch.float32)
         if target is not None:
             check_same_vocabulary(target, model)
-        return ModelDraft(model, method, kind="draft_model")
+        return ModelDraft(model, method, kind="draft_model", lookup=_nested_lookup(lookup, method))
     raise AttnkitError(f"unknown draft source {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
+
+
+def _nested_lookup(lookup: bool | str, method: str | Method) -> PromptLookupDraft | None:
+    """The prompt-lookup guesser of a model draft (`make_draft`'s `lookup`), or None."""
+    if lookup is False or lookup is None:
+        return None
+    if isinstance(method, str):
+        method = parse_method_spec(method)
+    if not append_only(method):
+        raise AttnkitError(f"lookup guessing for the draft needs a draft cache that only appends while decoding "
+                           f"('full', or 'snapkv' without decode_budget), so that rejected guesses can be cut off; "
+                           f"{method.describe()} evicts while decoding")
+    if lookup is True:
+        return PromptLookupDraft()
+    if not isinstance(lookup, str):
+        raise AttnkitError(f"lookup must be true/false or a prompt_lookup spec, got {lookup!r}")
+    source = make_draft("prompt_lookup", lookup)
+    assert isinstance(source, PromptLookupDraft)
+    return source

@@ -260,20 +260,26 @@ def prefill_sessions(model: LoadedModel, sessions: list[Session], ids: torch.Ten
     return hidden
 
 
-def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel) -> DraftSource:
+def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel, draft_lookup: bool | str = False
+                  ) -> DraftSource:
     if isinstance(draft, DraftSource):
-        if draft_spec is not None:
-            raise AttnkitError("draft_spec is given with a DraftSource instance; configure the instance instead")
+        if draft_spec is not None or draft_lookup:
+            raise AttnkitError("draft_spec or draft_lookup is given with a DraftSource instance; configure the "
+                               "instance instead")
         return draft
     if isinstance(draft, str):
-        return make_draft(draft, draft_spec, model)
+        if draft_lookup and draft not in ("draft_model", "self"):
+            raise AttnkitError(f"draft_lookup makes a model draft verify prompt-lookup guesses; it applies to "
+                               f"draft_model and self, not {draft!r}")
+        return make_draft(draft, draft_spec, model, lookup=draft_lookup)
     raise AttnkitError(f"draft must be a kind (draft_model, prompt_lookup, self) or a DraftSource, "
                        f"got {type(draft).__name__}")
 
 
 @torch.inference_mode()
 def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = "prompt_lookup", *,
-                         draft_spec=None, gamma: int = 4, adaptive_gamma: bool = False,
+                         draft_spec=None, draft_lookup: bool | str = False, gamma: int = 4,
+                         adaptive_gamma: bool = False,
                          max_gamma: int | None = None, verify_cost: float = DEFAULT_VERIFY_COST,
                          max_new_tokens: int = 64, chunk_size: int | None = None,
                          do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
@@ -286,7 +292,9 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     `draft` is ``"draft_model"`` (`draft_spec`: a model spec, default ``tiny-draft``, or a loaded
     model), ``"prompt_lookup"`` (`draft_spec`: ``"max_ngram=3,min_ngram=1"``), ``"self"``
     (`draft_spec`: an eviction method spec for the draft's cache, default
-    ``streaming:budget_tokens=256,sinks=4``), or a :class:`DraftSource`. `verify_cost` is the extra
+    ``streaming:budget_tokens=256,sinks=4``), or a :class:`DraftSource`. `draft_lookup` (``draft_model``
+    and ``self``): the draft model verifies prompt-lookup guesses several at a time (TriForce's
+    hierarchy; True or a ``prompt_lookup`` spec; see :func:`attnkit.speculative.drafts.make_draft`). `verify_cost` is the extra
     cost of one more token in the target's verification forward relative to a one-token step (used only
     to choose gamma adaptively: ~0 on a GPU, ~0.1 on one CPU core). A round with nothing to verify (the
     source proposed nothing) is an ordinary decoding step. The other arguments are the plain runner's.
@@ -295,7 +303,7 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     sampling, stops = generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
     if not isinstance(verify_cost, (int, float)) or isinstance(verify_cost, bool) or verify_cost < 0:
         raise AttnkitError(f"verify_cost must be a number >= 0, got {verify_cost!r}")
-    source = resolve_draft(draft, draft_spec, model)
+    source = resolve_draft(draft, draft_spec, model, draft_lookup)
     ids = encode_prompt(model, prompt)
     n = ids.shape[0]
     check_length(model, n, max_new_tokens)
