@@ -18,7 +18,7 @@ speed.
 - A model draft may itself be drafted for (``lookup``, ``--draft-lookup``): it verifies prompt-lookup
   guesses several per forward instead of decoding one token per forward, TriForce's hierarchy (Sun et
   al. 2024, section 4.2) with prompt lookup at the bottom. Where a draft step is mostly fixed cost (a
-  small model on a CPU) this is what makes self-speculation pay (README: 1.29x -> 1.77x at 32k).
+  small model on a CPU) this is what makes self-speculation pay (README: 1.22x -> 1.48x at 32k).
 
 **Rolling back a draft cache.** After a round the draft has fed ``gamma - 1`` of its own tokens;
 those beyond the accepted ones must be undone. For a cache that only appends while decoding (``full``;
