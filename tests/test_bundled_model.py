@@ -42,7 +42,8 @@ def test_full_attention_finds_distant_passkeys_a_small_window_does_not(tiny):
 
 def test_yarn_extends_tiny_beyond_its_trained_positions():
     """``tiny:yarn=2`` runs past tiny's 4096 positions (where plain ``tiny`` refuses the prompt), and
-    greedy self-speculation with a compressed draft cache is still token for token plain greedy there."""
+    greedy self-speculation with a compressed draft cache (drafting token by token, or verifying
+    prompt-lookup guesses) is still token for token plain greedy there."""
     from attnkit.speculative.bench import code_prompt
     from attnkit.speculative.drafts import make_draft
     from attnkit.speculative.generate import speculative_generate
@@ -54,9 +55,10 @@ def test_yarn_extends_tiny_beyond_its_trained_positions():
     with pytest.raises(attnkit.AttnkitError, match="4096"):
         attnkit.generate(attnkit.load_model("tiny"), ids, max_new_tokens=8)
     plain = attnkit.generate(extended, ids, max_new_tokens=12, stop_at_eos=False)
-    spec = speculative_generate(extended, ids, make_draft("self", "snapkv:budget_tokens=256", extended), gamma=4,
-                                max_new_tokens=12, stop_at_eos=False)
-    assert spec.token_ids == plain.token_ids
+    for lookup in (False, True):
+        draft = make_draft("self", "snapkv:budget_tokens=256", extended, lookup=lookup)
+        spec = speculative_generate(extended, ids, draft, gamma=4, max_new_tokens=12, stop_at_eos=False)
+        assert spec.token_ids == plain.token_ids, lookup
 
 
 @pytest.mark.parametrize("spec", ["tiny:yarn=1", "tiny:yarn=x", ":yarn=4"])

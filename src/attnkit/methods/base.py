@@ -151,8 +151,8 @@ class Method:
 
     def decode_only_appends(self) -> bool:
         """Whether decoding only appends to the cache (nothing evicted, no statistics gathered), so that
-        a decode step may take several tokens and cutting the cache back to its first ``L`` entries
-        (``LayerKV.length = L``) undoes the steps after them exactly (speculative decoding's rollback)."""
+        a decode step may take several tokens and dropping the newest ``k`` slots (``LayerKV.length -=
+        k``) undoes the last ``k`` tokens exactly (speculative decoding's rollback)."""
         return False
 
     # ---- shared machinery ------------------------------------------------------------------------

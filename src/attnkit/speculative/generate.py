@@ -268,9 +268,6 @@ def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel, draf
                                "instance instead")
         return draft
     if isinstance(draft, str):
-        if draft_lookup and draft not in ("draft_model", "self"):
-            raise AttnkitError(f"draft_lookup makes a model draft verify prompt-lookup guesses; it applies to "
-                               f"draft_model and self, not {draft!r}")
         return make_draft(draft, draft_spec, model, lookup=draft_lookup)
     raise AttnkitError(f"draft must be a kind (draft_model, prompt_lookup, self) or a DraftSource, "
                        f"got {type(draft).__name__}")
@@ -279,8 +276,8 @@ def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel, draf
 @torch.inference_mode()
 def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = "prompt_lookup", *,
                          draft_spec=None, draft_lookup: bool | str = False, gamma: int = 4,
-                         adaptive_gamma: bool = False,
-                         max_gamma: int | None = None, verify_cost: float = DEFAULT_VERIFY_COST,
+                         adaptive_gamma: bool = False, max_gamma: int | None = None,
+                         verify_cost: float = DEFAULT_VERIFY_COST,
                          max_new_tokens: int = 64, chunk_size: int | None = None,
                          do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                          top_p: float | None = None, seed: int | None = None,
@@ -294,9 +291,9 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     (`draft_spec`: an eviction method spec for the draft's cache, default
     ``streaming:budget_tokens=256,sinks=4``), or a :class:`DraftSource`. `draft_lookup` (``draft_model``
     and ``self``): the draft model verifies prompt-lookup guesses several at a time (TriForce's
-    hierarchy; True or a ``prompt_lookup`` spec; see :func:`attnkit.speculative.drafts.make_draft`). `verify_cost` is the extra
-    cost of one more token in the target's verification forward relative to a one-token step (used only
-    to choose gamma adaptively: ~0 on a GPU, ~0.1 on one CPU core). A round with nothing to verify (the
+    hierarchy; True or a ``prompt_lookup`` spec; see :func:`attnkit.speculative.drafts.make_draft`).
+    `verify_cost` is the extra cost of one more token in the target's verification forward relative to
+    a one-token step (used only to choose gamma adaptively: ~0 on a GPU, ~0.1 on one CPU core). A round with nothing to verify (the
     source proposed nothing) is an ordinary decoding step. The other arguments are the plain runner's.
     Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
     """
