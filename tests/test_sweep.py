@@ -79,6 +79,7 @@ def test_recipe_forms(tmp_path):
     ({"cache": "snapkv:budget=0.3", "decode": {"speculate": "prompt_lookup"}}, "verifies with full attention"),
     ({"decode": {"speculate": "guess"}}, "decode.speculate must be one of"),
     ({"decode": {"speculate": "self", "gamma": 0}}, "decode.gamma"),
+    ({"decode": {"speculate": "self", "draft_lookup": "yes"}}, "decode.draft_lookup must be true or false"),
     ({"prefill": "minference", "heads": "full"}, "cannot be combined"),
     ({"method": "window", "cache": "snapkv"}, "not both"),
     ({"cache": {"method": "snapkv", "extra": 1}}, "a part is a method spec"),
@@ -95,6 +96,10 @@ def test_generate_with_a_speculative_recipe(small_llama):
     plain = as_recipe("full").generate(small_llama, "abc abc abc abc", max_new_tokens=6, stop_at_eos=False)
     spec = recipe.generate(small_llama, "abc abc abc abc", max_new_tokens=6, stop_at_eos=False)
     assert spec.token_ids == plain.token_ids and spec.stats.rounds >= 1
+    hierarchy = as_recipe({"decode": {"speculate": "self", "draft": "snapkv:budget_tokens=8,window_size=2",
+                                      "draft_lookup": True, "gamma": 4}})
+    spec = hierarchy.generate(small_llama, "abc abc abc abc", max_new_tokens=6, stop_at_eos=False)
+    assert spec.token_ids == plain.token_ids and "prompt_lookup" in spec.stats.draft
 
 
 # ---- sweep files ---------------------------------------------------------------------------------
