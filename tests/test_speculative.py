@@ -709,6 +709,11 @@ def test_lookup_guessing_needs_a_model_draft_whose_cache_only_appends(kind, spec
         make_draft(kind, spec, lookup=True)
 
 
+def test_self_with_lookup_guessing_defaults_to_a_snapkv_cache():
+    assert make_draft("self", lookup=True).method.name == "snapkv"
+    assert make_draft("self").method.name == "streaming"
+
+
 def test_bad_gamma_raises(greedy_models):
     with pytest.raises(attnkit.AttnkitError, match="gamma"):
         speculative_generate(greedy_models[0], "hi", "prompt_lookup", gamma=0)

@@ -256,7 +256,8 @@ def _speculation_arguments(p) -> None:
                         "self: the draft cache's method (default streaming:budget_tokens=256,sinks=4)")
     g.add_argument("--draft-lookup", action="store_true",
                    help="draft_model/self: the draft verifies prompt-lookup guesses several tokens per forward "
-                        "(TriForce's hierarchy; needs a draft cache that only appends, e.g. --draft snapkv:budget_tokens=512)")
+                        "(TriForce's hierarchy; needs a draft cache that only appends: self defaults to "
+                        "snapkv:budget_tokens=512)")
 
 
 def cmd_calibrate(args) -> int:

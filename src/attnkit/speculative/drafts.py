@@ -583,6 +583,7 @@ class PromptLookupDraft(DraftSource):
 
 # ---- construction from a kind and a spec ---------------------------------------------------------------
 DEFAULT_SELF_METHOD = "streaming:budget_tokens=256,sinks=4"
+DEFAULT_SELF_LOOKUP_METHOD = "snapkv:budget_tokens=512"  # with lookup guessing: a cache that only appends
 DEFAULT_DRAFT_MODEL = "tiny-draft"
 
 
@@ -605,8 +606,8 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
       (``tiny-draft@window:window=256``);
     - ``prompt_lookup``: SPEC is ``max_ngram=N,min_ngram=M,max_match=K,max_candidates=C`` (defaults 3,
       1, 64 and 1);
-    - ``self``: SPEC is the draft cache's method spec (default ``streaming:budget_tokens=256,sinks=4``)
-      or a :class:`Method`.
+    - ``self``: SPEC is the draft cache's method spec (default ``streaming:budget_tokens=256,sinks=4``,
+      with `lookup` ``snapkv:budget_tokens=512``) or a :class:`Method`.
 
     `lookup` (``draft_model`` and ``self``; ``--draft-lookup``): the draft verifies prompt-lookup
     guesses several at a time instead of decoding token by token (TriForce's hierarchy,
@@ -636,7 +637,7 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
         if isinstance(spec, Method):
             method = spec
         else:
-            method = parse_method_spec(spec or DEFAULT_SELF_METHOD)
+            method = parse_method_spec(spec or (DEFAULT_SELF_LOOKUP_METHOD if lookup else DEFAULT_SELF_METHOD))
         if isinstance(method, FullAttention):
             raise AttnkitError("self-speculation drafts with a compressed cache: give an eviction method such as "
                                f"{DEFAULT_SELF_METHOD!r}, not {method.describe()!r} (that is the target itself)")
