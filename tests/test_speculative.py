@@ -234,8 +234,8 @@ def target_and_draft():
 def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source, monkeypatch):
     """The first three of four tokens generated with speculation (top-k 3, gamma 3: the first round
     drafts 2) over 1000 seeds match the target's exact joint distribution (27 cells), computed from the
-    target's logits. ``self+lookup``:
-    the draft judges prompt-lookup guesses (a prompt of all-distinct tokens: every lookup succeeds)."""
+    target's logits. ``self+lookup``: the draft judges prompt-lookup guesses (a prompt of all-distinct
+    tokens: every lookup succeeds)."""
     target, draft = target_and_draft
     prompt = random_ids(24, seed=5)
     kw = dict(do_sample=True, top_k=3, temperature=1.0)

@@ -140,7 +140,7 @@ def _split_yarn(spec: str) -> tuple[str, float | None]:
         factor = float(option)
     except ValueError:
         factor = float("nan")
-    if not base or not factor > 1.0 or factor != factor:
+    if not base or not factor > 1.0:  # NaN fails the comparison too
         raise AttnkitError(f"model spec {spec!r}: yarn=F needs a model before it and a factor F > 1 "
                            f"(e.g. 'tiny:yarn=8'), got {option!r}")
     return base, factor

@@ -168,20 +168,14 @@ def truncate_session(session: Session, length: int) -> None:
 
 
 def drop_newest(session: Session, count: int) -> None:
-    """Undo the last `count` tokens fed to a cache that only appends (:func:`append_only`): its newest
-    `count` slots in every layer (a compressed cache holds fewer slots than positions)."""
+    """Undo the last `count` tokens fed to a cache that only appends (``Method.decode_only_appends``):
+    its newest `count` slots in every layer (a compressed cache holds fewer slots than positions)."""
     for kv in session.cache.layers:
         if kv is None:
             continue
         if kv.ring or count > kv.length:
             raise AttnkitError(f"cannot drop the newest {count} of {kv.length} entries of this cache")
         kv.length -= count
-
-
-def append_only(method: Method) -> bool:
-    """Whether truncation is an exact rollback for this method's cache once the prompt is in (``full``,
-    or a method that compresses the prompt once and then only appends, such as SnapKV)."""
-    return method.decode_only_appends()
 
 
 # ---- vocabulary check ------------------------------------------------------------------------------
@@ -214,8 +208,12 @@ class ModelDraft(DraftSource):
     def __init__(self, model: LoadedModel | None = None, method: str | Method | None = "full", *,
                  share_prefill: bool = True, kind: str | None = None, lookup: PromptLookupDraft | None = None):
         self.model = model
-        self.lookup = lookup  # prompt lookup guessing for the draft (TriForce's hierarchy); needs append_only
         self.method = parse_method_spec(method) if isinstance(method, str) else resolve_method(method)
+        if lookup is not None and not self.method.decode_only_appends():
+            raise AttnkitError(f"lookup guessing for the draft needs a draft cache that only appends while decoding "
+                               f"('full', or 'snapkv' without decode_budget), so that rejected guesses can be cut "
+                               f"off; {self.method.describe()} evicts while decoding")
+        self.lookup = lookup  # prompt-lookup guesses the draft verifies (TriForce's hierarchy)
         self.share_prefill = share_prefill
         self.kind = kind or ("self" if model is None else "draft_model")
         self.drafter: LoadedModel | None = None  # the model that drafts (the target itself for self)
@@ -291,7 +289,7 @@ class ModelDraft(DraftSource):
         (one forward when the cache only appends, else one decode step per token)."""
         model, session = self.drafter, self.session
         device = model.device
-        if len(tokens) > 1 and append_only(self.method):
+        if len(tokens) > 1 and self.method.decode_only_appends():
             phase = "prefill" if isinstance(self.method, FullAttention) else "decode"
             ids = torch.tensor(tokens, device=device)
             hidden = forward(model, ids, start, lambda pos: Step(session, phase, pos, False), all_positions=True)
@@ -322,10 +320,8 @@ class ModelDraft(DraftSource):
         u = float(torch.rand((), generator=self.generator, device=q.device))
         if u < float(q[guess]):
             return True, guess, q
-        rest = q.clone()
+        rest = q.clone()  # u < 1, so a rejected guess has q(guess) < 1: rest has mass
         rest[guess] = 0.0
-        if float(rest.sum()) <= 0.0:  # q is a point mass on guess (u < 1 = q(guess) always): unreachable
-            return True, guess, q
         return False, int(torch.multinomial(rest / rest.sum(), 1, generator=self.generator)), q
 
     def propose(self, context: list[int], gamma: int) -> Proposal:
@@ -338,9 +334,9 @@ class ModelDraft(DraftSource):
         self.cached = L
         self._round_start = L
         self._snapshots = []
-        if self.lookup is not None and append_only(self.method):
+        if self.lookup is not None:
             return self._propose_with_lookup(context, gamma, logits)
-        snapshot = not append_only(self.method)
+        snapshot = not self.method.decode_only_appends()
         tokens, probs = [], []
         for i in range(gamma):
             tok, p = self._choose(logits)
@@ -389,13 +385,12 @@ class ModelDraft(DraftSource):
             if self.cached > keep:
                 drop_newest(self.session, self.cached - keep)
                 self.cached = keep
-        tokens, probs = tokens[:gamma], probs[:gamma]
         return Proposal(tokens, torch.stack(probs) if self.sampling.do_sample else None)
 
     def feedback(self, accepted: int) -> None:
         keep = self._round_start + accepted  # context + the accepted drafts
         if self.cached > keep:
-            if append_only(self.method):
+            if self.method.decode_only_appends():
                 drop_newest(self.session, self.cached - keep)
             else:
                 restore_session(self.session, self._snapshots[accepted])
@@ -641,7 +636,7 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
         if isinstance(method, FullAttention):
             raise AttnkitError("self-speculation drafts with a compressed cache: give an eviction method such as "
                                f"{DEFAULT_SELF_METHOD!r}, not {method.describe()!r} (that is the target itself)")
-        return ModelDraft(None, method, kind="self", lookup=_nested_lookup(lookup, method))
+        return ModelDraft(None, method, kind="self", lookup=_nested_lookup(lookup))
     if kind == "draft_model":
         method: str | Method = "full"
         if isinstance(spec, LoadedModel):
@@ -655,20 +650,14 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
                                dtype=target.dtype if target is not None else torch.float32)
         if target is not None:
             check_same_vocabulary(target, model)
-        return ModelDraft(model, method, kind="draft_model", lookup=_nested_lookup(lookup, method))
+        return ModelDraft(model, method, kind="draft_model", lookup=_nested_lookup(lookup))
     raise AttnkitError(f"unknown draft source {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
 
 
-def _nested_lookup(lookup: bool | str, method: str | Method) -> PromptLookupDraft | None:
+def _nested_lookup(lookup: bool | str) -> PromptLookupDraft | None:
     """The prompt-lookup guesser of a model draft (`make_draft`'s `lookup`), or None."""
     if lookup is False or lookup is None:
         return None
-    if isinstance(method, str):
-        method = parse_method_spec(method)
-    if not append_only(method):
-        raise AttnkitError(f"lookup guessing for the draft needs a draft cache that only appends while decoding "
-                           f"('full', or 'snapkv' without decode_budget), so that rejected guesses can be cut off; "
-                           f"{method.describe()} evicts while decoding")
     if lookup is True:
         return PromptLookupDraft()
     if not isinstance(lookup, str):

@@ -293,8 +293,9 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     and ``self``): the draft model verifies prompt-lookup guesses several at a time (TriForce's
     hierarchy; True or a ``prompt_lookup`` spec; see :func:`attnkit.speculative.drafts.make_draft`).
     `verify_cost` is the extra cost of one more token in the target's verification forward relative to
-    a one-token step (used only to choose gamma adaptively: ~0 on a GPU, ~0.1 on one CPU core). A round with nothing to verify (the
-    source proposed nothing) is an ordinary decoding step. The other arguments are the plain runner's.
+    a one-token step (used only to choose gamma adaptively: ~0 on a GPU, ~0.1 on one CPU core). A round
+    with nothing to verify (the source proposed nothing) is an ordinary decoding step. The other
+    arguments are the plain runner's.
     Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
     """
     sampling, stops = generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
