@@ -120,6 +120,8 @@ def main(argv=None) -> int:
                                                   "prompt_lookup: max_ngram=N,min_ngram=M")
     ap.add_argument("--draft-lookup", action="store_true", help="draft_model/self: the draft verifies prompt-lookup "
                     "guesses several tokens per forward (TriForce's hierarchy)")
+    ap.add_argument("--draft-confidence", type=float, default=None, metavar="P",
+                    help="draft_model/self: stop drafting after a token the draft gave less than probability P")
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=4)
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     model = load(args.model, args.context + args.new_tokens + 64)
-    draft = make_draft(args.kind, args.draft, model, lookup=args.draft_lookup)
+    draft = make_draft(args.kind, args.draft, model, lookup=args.draft_lookup, confidence=args.draft_confidence)
     prompts = [code_prompt(model, args.context, seed) for seed in range(args.prompts)]
 
     verify_cost = {} if args.verify_cost is None else {"verify_cost": args.verify_cost}

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attnkit
-from attnkit.attention import attend, folded_attention, folded_bias
+from attnkit.attention import attend, folded_attention, folded_bias, tail_causal_bias
 from attnkit.cli import main
 from attnkit.methods.base import Step
 from attnkit.runner import forward, logits_of, new_session, prefill, resolve_method
@@ -230,19 +230,25 @@ def target_and_draft():
     return sharpened(0), sharpened(0, noise=0.3)
 
 
-@pytest.mark.parametrize("source", ["draft_model", "self", "self+lookup"])
+@pytest.mark.parametrize("source", ["draft_model", "self", "self+lookup", "draft_model+confidence"])
 def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source, monkeypatch):
     """The first three of four tokens generated with speculation (top-k 3, gamma 3: the first round
     drafts 2) over 1000 seeds match the target's exact joint distribution (27 cells), computed from the
     target's logits. ``self+lookup``: the draft judges prompt-lookup guesses (a prompt of all-distinct
-    tokens: every lookup succeeds)."""
+    tokens: every lookup succeeds). ``draft_model+confidence``: drafting stops after a token the draft
+    gave less than probability 0.6 (which happens in most rounds here)."""
     target, draft = target_and_draft
     prompt = random_ids(24, seed=5)
     kw = dict(do_sample=True, top_k=3, temperature=1.0)
     config = SamplingConfig(**kw)
     spec = {"draft_model": draft, "self": "streaming:budget_tokens=8,sinks=2",
-            "self+lookup": "snapkv:budget_tokens=8,window_size=2"}[source]
+            "self+lookup": "snapkv:budget_tokens=8,window_size=2", "draft_model+confidence": draft}[source]
     lookup = source == "self+lookup"
+    confidence = 0.6 if source.endswith("+confidence") else None
+    stops = []
+    original_unsure = ModelDraft._unsure
+    monkeypatch.setattr(ModelDraft, "_unsure", lambda self, *a: (lambda r: stops.append(r) or r)(
+        original_unsure(self, *a)))
     if lookup:
         prompt = torch.randperm(256, generator=torch.Generator().manual_seed(9)) + 3
     judged = []
@@ -251,10 +257,12 @@ def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source,
     runs, counts = 1000, {}
     for seed in range(runs):
         out = speculative_generate(target, prompt, source.split("+")[0], draft_spec=spec, draft_lookup=lookup,
-                                   gamma=3, max_new_tokens=4, stop_at_eos=False, seed=seed, **kw)
+                                   draft_confidence=confidence, gamma=3, max_new_tokens=4, stop_at_eos=False,
+                                   seed=seed, **kw)
         first = tuple(out.token_ids[:3])
         counts[first] = counts.get(first, 0) + 1
     assert (len(judged) > runs / 2) == lookup  # guesses were judged, and only with lookup
+    assert (sum(stops) > runs / 2) == (confidence is not None)  # drafting stopped early, and only then
     expected = target_joint(target, prompt, config, 3)
     assert chi_square_p_value(counts, expected, runs) > SIGNIFICANCE
 
@@ -382,6 +390,61 @@ def test_greedy_with_a_lookup_guessing_draft_equals_plain(greedy_models, source,
         assert out.stats.acceptance_rate == 1.0
 
 
+@pytest.mark.parametrize("source,spec,lookup", [
+    ("self", "snapkv:budget_tokens=24,window_size=4", True),
+    ("self", "streaming:budget_tokens=24,sinks=4", False),  # an evicting cache: snapshots roll it back
+    ("draft_model", "other", False),
+    ("draft_model", "other", True),
+])
+def test_greedy_with_a_confidence_stop_equals_plain(greedy_models, source, spec, lookup):
+    """Drafting stops after a token the draft is unsure of: still the plain greedy tokens, with rounds
+    shorter than gamma (the threshold is high enough that random weights stop most rounds)."""
+    target, other = greedy_models
+    spec = other if spec == "other" else spec
+    prompt = repetitive_prompt()
+    plain = attnkit.generate(target, prompt, max_new_tokens=40, stop_at_eos=False)
+    for gamma, adaptive in ((4, False), (6, True)):
+        out = speculative_generate(target, prompt, source, draft_spec=spec, draft_lookup=lookup,
+                                   draft_confidence=0.5, gamma=gamma, adaptive_gamma=adaptive,
+                                   max_new_tokens=40, stop_at_eos=False)
+        assert out.token_ids == plain.token_ids, (gamma, adaptive)
+        assert out.stats.mean_gamma < gamma - 0.5
+        assert "stop<0.5" in out.stats.draft
+
+
+def test_a_confidence_stop_ends_the_proposal_at_the_first_unsure_token(greedy_models):
+    """Every proposed token but the last has draft probability >= the threshold, and a proposal shorter
+    than gamma ends with one below it (probabilities recomputed from the draft model's own logits)."""
+    target, other = greedy_models
+    draft = make_draft("draft_model", other, target, confidence=0.3)
+    context = repetitive_prompt(60).tolist()
+    draft.start(DraftRun(target, torch.tensor(context[:-1]), 60, SamplingConfig(), None))  # the last: not fed
+    lengths = []
+    for _ in range(8):
+        with torch.inference_mode():
+            tokens = draft.propose(context, 5).tokens
+        probs = attnkit.score_tokens(other, context + tokens)[len(context) - 1:].softmax(-1)
+        mine = [float(probs[i, tok]) for i, tok in enumerate(tokens)]
+        assert all(p >= 0.3 for p in mine[:-1])
+        assert len(tokens) == 5 or mine[-1] < 0.3
+        lengths.append(len(tokens))
+        draft.feedback(len(tokens) - 1)
+        context = context + tokens
+    assert min(lengths) < 5  # some proposals did stop early
+
+
+@pytest.mark.parametrize("kind,confidence,match", [
+    ("self", 0.0, "between 0 and 1"),
+    ("self", 1.0, "between 0 and 1"),
+    ("draft_model", 1.5, "between 0 and 1"),
+    ("self", True, "between 0 and 1"),
+    ("prompt_lookup", 0.3, "model draft"),
+])
+def test_bad_draft_confidence_raises(kind, confidence, match):
+    with pytest.raises(attnkit.AttnkitError, match=match):
+        make_draft(kind, None, confidence=confidence)
+
+
 def test_snapkv_decodes_several_tokens_in_one_step(greedy_models):
     """After its prompt compression SnapKV only appends, so one decoding step over several tokens gives
     the logits and the cache of one step per token, and dropping the newest slots undoes the last."""
@@ -496,6 +559,20 @@ def test_folded_verification_attention_equals_reference(window):
     q_pos, k_pos = torch.arange(35, 40), torch.arange(40)
     ref = attend(q, k, v, 0.25, q_pos, k_pos, window)
     bias = folded_bias(q_pos, k_pos, q.shape[1] // k.shape[1], window, q.dtype)
+    assert torch.allclose(folded_attention(q, k, v, 0.25, bias), ref, atol=1e-5)
+
+
+def test_tail_causal_attention_equals_reference_with_per_head_positions():
+    """Several appended tokens over a compressed cache whose kv heads hold different earlier positions:
+    the mask built from slot order (:func:`tail_causal_bias`) is the reference mask by position."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 8, 4, 16, generator=g)
+    k, v = torch.randn(1, 2, 30, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g)
+    kept = torch.stack([torch.randperm(90, generator=g)[:26].sort().values for _ in range(2)])[None]  # [1, 2, 26]
+    q_pos = torch.arange(100, 104)
+    k_pos = torch.cat([kept, q_pos.expand(1, 2, 4)], dim=2)  # each head: its kept prompt, then the new tokens
+    ref = attend(q, k, v, 0.25, q_pos, k_pos)
+    bias = tail_causal_bias(4, 30, 4, q.dtype, q.device)
     assert torch.allclose(folded_attention(q, k, v, 0.25, bias), ref, atol=1e-5)
 
 

@@ -80,6 +80,7 @@ def test_recipe_forms(tmp_path):
     ({"decode": {"speculate": "guess"}}, "decode.speculate must be one of"),
     ({"decode": {"speculate": "self", "gamma": 0}}, "decode.gamma"),
     ({"decode": {"speculate": "self", "draft_lookup": "yes"}}, "decode.draft_lookup must be true or false"),
+    ({"decode": {"speculate": "self", "draft_confidence": 1.2}}, "decode.draft_confidence must be a probability"),
     ({"prefill": "minference", "heads": "full"}, "cannot be combined"),
     ({"method": "window", "cache": "snapkv"}, "not both"),
     ({"cache": {"method": "snapkv", "extra": 1}}, "a part is a method spec"),
@@ -100,6 +101,10 @@ def test_generate_with_a_speculative_recipe(small_llama):
                                       "draft_lookup": True, "gamma": 4}})
     spec = hierarchy.generate(small_llama, "abc abc abc abc", max_new_tokens=6, stop_at_eos=False)
     assert spec.token_ids == plain.token_ids and "prompt_lookup" in spec.stats.draft
+    confident = as_recipe({"decode": {"speculate": "self", "draft": "snapkv:budget_tokens=8,window_size=2",
+                                      "draft_confidence": 0.4, "gamma": 4}})
+    spec = confident.generate(small_llama, "abc abc abc abc", max_new_tokens=6, stop_at_eos=False)
+    assert spec.token_ids == plain.token_ids and "stop<0.4" in spec.stats.draft
 
 
 # ---- sweep files ---------------------------------------------------------------------------------

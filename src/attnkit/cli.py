@@ -80,7 +80,8 @@ def cmd_generate(args) -> int:
             raise AttnkitError(f"--speculate verifies with full attention; --method {method.describe()} is not used "
                                f"(for self-speculation give the draft's method with --draft)")
         out = speculative_generate(model, prompt, args.speculate, draft_spec=args.draft,
-                                   draft_lookup=args.draft_lookup, gamma=args.gamma,
+                                   draft_lookup=args.draft_lookup, draft_confidence=args.draft_confidence,
+                                   gamma=args.gamma,
                                    adaptive_gamma=args.adaptive_gamma, **sampling)
     else:
         out = recipe.generate(model, prompt, **sampling)
@@ -258,6 +259,9 @@ def _speculation_arguments(p) -> None:
                    help="draft_model/self: the draft verifies prompt-lookup guesses several tokens per forward "
                         "(TriForce's hierarchy; needs a draft cache that only appends: self defaults to "
                         "snapkv:budget_tokens=512)")
+    g.add_argument("--draft-confidence", type=float, default=None, metavar="P",
+                   help="draft_model/self: stop drafting after a token the draft gave less than probability P "
+                        "(gamma becomes a cap; e.g. 0.3)")
 
 
 def cmd_calibrate(args) -> int:

@@ -16,7 +16,8 @@ each part is a method spec string or ``{"method": NAME, "params": {...}}``)::
 ``compose`` mechanism joins a prefill method and a cache method only, so either stands alone.
 ``decode`` is speculative decoding (:func:`attnkit.speculative_generate`): ``speculate`` is
 ``draft_model``, ``prompt_lookup`` or ``self``, with ``gamma``, ``adaptive_gamma``, ``max_gamma``,
-``draft`` (the draft's spec, as ``--draft``) and ``draft_lookup`` (as ``--draft-lookup``); it verifies
+``draft`` (the draft's spec, as ``--draft``), ``draft_lookup`` (as ``--draft-lookup``) and
+``draft_confidence`` (as ``--draft-confidence``); it verifies
 with full attention, so it is not combined with another attention method.
 
 A peer's method (NVIDIA's kvpress, run in its own environment by :mod:`attnkit.bench.peers`)::
@@ -44,7 +45,7 @@ from attnkit.methods.base import Method, make_method, split_method_spec
 RECIPE_KEYS = ("method", "params", "name", "description")
 PART_ROLES = ("prefill", "cache", "heads", "select")
 ALL_RECIPE_KEYS = RECIPE_KEYS + PART_ROLES + ("decode", "kvpress")
-DECODE_KEYS = ("speculate", "gamma", "adaptive_gamma", "max_gamma", "draft", "draft_lookup")
+DECODE_KEYS = ("speculate", "gamma", "adaptive_gamma", "max_gamma", "draft", "draft_lookup", "draft_confidence")
 PEER_PREFIX = "kvpress:"
 
 
@@ -354,6 +355,7 @@ class Recipe:
         d = self.decode
         return speculative_generate(model, prompt, d["speculate"], draft_spec=d.get("draft"),
                                     draft_lookup=d.get("draft_lookup", False),
+                                    draft_confidence=d.get("draft_confidence"),
                                     gamma=d.get("gamma", 4), adaptive_gamma=d.get("adaptive_gamma", False),
                                     max_gamma=d.get("max_gamma"), **options)
 
@@ -429,6 +431,9 @@ def _parse_decode(value, source: str) -> dict | None:
     for key in ("adaptive_gamma", "draft_lookup"):
         if not isinstance(value.get(key, False), bool):
             raise AttnkitError(f"{source}: decode.{key} must be true or false")
+    conf = value.get("draft_confidence")
+    if conf is not None and (isinstance(conf, bool) or not isinstance(conf, (int, float)) or not 0 < conf < 1):
+        raise AttnkitError(f"{source}: decode.draft_confidence must be a probability between 0 and 1, got {conf!r}")
     if value.get("draft") is not None and not isinstance(value["draft"], str):
         raise AttnkitError(f"{source}: decode.draft must be a spec string (as --draft takes)")
     return {k: value[k] for k in DECODE_KEYS if k in value}

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnkit.attention import attend, sdpa
+from attnkit.attention import attend, folded_attention, sdpa, tail_causal_bias
 from attnkit.cache import KVCache, LayerKV
 from attnkit.errors import AttnkitError
 
@@ -171,13 +171,19 @@ class Method:
 
     @staticmethod
     def _attend_held(ctx: LayerContext, q) -> torch.Tensor:
-        """Attention of a decoding step's queries over the held entries (their own already stored)."""
+        """Attention of a decoding step's queries over the held entries (their own already stored, as the
+        newest slots: they were appended, or written over one evicted slot for a single token)."""
         keys, values, positions = ctx.kv.view()
         if ctx.native_window is None and q.shape[2] == 1:
             # the newest token's query: every held key is at or before it, so no mask and none of
             # attend's checks of the key positions (reductions over the whole cache in every layer:
             # 7-9 % of a one-token step of `tiny` at 2k tokens)
             return sdpa(q, keys, values, ctx.scaling)
+        if ctx.native_window is None and not ctx.kv.ring:
+            # several appended tokens (a draft checking guesses): they fill the last slots, every other
+            # key precedes them, so the mask follows from slot order, whatever each head kept
+            bias = tail_causal_bias(q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1], q.dtype, q.device)
+            return folded_attention(q, keys, values, ctx.scaling, bias)
         return attend(q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window)
 
     # ---- parameters ------------------------------------------------------------------------------

@@ -40,10 +40,11 @@ def code_prompt(model: LoadedModel, length: int, seed: int = 0) -> torch.Tensor:
 
 def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_tokens: int, draft: str | DraftSource,
                           draft_spec=None, gamma: int = 4, adaptive_gamma: bool = False, repeats: int = 3,
-                          progress=None, draft_lookup: bool | str = False) -> list[dict]:
+                          progress=None, draft_lookup: bool | str = False,
+                          draft_confidence: float | None = None) -> list[dict]:
     """Rows for plain decoding and speculative decoding (greedy): medians of decode tok/s, end-to-end
     tok/s and prefill s, acceptance and tokens per target forward, speedups over plain."""
-    source = resolve_draft(draft, draft_spec, model, draft_lookup)
+    source = resolve_draft(draft, draft_spec, model, draft_lookup, draft_confidence)
     kw = dict(max_new_tokens=new_tokens, stop_at_eos=False)
     # warm-up (lazy initialisation, allocator) outside the measurement
     generate(model, prompt_ids[-64:], **{**kw, "max_new_tokens": 4})
@@ -110,6 +111,7 @@ def bench_from_args(args) -> int:
     print(f"bench {model.spec}: {args.context}-token code prompt, {args.new_tokens} new tokens, greedy, "
           f"{args.repeats} interleaved repeats", file=sys.stderr)
     rows = run_speculative_bench(model, prompt, args.new_tokens, args.speculate, args.draft, args.gamma,
-                                 args.adaptive_gamma, args.repeats, progress, args.draft_lookup)
+                                 args.adaptive_gamma, args.repeats, progress, args.draft_lookup,
+                                 args.draft_confidence)
     print(json.dumps(rows) if args.json else format_rows(rows))
     return 0

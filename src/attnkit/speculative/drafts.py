@@ -19,6 +19,10 @@ speed.
   guesses several per forward instead of decoding one token per forward, TriForce's hierarchy (Sun et
   al. 2024, section 4.2) with prompt lookup at the bottom. Where a draft step is mostly fixed cost (a
   small model on a CPU) this is what makes self-speculation pay (README: 1.22x -> 1.48x at 32k).
+- A model draft may stop a round early (``confidence``, ``--draft-confidence``): after the first token
+  it gave less than that probability, as transformers' ``assistant_confidence_threshold`` and
+  SpecDec++ (Huang et al. 2024) do. Where drafting is slow and verification compute-bound (a CPU)
+  the tokens the target would likely reject cost both; stopping saves them (README).
 
 **Rolling back a draft cache.** After a round the draft has fed ``gamma - 1`` of its own tokens;
 those beyond the accepted ones must be undone. For a cache that only appends while decoding (``full``;
@@ -206,8 +210,10 @@ class ModelDraft(DraftSource):
     """
 
     def __init__(self, model: LoadedModel | None = None, method: str | Method | None = "full", *,
-                 share_prefill: bool = True, kind: str | None = None, lookup: PromptLookupDraft | None = None):
+                 share_prefill: bool = True, kind: str | None = None, lookup: PromptLookupDraft | None = None,
+                 confidence: float | None = None):
         self.model = model
+        self.confidence = check_confidence(confidence)
         self.method = parse_method_spec(method) if isinstance(method, str) else resolve_method(method)
         if lookup is not None and not self.method.decode_only_appends():
             raise AttnkitError(f"lookup guessing for the draft needs a draft cache that only appends while decoding "
@@ -225,6 +231,8 @@ class ModelDraft(DraftSource):
 
     def describe(self) -> str:
         under = "" if self.lookup is None else f" <- {self.lookup.describe()}"
+        if self.confidence is not None:
+            under = f" stop<{self.confidence:g}{under}"
         if self.model is None:
             return f"self[{self.method.describe()}]{under}"
         suffix = "" if isinstance(self.method, FullAttention) else f"[{self.method.describe()}]"
@@ -324,6 +332,16 @@ class ModelDraft(DraftSource):
         rest[guess] = 0.0
         return False, int(torch.multinomial(rest / rest.sum(), 1, generator=self.generator)), q
 
+    def _unsure(self, logits: torch.Tensor, token: int, q: torch.Tensor | None) -> bool:
+        """Whether drafting stops after `token`: the draft gave it less than `confidence` probability
+        (``q``, or the softmax of `logits` when greedy). The decision uses only what the draft drew, so
+        the proposal is still a stopping time of the draft's own samples and the acceptance rule's
+        guarantee holds (seed 003; Leviathan et al. 2023 allow any number of drafts per round)."""
+        if self.confidence is None:
+            return False
+        prob = q[token] if q is not None else logits.float().softmax(-1)[token]
+        return float(prob) < self.confidence
+
     def propose(self, context: list[int], gamma: int) -> Proposal:
         if self.session is None:
             raise AttnkitError("the draft source was not started")
@@ -343,6 +361,8 @@ class ModelDraft(DraftSource):
             tokens.append(tok)
             if p is not None:
                 probs.append(p)
+            if self._unsure(logits, tok, p):
+                break
             if i < gamma - 1:
                 if snapshot:
                     self._snapshots.append(snapshot_session(self.session))  # state after token L - 1 + i
@@ -359,7 +379,8 @@ class ModelDraft(DraftSource):
         L = len(context)
         tok, p = self._choose(logits)
         tokens, probs = [tok], [p]
-        while len(tokens) < gamma:
+        unsure = self._unsure(logits, tok, p)
+        while len(tokens) < gamma and not unsure:
             pos = L + len(tokens) - 1  # position of the last drafted token, not yet fed
             guesses = self.lookup.lookup_after(context, tokens, gamma - len(tokens))
             rows = self._feed([tokens[-1]] + guesses, pos)
@@ -372,11 +393,13 @@ class ModelDraft(DraftSource):
                     tok, p = self._choose(rows[j])
                     tokens.append(tok)
                     probs.append(p)
+                    unsure = self._unsure(rows[j], tok, p)
                     break
                 ok, tok, p = self._judge(rows[j], guesses[j])
                 tokens.append(tok)
                 probs.append(p)
-                if not ok:
+                unsure = self._unsure(rows[j], tok, p)
+                if not ok or unsure:
                     break
                 kept += 1
             if guesses:
@@ -582,6 +605,15 @@ DEFAULT_SELF_LOOKUP_METHOD = "snapkv:budget_tokens=512"  # with lookup guessing:
 DEFAULT_DRAFT_MODEL = "tiny-draft"
 
 
+def check_confidence(confidence) -> float | None:
+    """A draft's stopping threshold: None (always draft gamma tokens) or a probability in (0, 1)."""
+    if confidence is None:
+        return None
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
+        raise AttnkitError(f"draft confidence must be a probability between 0 and 1 (exclusive), got {confidence!r}")
+    return float(confidence)
+
+
 def _key_values(spec: str, what: str) -> dict[str, str]:
     out = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -593,7 +625,7 @@ def _key_values(spec: str, what: str) -> dict[str, str]:
 
 
 def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target: LoadedModel | None = None,
-               *, lookup: bool | str = False) -> DraftSource:
+               *, lookup: bool | str = False, confidence: float | None = None) -> DraftSource:
     """A draft source from the CLI's ``--speculate KIND [--draft SPEC]``:
 
     - ``draft_model``: SPEC is a model spec (default ``tiny-draft``) or a :class:`LoadedModel`; an
@@ -609,11 +641,19 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
     :meth:`ModelDraft._propose_with_lookup`); True for the default lookup, or a ``prompt_lookup`` SPEC.
     It needs a draft cache that only appends while decoding (``full``, ``snapkv`` without
     ``decode_budget``).
+
+    `confidence` (``draft_model`` and ``self``; ``--draft-confidence``): a round's drafting stops after
+    the first token the draft gave less than this probability (:meth:`ModelDraft._unsure`), so unlikely
+    drafts cost neither draft forwards nor verification rows; None drafts gamma tokens every round.
     """
     from attnkit.model import load_model
 
     if lookup and kind not in ("draft_model", "self"):
         raise AttnkitError(f"lookup guessing is for a model draft (draft_model, self), not {kind!r}")
+    if confidence is not None and kind not in ("draft_model", "self"):
+        raise AttnkitError(f"a confidence threshold is for a model draft (draft_model, self), whose tokens have "
+                           f"probabilities; {kind!r} has none")
+    check_confidence(confidence)
     if kind == "prompt_lookup":
         if spec is not None and not isinstance(spec, str):
             raise AttnkitError(f"prompt_lookup takes a spec string like 'max_ngram=3,min_ngram=1', got "
@@ -636,7 +676,7 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
         if isinstance(method, FullAttention):
             raise AttnkitError("self-speculation drafts with a compressed cache: give an eviction method such as "
                                f"{DEFAULT_SELF_METHOD!r}, not {method.describe()!r} (that is the target itself)")
-        return ModelDraft(None, method, kind="self", lookup=_nested_lookup(lookup))
+        return ModelDraft(None, method, kind="self", lookup=_nested_lookup(lookup), confidence=confidence)
     if kind == "draft_model":
         method: str | Method = "full"
         if isinstance(spec, LoadedModel):
@@ -650,7 +690,7 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
                                dtype=target.dtype if target is not None else torch.float32)
         if target is not None:
             check_same_vocabulary(target, model)
-        return ModelDraft(model, method, kind="draft_model", lookup=_nested_lookup(lookup))
+        return ModelDraft(model, method, kind="draft_model", lookup=_nested_lookup(lookup), confidence=confidence)
     raise AttnkitError(f"unknown draft source {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
 
 

@@ -260,22 +260,23 @@ def prefill_sessions(model: LoadedModel, sessions: list[Session], ids: torch.Ten
     return hidden
 
 
-def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel, draft_lookup: bool | str = False
-                  ) -> DraftSource:
+def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel, draft_lookup: bool | str = False,
+                  draft_confidence: float | None = None) -> DraftSource:
     if isinstance(draft, DraftSource):
-        if draft_spec is not None or draft_lookup:
-            raise AttnkitError("draft_spec or draft_lookup is given with a DraftSource instance; configure the "
-                               "instance instead")
+        if draft_spec is not None or draft_lookup or draft_confidence is not None:
+            raise AttnkitError("draft_spec, draft_lookup or draft_confidence is given with a DraftSource instance; "
+                               "configure the instance instead")
         return draft
     if isinstance(draft, str):
-        return make_draft(draft, draft_spec, model, lookup=draft_lookup)
+        return make_draft(draft, draft_spec, model, lookup=draft_lookup, confidence=draft_confidence)
     raise AttnkitError(f"draft must be a kind (draft_model, prompt_lookup, self) or a DraftSource, "
                        f"got {type(draft).__name__}")
 
 
 @torch.inference_mode()
 def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = "prompt_lookup", *,
-                         draft_spec=None, draft_lookup: bool | str = False, gamma: int = 4,
+                         draft_spec=None, draft_lookup: bool | str = False,
+                         draft_confidence: float | None = None, gamma: int = 4,
                          adaptive_gamma: bool = False, max_gamma: int | None = None,
                          verify_cost: float = DEFAULT_VERIFY_COST,
                          max_new_tokens: int = 64, chunk_size: int | None = None,
@@ -292,6 +293,8 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     ``streaming:budget_tokens=256,sinks=4``), or a :class:`DraftSource`. `draft_lookup` (``draft_model``
     and ``self``): the draft model verifies prompt-lookup guesses several at a time (TriForce's
     hierarchy; True or a ``prompt_lookup`` spec; see :func:`attnkit.speculative.drafts.make_draft`).
+    `draft_confidence` (``draft_model`` and ``self``): stop a round's drafting after the first token the
+    draft gave less than this probability (gamma is then a cap).
     `verify_cost` is the extra cost of one more token in the target's verification forward relative to
     a one-token step (used only to choose gamma adaptively: ~0 on a GPU, ~0.1 on one CPU core). A round
     with nothing to verify (the source proposed nothing) is an ordinary decoding step. The other
@@ -301,7 +304,7 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     sampling, stops = generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
     if not isinstance(verify_cost, (int, float)) or isinstance(verify_cost, bool) or verify_cost < 0:
         raise AttnkitError(f"verify_cost must be a number >= 0, got {verify_cost!r}")
-    source = resolve_draft(draft, draft_spec, model, draft_lookup)
+    source = resolve_draft(draft, draft_spec, model, draft_lookup, draft_confidence)
     ids = encode_prompt(model, prompt)
     n = ids.shape[0]
     check_length(model, n, max_new_tokens)
