@@ -803,6 +803,19 @@ def test_adaptive_gamma_follows_acceptance():
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("flags,named", [(["--draft-lookup"], "--draft-lookup"),
+                                         (["--draft-confidence", "0.3"], "--draft-confidence"),
+                                         (["--draft", "tiny-draft"], "--draft")])
+def test_cli_refuses_draft_options_without_speculate(command, flags, named, capsys):
+    args = [command, "--model", f"random:llama:{SMALL}", *flags]
+    if command == "generate":
+        args += ["--prompt", "abc"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert named in err and "add --speculate" in err
+
+
 def test_cli_generate_speculate_matches_plain(capsys):
     model = f"random:llama:{SMALL}"
     prompt = "abcabcabcabcabcabc"

@@ -54,7 +54,17 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def _check_draft_options(args) -> None:
+    """The draft options mean nothing without --speculate: refuse them rather than ignore them."""
+    given = [flag for flag, value in (("--draft", args.draft is not None), ("--draft-lookup", args.draft_lookup),
+                                      ("--draft-confidence", args.draft_confidence is not None)) if value]
+    if given and not args.speculate:
+        raise AttnkitError(f"{', '.join(given)} configure speculative decoding's draft; add --speculate "
+                           f"draft_model|prompt_lookup|self")
+
+
 def cmd_generate(args) -> int:
+    _check_draft_options(args)
     if (args.prompt is None) == (args.prompt_file is None):
         raise AttnkitError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if args.prompt_file is not None:
@@ -103,6 +113,7 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from attnkit.bench.speed import format_bench, run_bench
 
+    _check_draft_options(args)
     if args.speculate:
         from attnkit.speculative.bench import bench_from_args
 
