@@ -76,6 +76,8 @@ class Step:
     phase: str  # "prefill" or "decode"
     q_pos: torch.Tensor  # [n] original positions of the new tokens
     last_chunk: bool = True
+    # what the layers of this forward can share (e.g. a mask built on the first layer), by key
+    shared: dict = field(default_factory=dict, repr=False)
 
     def attention(self, layer: int, q, k, v, scaling: float, native_window: int | None) -> torch.Tensor:
         ctx = LayerContext(self, layer, scaling, native_window)
@@ -181,8 +183,12 @@ class Method:
             return sdpa(q, keys, values, ctx.scaling)
         if ctx.native_window is None and not ctx.kv.ring:
             # several appended tokens (a draft checking guesses): they fill the last slots, every other
-            # key precedes them, so the mask follows from slot order, whatever each head kept
-            bias = tail_causal_bias(q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1], q.dtype, q.device)
+            # key precedes them, so the mask follows from slot order, whatever each head kept; built on
+            # the first layer, reused by the others holding as many entries (150 us per layer otherwise)
+            shape = ("tail_causal", q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1], q.dtype)
+            bias = ctx.step.shared.get(shape)
+            if bias is None:
+                bias = ctx.step.shared[shape] = tail_causal_bias(*shape[1:], q.device)
             return folded_attention(q, keys, values, ctx.scaling, bias)
         return attend(q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window)
 
