@@ -17,7 +17,7 @@ head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --conte
         --context 32000 --new-tokens 64 --gamma 8 --no-hf --prompts 2 --repeats 2 --threads 2
     # ... and with the draft verifying prompt-lookup guesses (add --draft-lookup; results/*_yarn_lookup_*)
     # ... and stopping a round after a token the draft is unsure of (results/*_yarn_lookup_conf_*:
-    # --gamma 12 --draft-lookup --draft-confidence 0.3; 16k with --prompts 4)
+    # --gamma 12 --draft-lookup --draft-confidence 0.3 --prompts 4; *_2prompts: --prompts 2)
 
 Results in results/bench_spec_*.txt were taken on an Intel Xeon (2 cores) with OMP_NUM_THREADS=1 ...
 --threads 1 --repeats 2 (prompt lookup: --repeats 3 --prompts 64); results/bench_spec_prompt_lookup_

@@ -247,8 +247,12 @@ def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source,
     confidence = 0.6 if source.endswith("+confidence") else None
     stops = []
     original_unsure = ModelDraft._unsure
-    monkeypatch.setattr(ModelDraft, "_unsure", lambda self, *a: (lambda r: stops.append(r) or r)(
-        original_unsure(self, *a)))
+
+    def recording_unsure(self, *args):
+        stops.append(original_unsure(self, *args))
+        return stops[-1]
+
+    monkeypatch.setattr(ModelDraft, "_unsure", recording_unsure)
     if lookup:
         prompt = torch.randperm(256, generator=torch.Generator().manual_seed(9)) + 3
     judged = []
