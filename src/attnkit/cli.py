@@ -59,7 +59,8 @@ def _check_draft_options(args) -> None:
     given = [flag for flag, value in (("--draft", args.draft is not None), ("--draft-lookup", args.draft_lookup),
                                       ("--draft-confidence", args.draft_confidence is not None)) if value]
     if given and not args.speculate:
-        raise AttnkitError(f"{', '.join(given)} configure speculative decoding's draft; add --speculate "
+        what = "is an option" if len(given) == 1 else "are options"
+        raise AttnkitError(f"{', '.join(given)} {what} of speculative decoding's draft; add --speculate "
                            f"draft_model|prompt_lookup|self")
 
 
