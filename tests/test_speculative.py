@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attnkit
-from attnkit.attention import attend, folded_attention, folded_bias, tail_causal_bias
+from attnkit.attention import attend, folded_attention, folded_bias
 from attnkit.cli import main
 from attnkit.methods.base import Step
 from attnkit.runner import forward, logits_of, new_session, prefill, resolve_method
@@ -566,9 +566,9 @@ def test_folded_verification_attention_equals_reference(window):
     assert torch.allclose(folded_attention(q, k, v, 0.25, bias), ref, atol=1e-5)
 
 
-def test_tail_causal_attention_equals_reference_with_per_head_positions():
+def test_slot_order_mask_equals_reference_with_per_head_positions():
     """Several appended tokens over a compressed cache whose kv heads hold different earlier positions:
-    the mask built from slot order (:func:`tail_causal_bias`) is the reference mask by position."""
+    the causal mask by slot index (what ``Method._attend_held`` uses) is the reference mask by position."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 8, 4, 16, generator=g)
     k, v = torch.randn(1, 2, 30, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g)
@@ -576,7 +576,8 @@ def test_tail_causal_attention_equals_reference_with_per_head_positions():
     q_pos = torch.arange(100, 104)
     k_pos = torch.cat([kept, q_pos.expand(1, 2, 4)], dim=2)  # each head: its kept prompt, then the new tokens
     ref = attend(q, k, v, 0.25, q_pos, k_pos)
-    bias = tail_causal_bias(4, 30, 4, q.dtype, q.device)
+    slots = torch.arange(30)
+    bias = folded_bias(slots[26:], slots, 4, None, q.dtype)
     assert torch.allclose(folded_attention(q, k, v, 0.25, bias), ref, atol=1e-5)
 
 

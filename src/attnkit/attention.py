@@ -53,17 +53,6 @@ def folded_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, groups: int, window: i
     return bias.repeat(groups, 1)
 
 
-def tail_causal_bias(n: int, length: int, groups: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask ``[groups * n, length]`` for `n` queries that are the tokens of the last `n` of
-    `length` held keys (in order), every other key preceding them: the earlier keys are all visible,
-    the last `n` causally. Built from slot order alone, so per-head positions (a compressed cache) do not
-    matter; rows in the order of :func:`folded_attention`."""
-    bias = torch.zeros(n, length, dtype=dtype, device=device)
-    future = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
-    bias[:, length - n:].masked_fill_(future, float("-inf"))
-    return bias.repeat(groups, 1)
-
-
 def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a few queries ``[b, hq, n, d]`` over keys/values ``[b, kv, L, d]`` with grouped kv

@@ -412,7 +412,7 @@ def _parse_part(value, source: str) -> tuple[str, dict]:
 
 
 def _parse_decode(value, source: str) -> dict | None:
-    from attnkit.speculative.drafts import DRAFT_KINDS
+    from attnkit.speculative.drafts import DRAFT_KINDS, check_confidence
 
     if value is None:
         return None
@@ -431,9 +431,11 @@ def _parse_decode(value, source: str) -> dict | None:
     for key in ("adaptive_gamma", "draft_lookup"):
         if not isinstance(value.get(key, False), bool):
             raise AttnkitError(f"{source}: decode.{key} must be true or false")
-    conf = value.get("draft_confidence")
-    if conf is not None and (isinstance(conf, bool) or not isinstance(conf, (int, float)) or not 0 < conf < 1):
-        raise AttnkitError(f"{source}: decode.draft_confidence must be a probability between 0 and 1, got {conf!r}")
+    try:
+        check_confidence(value.get("draft_confidence"))
+    except AttnkitError:
+        raise AttnkitError(f"{source}: decode.draft_confidence must be a probability between 0 and 1, "
+                           f"got {value.get('draft_confidence')!r}") from None
     if value.get("draft") is not None and not isinstance(value["draft"], str):
         raise AttnkitError(f"{source}: decode.draft must be a spec string (as --draft takes)")
     return {k: value[k] for k in DECODE_KEYS if k in value}

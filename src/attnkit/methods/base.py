@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnkit.attention import attend, folded_attention, sdpa, tail_causal_bias
+from attnkit.attention import attend, folded_attention, folded_bias, sdpa
 from attnkit.cache import KVCache, LayerKV
 from attnkit.errors import AttnkitError
 
@@ -78,6 +78,13 @@ class Step:
     last_chunk: bool = True
     # what the layers of this forward can share (e.g. a mask built on the first layer), by key
     shared: dict = field(default_factory=dict, repr=False)
+
+    def shared_value(self, key, build):
+        """The value the layers of this forward share under `key`, built by ``build()`` on first use."""
+        value = self.shared.get(key)
+        if value is None:
+            value = self.shared[key] = build()
+        return value
 
     def attention(self, layer: int, q, k, v, scaling: float, native_window: int | None) -> torch.Tensor:
         ctx = LayerContext(self, layer, scaling, native_window)
@@ -183,12 +190,16 @@ class Method:
             return sdpa(q, keys, values, ctx.scaling)
         if ctx.native_window is None and not ctx.kv.ring:
             # several appended tokens (a draft checking guesses): they fill the last slots, every other
-            # key precedes them, so the mask follows from slot order, whatever each head kept; built on
-            # the first layer, reused by the others holding as many entries (150 us per layer otherwise)
-            shape = ("tail_causal", q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1], q.dtype)
-            bias = ctx.step.shared.get(shape)
-            if bias is None:
-                bias = ctx.step.shared[shape] = tail_causal_bias(*shape[1:], q.device)
+            # key precedes them, so the causal mask by slot index is the mask by position, whatever each
+            # head kept; built on the first layer, reused by the others holding as many entries (150 us
+            # per layer otherwise)
+            n, length, groups = q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1]
+
+            def slot_order_bias():
+                slots = torch.arange(length, device=q.device)
+                return folded_bias(slots[length - n:], slots, groups, None, q.dtype)
+
+            bias = ctx.step.shared_value(("slot_order", n, length, groups, q.dtype), slot_order_bias)
             return folded_attention(q, keys, values, ctx.scaling, bias)
         return attend(q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window)
 

@@ -124,10 +124,6 @@ class VerifyingFull(FullAttention):
     Not registered: it is ``full`` to everyone else.
     """
 
-    _bias_step: Step | None = None  # the forward whose mask `_bias` is, with its (window, keys, groups)
-    _bias_shape: tuple | None = None
-    _bias: torch.Tensor | None = None
-
     def prefill_attention(self, ctx, q, k, v):
         n = q.shape[2]
         if ctx.kv.length == 0 or n > VERIFY_FOLD_MAX_TOKENS:  # the prompt (or a prompt chunk)
@@ -135,11 +131,10 @@ class VerifyingFull(FullAttention):
         ctx.kv.append(k, v, ctx.q_pos)
         keys, values, positions = ctx.kv.view()
         groups = q.shape[1] // keys.shape[1]
-        shape = (ctx.native_window, keys.shape[2], groups)
-        if ctx.step is not self._bias_step or shape != self._bias_shape:
-            self._bias = folded_bias(ctx.q_pos, positions[0, 0], groups, ctx.native_window, q.dtype)
-            self._bias_step, self._bias_shape = ctx.step, shape
-        return folded_attention(q, keys, values, ctx.scaling, self._bias)
+        bias = ctx.step.shared_value(
+            ("verify", ctx.native_window, keys.shape[2], groups, q.dtype),
+            lambda: folded_bias(ctx.q_pos, positions[0, 0], groups, ctx.native_window, q.dtype))
+        return folded_attention(q, keys, values, ctx.scaling, bias)
 
 
 class GammaController:
