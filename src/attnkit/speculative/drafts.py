@@ -299,9 +299,8 @@ class ModelDraft(DraftSource):
         model, session = self.drafter, self.session
         device = model.device
         if len(tokens) > 1 and self.method.decode_only_appends():
-            phase = "prefill" if isinstance(self.method, FullAttention) else "decode"
             ids = torch.tensor(tokens, device=device)
-            hidden = forward(model, ids, start, lambda pos: Step(session, phase, pos, False), all_positions=True)
+            hidden = forward(model, ids, start, lambda pos: Step(session, "decode", pos), all_positions=True)
             return logits_of(model, hidden)
         rows = []
         for i, tok in enumerate(tokens):  # evicting methods decode one token at a time
