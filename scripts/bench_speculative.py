@@ -31,7 +31,9 @@ give per-prompt medians of 1.76, 2.33, 1.65 and 2.28 (Xeon, 1 thread) against 1.
 Greedy decoding throughout. Every decoder runs on every prompt in every repeat, in turn (interleaved,
 so machine drifts hit all alike); figures are medians over prompts x repeats, and a last line gives the
 spread of the per-run speed-ups (speculative / plain on the same prompt and repeat) and each prompt's
-median (in the JSON: ``per_run_x_attnkit_plain``). Decode tok/s counts the
+median (in the JSON: ``per_run_x_attnkit_plain``); for attnkit speculative, one more line says where a
+round's time goes, in decoding steps of the paired plain run (``per_round``:
+:func:`attnkit.speculative.bench.time_per_round`). Decode tok/s counts the
 tokens after the first over the time after the first token (attnkit: its stats; transformers: a
 streamer timestamps the first new token). Prompts are held-out standard-library code (LongBench lcc
 style, :func:`attnkit.speculative.bench.code_prompt`).
@@ -54,7 +56,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import attnkit  # noqa: E402
 from attnkit.eval.harness import cpu_name  # noqa: E402
 from attnkit.speculative import make_draft, speculative_generate  # noqa: E402
-from attnkit.speculative.bench import code_prompt  # noqa: E402
+from attnkit.speculative.bench import code_prompt, format_time_per_round, time_per_round  # noqa: E402
 
 
 class _Clock:
@@ -104,8 +106,7 @@ def ours(result) -> dict:
     return {"tokens": result.token_ids, "decode_tokens_per_s": s.decode_tokens_per_s,
             "tokens_per_s": s.new_tokens / (s.prefill_s + s.decode_s),
             "tokens_per_target_forward": getattr(s, "tokens_per_target_forward", 1.0),
-            "acceptance_rate": getattr(s, "acceptance_rate", None)}
-
+            "acceptance_rate": getattr(s, "acceptance_rate", None), "stats": s.as_dict()}
 
 def load(spec: str, context: int):
     if spec.startswith("random:") and "context=" not in spec:
@@ -234,6 +235,12 @@ def main(argv=None) -> int:
     by[spec_name]["per_run_x_attnkit_plain"] = spread
     print(f"attnkit speculative / attnkit plain per run ({len(per_run)} runs): median {spread['median']:.2f}, "
           f"range {spread['min']:.2f}-{spread['max']:.2f}; per prompt " + " ".join(f"{x:.2f}" for x in per_prompt))
+    # where a round's time goes, in decoding steps of the plain run each speculative run was paired with
+    split = time_per_round([(r["stats"], 1.0 / p["decode_tokens_per_s"])
+                            for r, p in zip(runs[spec_name], runs[plain_name])])
+    if split:
+        by[spec_name]["per_round"] = split
+        print(format_time_per_round(split))
     print("same: share of runs whose tokens equal attnkit plain greedy (attnkit speculative must be 1.00)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -45,7 +45,7 @@ import attnkit  # noqa: E402
 from attnkit.methods.base import Step  # noqa: E402
 from attnkit.runner import forward, logits_of, new_session, prefill  # noqa: E402
 from attnkit.speculative.bench import code_prompt  # noqa: E402
-from attnkit.speculative.drafts import PromptLookupDraft, truncate_session  # noqa: E402
+from attnkit.speculative.drafts import PromptLookupDraft, drop_newest  # noqa: E402
 from attnkit.speculative.generate import VerifyingFull  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def measure_verify_costs(spec: str, context: int, max_tokens: int, repeats: int 
             logits_of(model, forward(model, ids, context, lambda pos: Step(session, phase, pos, False),
                                      all_positions=True))
             elapsed = time.perf_counter() - t
-            truncate_session(session, context)
+            drop_newest(session, n)
             return elapsed
 
         times: dict[int, list[float]] = {n: [] for n in range(1, max_tokens + 1)}

@@ -31,7 +31,8 @@ from attnkit.speculative import (
     speculative_accept,
     speculative_generate,
 )
-from attnkit.speculative.drafts import drop_newest, snapshot_session, truncate_session
+from attnkit.speculative.bench import format_time_per_round, time_per_round
+from attnkit.speculative.drafts import drop_newest, snapshot_session
 from attnkit.speculative.generate import VerifyingFull, prefill_sessions
 from attnkit.tokenizer import build_byte_tokenizer
 from conftest import SMALL, random_ids
@@ -367,6 +368,15 @@ def test_greedy_equals_plain(greedy_models, source, spec):
         assert s.new_tokens == 40 and s.rounds >= 1
         assert 0.0 <= s.acceptance_rate <= 1.0
         assert s.tokens_per_target_forward == pytest.approx((s.accepted_tokens + s.rounds) / s.rounds)
+        # a draft model runs one forward per drafted token: the first takes the tokens the target
+        # emitted last round, each later one the token just drafted; an evicting cache takes a round's
+        # first tokens one forward each
+        if source == "prompt_lookup":
+            assert s.draft_forwards == 0
+        elif source == "draft_model" or spec.startswith("snapkv"):
+            assert s.draft_forwards == s.drafted_tokens
+        else:
+            assert s.drafted_tokens <= s.draft_forwards <= s.drafted_tokens + s.rounds
     if spec is target:  # the target drafting for itself is always right
         assert out.stats.acceptance_rate == 1.0
 
@@ -384,12 +394,16 @@ def test_greedy_with_a_lookup_guessing_draft_equals_plain(greedy_models, source,
     original = ModelDraft._feed
     monkeypatch.setattr(ModelDraft, "_feed", lambda self, tokens, start: fed.append(len(tokens)) or
                         original(self, tokens, start))
+    several = False
     for gamma, adaptive in ((1, False), (4, False), (6, True)):
+        fed.clear()
         out = speculative_generate(target, prompt, source, draft_spec=spec, draft_lookup=True, gamma=gamma,
                                    adaptive_gamma=adaptive, max_new_tokens=40, stop_at_eos=False)
         assert out.token_ids == plain.token_ids, (gamma, adaptive)
+        several |= max(fed) > 1
+        assert out.stats.draft_forwards == len(fed)  # the draft's cache only appends: one forward per feed
     assert "prompt_lookup" in out.stats.draft
-    assert max(fed) > 1
+    assert several
     if spec is target:
         assert out.stats.acceptance_rate == 1.0
 
@@ -523,9 +537,10 @@ def test_seeded_sampling_is_reproducible(greedy_models):
 
 
 # ---- rollback of the caches ----------------------------------------------------------------------------
-def test_target_truncation_is_exact_rollback(greedy_models):
+def test_target_rollback_is_exact(greedy_models):
     """A multi-token verification forward (prefill step after the prompt) gives the logits of feeding
-    the tokens one by one, and truncating LayerKV.length leaves the cache of the accepted prefix."""
+    the tokens one by one, and dropping the newest entries (LayerKV.length) leaves the cache of the
+    accepted prefix."""
     model, _ = greedy_models
     ids = random_ids(40, seed=2)
     extra = [5, 77, 130, 9]
@@ -542,7 +557,7 @@ def test_target_truncation_is_exact_rollback(greedy_models):
             single.append(logits_of(model, forward(model, torch.tensor([t]), 40 + i,
                                                    lambda pos: Step(b, "decode", pos)))[-1])
         assert torch.allclose(multi[:2], torch.stack(single), atol=1e-5)
-        truncate_session(a, 42)  # accept extra[:2]
+        drop_newest(a, len(extra) - 2)  # accept extra[:2]
         for la, lb in zip(a.cache.layers, b.cache.layers):
             ka, va, pa = la.view()
             kb, vb, pb = lb.view()
@@ -605,10 +620,10 @@ def test_verifying_full_steps_equal_one_token_decoding(greedy_models, model_spec
                 single.append(logits_of(model, forward(model, torch.tensor([t]), pos + i,
                                                        lambda p: Step(b, "decode", p)))[-1])
             assert torch.allclose(multi, torch.stack(single), atol=1e-5)
-            keep = pos + max(1, len(extra) - 1)  # roll back the last token (when there are several)
-            truncate_session(a, keep)
-            truncate_session(b, keep)
-            pos = keep
+            dropped = min(1, len(extra) - 1)  # roll back the last token (when there are several)
+            drop_newest(a, dropped)
+            drop_newest(b, dropped)
+            pos += len(extra) - dropped
 
 
 def _state_equal(x, y) -> bool:
@@ -627,6 +642,26 @@ def _filled(session):
         k, v, p = kv.view()
         out.append((k, v, p, {name: s[:, :, :kv.length] for name, s in kv.extras.items()}))
     return out
+
+
+def test_rollback_refuses_what_it_cannot_undo(greedy_models):
+    """drop_newest: a count outside 0..length, or a ring cache (its dropped slots overwrote older
+    entries), is a clear error naming the value."""
+    model, _ = greedy_models
+    ids = random_ids(40, seed=2)
+    with torch.inference_mode():
+        full = new_session(model, resolve_method("full"), 40, 10)
+        prefill(model, full, ids)
+        for bad in (41, -1):
+            with pytest.raises(attnkit.AttnkitError, match=f"cannot drop the newest {bad} of 40 entries"):
+                drop_newest(full, bad)
+        drop_newest(full, 0)
+        drop_newest(full, 3)
+        assert all(kv.length == 37 for kv in full.cache.layers)
+        ring = new_session(model, resolve_method("window", {"window": 16}), 40, 10)
+        prefill(model, ring, ids)
+        with pytest.raises(attnkit.AttnkitError, match="ring-buffer cache"):
+            drop_newest(ring, 1)
 
 
 @pytest.mark.parametrize("spec", ["streaming:budget_tokens=12,sinks=2", "h2o:budget_tokens=12,recent_tokens=4",
@@ -830,11 +865,11 @@ def test_cli_generate_speculate_matches_plain(capsys):
                  "--speculate", "prompt_lookup", "--gamma", "3"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"]
-    assert "acceptance_rate" in spec["stats"]
+    assert "acceptance_rate" in spec["stats"] and spec["stats"]["draft_forwards"] == 0
     assert main(["generate", "--model", model, "--prompt", prompt, "--max-new-tokens", "6",
                  "--speculate", "self", "--draft", "streaming:budget_tokens=8,sinks=2"]) == 0
     err = capsys.readouterr().err
-    assert "acceptance" in err
+    assert "acceptance" in err and "draft forwards per round" in err
     assert main(["generate", "--model", model, "--prompt", prompt, "--speculate", "self", "--method", "window",
                  "--param", "window=8"]) == 2
 
@@ -845,3 +880,22 @@ def test_cli_bench_speculate(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["decoder"].split()[0] for r in rows] == ["plain", "speculative"]
     assert rows[1]["same_output_as_plain"] is True and rows[0]["decode_speedup"] == 1.0
+    split = rows[1]["per_round"]  # one run: its own figures
+    assert split["draft_forwards"] == 0 and split["tokens"] == pytest.approx(rows[1]["tokens_per_target_forward"])
+    assert split["verify_steps"] > 0
+
+
+def test_time_per_round_pools_runs_in_plain_steps():
+    """Two runs with different plain steps: each run's times are divided by its own plain step, then
+    everything is summed over all rounds."""
+    a = dict(rounds=2, tokens_per_target_forward=3.0, drafted_tokens=6, draft_forwards=4, draft_s=0.4,
+             verify_s=0.2, decode_s=0.7)
+    b = dict(rounds=3, tokens_per_target_forward=2.0, drafted_tokens=3, draft_forwards=3, draft_s=0.3,
+             verify_s=0.6, decode_s=0.9)
+    idle = dict(a, rounds=0)  # a run without rounds (the prompt filled max_new_tokens) adds nothing
+    split = time_per_round([(a, 0.1), (b, 0.2), (idle, 0.5)])
+    assert split == pytest.approx({"tokens": (6 + 6) / 5, "drafted": 9 / 5, "draft_forwards": 7 / 5,
+                                   "draft_steps": (4 + 1.5) / 5, "verify_steps": (2 + 3) / 5,
+                                   "other_steps": (1 + 0) / 5})
+    assert time_per_round([(idle, 0.1)]) is None
+    assert "= 1.10 steps (0.79 each)" in format_time_per_round(split)

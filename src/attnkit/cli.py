@@ -105,9 +105,10 @@ def cmd_generate(args) -> int:
               f"decode {s.decode_tokens_per_s:.1f} tok/s, peak KV {s.peak_kv_bytes / 2**20:.2f} MiB, "
               f"final KV {s.final_kv_bytes / 2**20:.2f} MiB ({s.finish_reason})", file=sys.stderr)
         if args.speculate or recipe.decode is not None:
+            forwards = f", {s.draft_forwards / s.rounds:.2f} draft forwards" if s.draft_forwards and s.rounds else ""
             print(f"[speculate {s.draft}] acceptance {s.acceptance_rate:.2f}, {s.tokens_per_target_forward:.2f} "
-                  f"tokens per target forward, mean gamma {s.mean_gamma:.2f}, {s.tokens_per_s:.1f} tok/s end to end",
-                  file=sys.stderr)
+                  f"tokens per target forward, {s.mean_gamma:.2f} drafted{forwards} per round, "
+                  f"{s.tokens_per_s:.1f} tok/s end to end", file=sys.stderr)
     return 0
 
 

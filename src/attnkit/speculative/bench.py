@@ -74,11 +74,44 @@ def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_toke
                     tokens_per_s=statistics.median(end_to_end(r) for r in spec_runs),
                     prefill_s=med(spec_runs, "prefill_s"), acceptance_rate=med(spec_runs, "acceptance_rate"),
                     tokens_per_target_forward=med(spec_runs, "tokens_per_target_forward"),
-                    mean_gamma=med(spec_runs, "mean_gamma"), same_output_as_plain=same)
+                    mean_gamma=med(spec_runs, "mean_gamma"), same_output_as_plain=same,
+                    per_round=time_per_round([(s, 1.0 / p["decode_tokens_per_s"])
+                                              for s, p in zip(spec_runs, plain_runs)]))
     for row in (plain_row, spec_row):
         row["decode_speedup"] = row["decode_tokens_per_s"] / plain_row["decode_tokens_per_s"]
         row["end_to_end_speedup"] = row["tokens_per_s"] / plain_row["tokens_per_s"]
     return [plain_row, spec_row]
+
+
+def time_per_round(pairs: list[tuple[dict, float]]) -> dict | None:
+    """Where a speculative round's time goes, from ``(SpeculativeStats.as_dict(), step_s)`` pairs,
+    ``step_s`` being the decoding step of the plain run paired with that speculative run: per round,
+    tokens emitted, tokens drafted, draft forwards, and the time spent drafting, verifying and in the
+    rest of the loop, in plain decoding steps. Pooled over the runs (sums over all their rounds, so runs
+    with more rounds weigh more); None when no run had a round. ``tokens / (draft_steps + verify_steps +
+    other_steps)`` is then the pooled speed-up."""
+    pairs = [(s, step) for s, step in pairs if s["rounds"]]
+    if not pairs:
+        return None
+    rounds = sum(s["rounds"] for s, _ in pairs)
+
+    def pooled(value) -> float:
+        return sum(value(s, step) for s, step in pairs) / rounds
+
+    return {"tokens": pooled(lambda s, step: s["tokens_per_target_forward"] * s["rounds"]),
+            "drafted": pooled(lambda s, step: s["drafted_tokens"]),
+            "draft_forwards": pooled(lambda s, step: s["draft_forwards"]),
+            "draft_steps": pooled(lambda s, step: s["draft_s"] / step),
+            "verify_steps": pooled(lambda s, step: s["verify_s"] / step),
+            "other_steps": pooled(lambda s, step: (s["decode_s"] - s["draft_s"] - s["verify_s"]) / step)}
+
+
+def format_time_per_round(split: dict) -> str:
+    each = f" ({split['draft_steps'] / split['draft_forwards']:.2f} each)" if split["draft_forwards"] else ""
+    return (f"per round (time in decoding steps of the paired plain run, pooled over runs): {split['tokens']:.2f} "
+            f"tokens out; {split['drafted']:.1f} drafted in {split['draft_forwards']:.1f} draft forwards = "
+            f"{split['draft_steps']:.2f} steps{each}; verification {split['verify_steps']:.2f} steps; the rest of "
+            f"the loop {split['other_steps']:.2f}")
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -90,6 +123,7 @@ def format_rows(rows: list[dict]) -> str:
         tpf = "-" if r.get("tokens_per_target_forward") is None else f"{r['tokens_per_target_forward']:.2f}"
         lines.append(f"{r['decoder'][:58]:<58} {r['decode_tokens_per_s']:>12.1f} {r['decode_speedup']:>8.2f} "
                      f"{r['tokens_per_s']:>10.1f} {r['end_to_end_speedup']:>8.2f} {acc:>7} {tpf:>8}")
+    lines += [format_time_per_round(r["per_round"]) for r in rows if r.get("per_round")]
     same = [r["same_output_as_plain"] for r in rows if "same_output_as_plain" in r]
     if same:
         lines.append(f"greedy output identical to plain decoding: {'yes' if all(same) else 'NO'}")

@@ -91,6 +91,7 @@ class DraftSource:
     """The interface. ``start`` once per generation, then per round ``propose`` and ``feedback``."""
 
     kind: str = "base"
+    forwards: int = 0  # model forwards run while proposing in the current generation (0: no model)
 
     def start(self, run: DraftRun) -> Session | None:
         """Prepare for a generation. May return a session to be filled by the target's prompt pass
@@ -159,26 +160,18 @@ def restore_session(session: Session, snap: SessionSnapshot) -> None:
     session.shared = snap.shared
 
 
-def truncate_session(session: Session, length: int) -> None:
-    """Roll an append-only (``full``) cache back to its first `length` entries: slots at or beyond
-    ``length`` are never read and are overwritten by the next append."""
+def drop_newest(session: Session, count: int) -> None:
+    """Undo the last `count` tokens fed to a cache that only appends while decoding (``full``, the
+    target's; ``Method.decode_only_appends``, a compressed draft cache, which holds fewer slots than
+    positions): its newest `count` slots in every layer are never read again and are overwritten by the
+    next append."""
     for kv in session.cache.layers:
         if kv is None:
             continue
         if kv.ring:
-            raise AttnkitError("a ring-buffer cache cannot be truncated; snapshot the session instead")
-        if length > kv.length:
-            raise AttnkitError(f"cannot roll a cache of {kv.length} entries forward to {length}")
-        kv.length = length
-
-
-def drop_newest(session: Session, count: int) -> None:
-    """Undo the last `count` tokens fed to a cache that only appends (``Method.decode_only_appends``):
-    its newest `count` slots in every layer (a compressed cache holds fewer slots than positions)."""
-    for kv in session.cache.layers:
-        if kv is None:
-            continue
-        if kv.ring or count > kv.length:
+            raise AttnkitError("a ring-buffer cache has overwritten the entries a rollback would restore; "
+                               "snapshot the session instead")
+        if not 0 <= count <= kv.length:
             raise AttnkitError(f"cannot drop the newest {count} of {kv.length} entries of this cache")
         kv.length -= count
 
@@ -261,6 +254,7 @@ class ModelDraft(DraftSource):
             self.lookup.start(run)
             self.lookup.adaptive = True  # guesses sized from their match length, whatever the loop's gamma
         self.cached = n
+        self.forwards = 0
         self._cost = self._estimate_cost(run.target, n)
         if self.model is None and self.share_prefill:
             return self.session
@@ -299,10 +293,12 @@ class ModelDraft(DraftSource):
         model, session = self.drafter, self.session
         device = model.device
         if len(tokens) > 1 and self.method.decode_only_appends():
+            self.forwards += 1
             ids = torch.tensor(tokens, device=device)
             hidden = forward(model, ids, start, lambda pos: Step(session, "decode", pos), all_positions=True)
             return logits_of(model, hidden)
         rows = []
+        self.forwards += len(tokens)
         for i, tok in enumerate(tokens):  # evicting methods decode one token at a time
             hidden = forward(model, torch.tensor([tok], device=device), start + i,
                              lambda pos: Step(session, "decode", pos))

@@ -11,8 +11,9 @@ cache holds the first ``L - 1``:
    (:class:`VerifyingFull`: ``full`` with a faster kernel call for this few-query step);
 3. :func:`attnkit.speculative.acceptance.speculative_accept` (or the greedy rule) keeps ``n``
    drafts and draws the next token;
-4. the target cache is rolled back to ``L + n`` entries (``LayerKV.length``; full attention's cache is
-   append-only, so the slots beyond are simply never read) and the draft source is told ``n``.
+4. the target cache drops its newest ``g - n`` entries, keeping ``L + n`` (``LayerKV.length``; full
+   attention's cache is append-only, so the slots beyond are simply never read) and the draft source is
+   told ``n``.
 
 A round emits ``n + 1`` tokens for one target forward. Temperature, top-k and top-p are applied to
 target and draft alike (:func:`attnkit.sampling.next_token_distribution`, as the plain runner does)
@@ -79,8 +80,8 @@ from attnkit.speculative.drafts import (
     DraftRun,
     DraftSource,
     Proposal,
+    drop_newest,
     make_draft,
-    truncate_session,
 )
 
 # Floor of the relative draft cost in the adaptive-gamma model: python and kernel-launch overhead make
@@ -99,6 +100,7 @@ class SpeculativeStats(GenerationStats):
     acceptance_rate: float  # accepted / drafted tokens
     tokens_per_target_forward: float  # mean tokens a round emits: accepted drafts + 1
     mean_gamma: float  # drafted tokens per round
+    draft_forwards: int  # forwards of the draft model (0 for prompt lookup); one may take several tokens
     draft_s: float  # time spent proposing (draft forwards, lookups, snapshots)
     verify_s: float  # time spent in the target's verification forwards and the acceptance rule
     tokens_per_s: float  # new tokens over prefill + decode time (end to end)
@@ -352,7 +354,7 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
                                         next_token_distribution(logits, sampling), generator)
         else:
             result = greedy_accept(drafted, logits)
-        truncate_session(session, L + result.accepted)  # the target keeps c_L and the accepted drafts
+        drop_newest(session, len(drafted) - result.accepted)  # the target keeps c_L and the accepted drafts
         if g > 0:
             source.feedback(result.accepted)
         _sync(device)
@@ -386,7 +388,8 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
         drafted_tokens=drafted_total, accepted_tokens=accepted_total,
         acceptance_rate=accepted_total / drafted_total if drafted_total else 0.0,
         tokens_per_target_forward=emitted_by_rounds / rounds if rounds else 0.0,
-        mean_gamma=drafted_total / rounds if rounds else 0.0, draft_s=draft_s, verify_s=verify_s,
+        mean_gamma=drafted_total / rounds if rounds else 0.0, draft_forwards=source.forwards, draft_s=draft_s,
+        verify_s=verify_s,
         tokens_per_s=len(generated) / total_s if total_s > 0 else 0.0,
     )
     return Generation(text, generated, stats)
