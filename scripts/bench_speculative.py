@@ -108,6 +108,7 @@ def ours(result) -> dict:
             "tokens_per_target_forward": getattr(s, "tokens_per_target_forward", 1.0),
             "acceptance_rate": getattr(s, "acceptance_rate", None), "stats": s.as_dict()}
 
+
 def load(spec: str, context: int):
     if spec.startswith("random:") and "context=" not in spec:
         return attnkit.load_model(spec, context=context)
@@ -236,8 +237,7 @@ def main(argv=None) -> int:
     print(f"attnkit speculative / attnkit plain per run ({len(per_run)} runs): median {spread['median']:.2f}, "
           f"range {spread['min']:.2f}-{spread['max']:.2f}; per prompt " + " ".join(f"{x:.2f}" for x in per_prompt))
     # where a round's time goes, in decoding steps of the plain run each speculative run was paired with
-    split = time_per_round([(r["stats"], 1.0 / p["decode_tokens_per_s"])
-                            for r, p in zip(runs[spec_name], runs[plain_name])])
+    split = time_per_round([(r["stats"], p["decode_tokens_per_s"]) for r, p in zip(runs[spec_name], runs[plain_name])])
     if split:
         by[spec_name]["per_round"] = split
         print(format_time_per_round(split))

@@ -408,6 +408,42 @@ def test_greedy_with_a_lookup_guessing_draft_equals_plain(greedy_models, source,
         assert out.stats.acceptance_rate == 1.0
 
 
+def test_lookup_guesses_ride_along_with_the_drafts_catch_up(greedy_models, monkeypatch):
+    """Every draft forward takes the tokens the draft has not seen followed by the guesses the lookup
+    just made; a round's first forward starts with the end of the context (the target's last tokens),
+    so its guesses need no forward of their own."""
+    target, _ = greedy_models
+    calls = []
+    lookup_after, feed = PromptLookupDraft.lookup_after, ModelDraft._feed
+
+    def recording_lookup(self, context, drafted, gamma):
+        calls.append(("guesses", lookup_after(self, context, drafted, gamma), len(context), len(drafted)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(PromptLookupDraft, "lookup_after", recording_lookup)
+    monkeypatch.setattr(ModelDraft, "_feed", lambda self, tokens, start: calls.append(("feed", tokens, start))
+                        or feed(self, tokens, start))
+    prompt = repetitive_prompt()
+    plain = attnkit.generate(target, prompt, max_new_tokens=30, stop_at_eos=False)
+    out = speculative_generate(target, prompt, "self", draft_spec="snapkv:budget_tokens=24,window_size=4",
+                               draft_lookup=True, gamma=6, max_new_tokens=30, stop_at_eos=False)
+    assert out.token_ids == plain.token_ids
+    ride_along = 0
+    for before, call in zip(calls, calls[1:]):
+        if call[0] != "feed":
+            continue
+        assert before[0] == "guesses"
+        (_, guesses, context_len, drafted), (_, tokens, start) = before, call
+        unseen = tokens[:len(tokens) - len(guesses)]
+        assert tokens[len(unseen):] == guesses and len(unseen) >= 1
+        if drafted == 0:  # the round's first forward: the context's end the draft has not seen
+            assert start + len(unseen) == context_len
+            ride_along += bool(guesses)
+        else:  # later: the token just drafted
+            assert len(unseen) == 1 and start == context_len + drafted - 1
+    assert ride_along > 0
+
+
 @pytest.mark.parametrize("source,spec,lookup", [
     ("self", "snapkv:budget_tokens=24,window_size=4", True),
     ("self", "streaming:budget_tokens=24,sinks=4", False),  # an evicting cache: snapshots roll it back
@@ -893,9 +929,9 @@ def test_time_per_round_pools_runs_in_plain_steps():
     b = dict(rounds=3, tokens_per_target_forward=2.0, drafted_tokens=3, draft_forwards=3, draft_s=0.3,
              verify_s=0.6, decode_s=0.9)
     idle = dict(a, rounds=0)  # a run without rounds (the prompt filled max_new_tokens) adds nothing
-    split = time_per_round([(a, 0.1), (b, 0.2), (idle, 0.5)])
+    split = time_per_round([(a, 10.0), (b, 5.0), (idle, 2.0), (a, 0.0)])  # plain tok/s; 0: plain not timed
     assert split == pytest.approx({"tokens": (6 + 6) / 5, "drafted": 9 / 5, "draft_forwards": 7 / 5,
                                    "draft_steps": (4 + 1.5) / 5, "verify_steps": (2 + 3) / 5,
                                    "other_steps": (1 + 0) / 5})
-    assert time_per_round([(idle, 0.1)]) is None
+    assert time_per_round([(idle, 10.0)]) is None and time_per_round([(a, 0.0)]) is None
     assert "= 1.10 steps (0.79 each)" in format_time_per_round(split)

@@ -75,8 +75,7 @@ def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_toke
                     prefill_s=med(spec_runs, "prefill_s"), acceptance_rate=med(spec_runs, "acceptance_rate"),
                     tokens_per_target_forward=med(spec_runs, "tokens_per_target_forward"),
                     mean_gamma=med(spec_runs, "mean_gamma"), same_output_as_plain=same,
-                    per_round=time_per_round([(s, 1.0 / p["decode_tokens_per_s"])
-                                              for s, p in zip(spec_runs, plain_runs)]))
+                    per_round=time_per_round([(s, p["decode_tokens_per_s"]) for s, p in zip(spec_runs, plain_runs)]))
     for row in (plain_row, spec_row):
         row["decode_speedup"] = row["decode_tokens_per_s"] / plain_row["decode_tokens_per_s"]
         row["end_to_end_speedup"] = row["tokens_per_s"] / plain_row["tokens_per_s"]
@@ -84,13 +83,13 @@ def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_toke
 
 
 def time_per_round(pairs: list[tuple[dict, float]]) -> dict | None:
-    """Where a speculative round's time goes, from ``(SpeculativeStats.as_dict(), step_s)`` pairs,
-    ``step_s`` being the decoding step of the plain run paired with that speculative run: per round,
+    """Where a speculative round's time goes, from ``(SpeculativeStats.as_dict(), plain tok/s)`` pairs,
+    the second being the decoding speed of the plain run paired with that speculative run: per round,
     tokens emitted, tokens drafted, draft forwards, and the time spent drafting, verifying and in the
     rest of the loop, in plain decoding steps. Pooled over the runs (sums over all their rounds, so runs
-    with more rounds weigh more); None when no run had a round. ``tokens / (draft_steps + verify_steps +
-    other_steps)`` is then the pooled speed-up."""
-    pairs = [(s, step) for s, step in pairs if s["rounds"]]
+    with more rounds weigh more); None when no run had a round and a timed plain pair. ``tokens /
+    (draft_steps + verify_steps + other_steps)`` is then the pooled speed-up."""
+    pairs = [(s, 1.0 / plain_tok_s) for s, plain_tok_s in pairs if s["rounds"] and plain_tok_s > 0]
     if not pairs:
         return None
     rounds = sum(s["rounds"] for s, _ in pairs)

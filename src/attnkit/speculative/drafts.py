@@ -19,7 +19,8 @@ speed.
   guesses several per forward instead of decoding one token per forward, TriForce's hierarchy (Sun et
   al. 2024, section 4.2) with prompt lookup at the bottom. Where a draft step is mostly fixed cost (a
   small model on a CPU) this is what makes self-speculation pay (README: 1.22x -> 1.48x at 32k on two
-  prompts; 1.79x there with the confidence stop below).
+  prompts; 1.79x there with the confidence stop below). A round's first guesses go into the same
+  forward as the tokens the target just added (the draft's catch-up).
 - A model draft may stop a round early (``confidence``, ``--draft-confidence``): after the first token
   it gave less than that probability, as transformers' ``assistant_confidence_threshold`` and
   SpecDec++ (Huang et al. 2024) do. Where drafting is slow and verification compute-bound (a CPU)
@@ -344,12 +345,12 @@ class ModelDraft(DraftSource):
         L = len(context)
         if self.cached >= L:  # cannot happen in the loop: the context always ends with an unfed token
             raise AttnkitError("draft cache is ahead of the context")
-        logits = self._feed(context[self.cached:], self.cached)[-1]
-        self.cached = L
         self._round_start = L
         self._snapshots = []
         if self.lookup is not None:
-            return self._propose_with_lookup(context, gamma, logits)
+            return self._propose_with_lookup(context, gamma)
+        logits = self._feed(context[self.cached:], self.cached)[-1]
+        self.cached = L
         snapshot = not self.method.decode_only_appends()
         tokens, probs = [], []
         for i in range(gamma):
@@ -366,44 +367,48 @@ class ModelDraft(DraftSource):
                 self.cached = L + i + 1
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
-    def _propose_with_lookup(self, context: list[int], gamma: int, logits: torch.Tensor) -> Proposal:
+    def _propose_with_lookup(self, context: list[int], gamma: int) -> Proposal:
         """TriForce's hierarchy (Sun et al. 2024, section 4.2) with prompt lookup at the bottom: the
         draft verifies n-gram guesses in one forward of several tokens, as the target verifies the
         draft, instead of one forward per drafted token. Every drafted token is still distributed as the
         draft's own next-token distribution (:meth:`_judge`), and the draft's cache is cut back to the
-        tokens it kept after each of its forwards (exact: it only appends)."""
-        L = len(context)
-        tok, p = self._choose(logits)
-        tokens, probs = [tok], [p]
-        unsure = self._unsure(logits, tok, p)
+        tokens it kept after each of its forwards (exact: it only appends).
+
+        Each forward takes the tokens the draft has not seen yet (the round's first: the end of the
+        context the target just extended; later: the token just drafted) followed by the guesses for
+        what comes after them, so the round's first guesses ride along with the catch-up instead of
+        waiting for a forward of their own."""
+        tokens, probs = [], []
+        unseen = context[self.cached:]
+        unsure = False
         while len(tokens) < gamma and not unsure:
-            pos = L + len(tokens) - 1  # position of the last drafted token, not yet fed
+            start = self.cached  # position of unseen[0]
             guesses = self.lookup.lookup_after(context, tokens, gamma - len(tokens))
-            rows = self._feed([tokens[-1]] + guesses, pos)
-            self.cached = pos + 1 + len(guesses)
+            rows = self._feed(unseen + guesses, start)
+            first = len(unseen) - 1  # rows[first + j]: the draft's logits for the place of guesses[j]
             kept = 0
             for j in range(len(guesses) + 1):
                 if len(tokens) >= gamma:
                     break
+                row = rows[first + j]
                 if j == len(guesses):  # every guess passed: the draft's own next token
-                    tok, p = self._choose(rows[j])
-                    tokens.append(tok)
-                    probs.append(p)
-                    unsure = self._unsure(rows[j], tok, p)
-                    break
-                ok, tok, p = self._judge(rows[j], guesses[j])
+                    ok = False
+                    tok, p = self._choose(row)
+                else:
+                    ok, tok, p = self._judge(row, guesses[j])
                 tokens.append(tok)
                 probs.append(p)
-                unsure = self._unsure(rows[j], tok, p)
+                unsure = self._unsure(row, tok, p)
                 if not ok or unsure:
                     break
                 kept += 1
             if guesses:
                 self.lookup.feedback(kept)
-            keep = pos + 1 + kept  # the fed drafted token and the guesses that passed
-            if self.cached > keep:
-                drop_newest(self.session, self.cached - keep)
-                self.cached = keep
+            fed = start + len(unseen) + len(guesses)
+            self.cached = start + len(unseen) + kept  # the unseen tokens and the guesses that passed
+            if fed > self.cached:
+                drop_newest(self.session, fed - self.cached)
+            unseen = tokens[-1:]  # not fed: the draft's own token or its replacement for a failed guess
         return Proposal(tokens, torch.stack(probs) if self.sampling.do_sample else None)
 
     def feedback(self, accepted: int) -> None:
