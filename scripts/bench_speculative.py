@@ -143,6 +143,9 @@ def main(argv=None) -> int:
                     help="transformers' assistant_confidence_threshold (default: transformers' own, 0.4)")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
+    if args.new_tokens < 2:
+        ap.error(f"--new-tokens must be at least 2 (decoding speed is timed over the tokens after the first), "
+                 f"got {args.new_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
 

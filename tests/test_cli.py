@@ -53,3 +53,6 @@ def test_bench_reports_ratios(capsys):
     assert full["kv_ratio"] == 1.0
     assert win["final_kv_bytes"] * (306 / 64) == full["final_kv_bytes"]
     assert win["prefill_speedup"] > 0 and win["decode_speedup"] > 0
+    for extra in ([], ["--speculate", "prompt_lookup"]):  # one new token: no decoding step to time
+        assert main(["bench", "--model", MODEL, "--context", "300", "--new-tokens", "1", *extra]) == 2
+        assert "--new-tokens must be at least 2" in capsys.readouterr().err

@@ -116,6 +116,9 @@ def cmd_bench(args) -> int:
     from attnkit.bench.speed import format_bench, run_bench
 
     _check_draft_options(args)
+    if args.new_tokens < 2:
+        raise AttnkitError(f"--new-tokens must be at least 2 for a benchmark (decoding speed is timed over the "
+                           f"tokens after the first), got {args.new_tokens}")
     if args.speculate:
         from attnkit.speculative.bench import bench_from_args
 
