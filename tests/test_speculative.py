@@ -31,7 +31,7 @@ from attnkit.speculative import (
     speculative_accept,
     speculative_generate,
 )
-from attnkit.speculative.bench import format_time_per_round, time_per_round
+from attnkit.speculative.bench import format_time_per_round, run_speculative_bench, time_per_round
 from attnkit.speculative.drafts import drop_newest, snapshot_session
 from attnkit.speculative.generate import VerifyingFull, prefill_sessions
 from attnkit.tokenizer import build_byte_tokenizer
@@ -411,13 +411,15 @@ def test_greedy_with_a_lookup_guessing_draft_equals_plain(greedy_models, source,
 def test_lookup_guesses_ride_along_with_the_drafts_catch_up(greedy_models, monkeypatch):
     """Every draft forward takes the tokens the draft has not seen followed by the guesses the lookup
     just made; a round's first forward starts with the end of the context (the target's last tokens),
-    so its guesses need no forward of their own."""
+    so its guesses need no forward of their own. The guesses run to the round's cap (the tokens still to
+    draft), whatever the match length: they are not sized by the target's verification cost."""
     target, _ = greedy_models
-    calls = []
+    calls, caps = [], []
     lookup_after, feed = PromptLookupDraft.lookup_after, ModelDraft._feed
 
     def recording_lookup(self, context, drafted, gamma):
         calls.append(("guesses", lookup_after(self, context, drafted, gamma), len(context), len(drafted)))
+        caps.append((len(calls[-1][1]), gamma, self._last[0]))
         return calls[-1][1]
 
     monkeypatch.setattr(PromptLookupDraft, "lookup_after", recording_lookup)
@@ -442,6 +444,9 @@ def test_lookup_guesses_ride_along_with_the_drafts_catch_up(greedy_models, monke
         else:  # later: the token just drafted
             assert len(unseen) == 1 and start == context_len + drafted - 1
     assert ride_along > 0
+    assert all(n in (0, cap) for n, cap, _ in caps)
+    # short matches too (a 1-2 token match predicts badly: sizing would have proposed less than the cap)
+    assert any(n == cap > 1 and match <= 2 for n, cap, match in caps)
 
 
 @pytest.mark.parametrize("source,spec,lookup", [
@@ -919,6 +924,19 @@ def test_cli_bench_speculate(capsys):
     split = rows[1]["per_round"]  # one run: its own figures
     assert split["draft_forwards"] == 0 and split["tokens"] == pytest.approx(rows[1]["tokens_per_target_forward"])
     assert split["verify_steps"] > 0
+
+
+def test_library_benches_refuse_fewer_than_two_new_tokens(small_llama):
+    """Called from Python (not the CLI), both benches refuse a token count they cannot time decoding over
+    (it divided by zero) before they generate anything."""
+    from attnkit.bench.speed import run_bench
+
+    prompt = torch.arange(3, 40)
+    for bad in (1, 0, 2.5, True):
+        with pytest.raises(attnkit.AttnkitError, match=f"new_tokens must be a whole number >= 2.*got {bad!r}"):
+            run_speculative_bench(small_llama, prompt, bad, "prompt_lookup", repeats=1)
+        with pytest.raises(attnkit.AttnkitError, match=f"new_tokens must be a whole number >= 2.*got {bad!r}"):
+            run_bench(small_llama, 40, bad, ["full"], repeats=1)
 
 
 def test_time_per_round_pools_runs_in_plain_steps():

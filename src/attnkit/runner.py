@@ -99,6 +99,13 @@ def check_length(model: LoadedModel, prompt_len: int, max_new_tokens: int) -> No
                            f"{prompt_len + max_new_tokens} exceeds the {limit} positions model {model.spec!r} allows")
 
 
+def check_benchmark_tokens(new_tokens: int) -> None:
+    """A benchmark times decoding over the tokens after the first: it needs at least two new tokens."""
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
+        raise AttnkitError(f"new_tokens must be a whole number >= 2 for a benchmark (decoding speed is timed over "
+                           f"the tokens after the first), got {new_tokens!r}")
+
+
 def forward(model: LoadedModel, ids: torch.Tensor, start: int, step_factory: Callable[[torch.Tensor], Step],
             all_positions: bool = False) -> torch.Tensor:
     """Run the decoder on `ids` ([n]) at positions start..; final-norm hidden states ``[n or 1, hidden]``
@@ -117,7 +124,7 @@ def forward(model: LoadedModel, ids: torch.Tensor, start: int, step_factory: Cal
 
 
 def run_decoder_layers(model: LoadedModel, hidden: torch.Tensor, positions: torch.Tensor, step: Step,
-                       layers: range | None = None) -> torch.Tensor:
+                       layers: Sequence[int] | None = None) -> torch.Tensor:
     """Run decoder layers `layers` (default: all) on `hidden` ``[1, n, hidden]`` at the original
     `positions` ``[n]`` (RoPE is applied at those positions, whatever they are), attention through `step`.
 

@@ -20,7 +20,7 @@ import torch
 
 from attnkit.model import LoadedModel
 from attnkit.recipe import as_recipe
-from attnkit.runner import _sync
+from attnkit.runner import _sync, check_benchmark_tokens
 
 FIELDS = ("prefill_s", "decode_tokens_per_s", "peak_kv_bytes", "final_kv_bytes")
 
@@ -72,6 +72,7 @@ def run_bench(model: LoadedModel, context: int, new_tokens: int, methods: list, 
     """One row per method: medians of FIELDS over `repeats` interleaved runs, and ratios to `full`.
     With `bandwidth` (bytes/s, :func:`measure_bandwidth`), each row also has the decode floor per token
     (weights + the KV kept at the end, read once per token) beside the measured time per token."""
+    check_benchmark_tokens(new_tokens)
     recipes = [as_recipe(m, "method") for m in methods]
     peers = [r.label for r in recipes if r.is_peer]
     if peers:

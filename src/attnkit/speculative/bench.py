@@ -16,7 +16,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.model import LoadedModel
-from attnkit.runner import encode_prompt, generate
+from attnkit.runner import check_benchmark_tokens, encode_prompt, generate
 from attnkit.speculative.drafts import DraftSource
 from attnkit.speculative.generate import resolve_draft, speculative_generate
 
@@ -44,6 +44,7 @@ def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_toke
                           draft_confidence: float | None = None) -> list[dict]:
     """Rows for plain decoding and speculative decoding (greedy): medians of decode tok/s, end-to-end
     tok/s and prefill s, acceptance and tokens per target forward, speedups over plain."""
+    check_benchmark_tokens(new_tokens)
     source = resolve_draft(draft, draft_spec, model, draft_lookup, draft_confidence)
     kw = dict(max_new_tokens=new_tokens, stop_at_eos=False)
     # warm-up (lazy initialisation, allocator) outside the measurement
