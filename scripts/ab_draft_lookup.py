@@ -44,9 +44,10 @@ from attnkit.speculative.bench import code_prompt  # noqa: E402
 from attnkit.speculative.drafts import PromptLookupDraft  # noqa: E402
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare", choices=("ride-along", "sizing"), required=True)
+def self_draft_parser(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of a side-by-side run of `self` drafts (also scripts/explore_layer_skip_draft.py):
+    the benchmark's 16k setting by default."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny:yarn=8")
     ap.add_argument("--draft", default="snapkv:budget_tokens=512")
     ap.add_argument("--context", type=int, default=16384)
@@ -54,8 +55,14 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=12)
     ap.add_argument("--confidence", type=float, default=0.3)
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--threads", type=int, default=2)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = self_draft_parser(__doc__, repeats=2)
+    ap.add_argument("--compare", choices=("ride-along", "sizing"), required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model_for_length(args.model, args.context + args.new_tokens)

@@ -20,7 +20,6 @@ acceptance than it saves time.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from ab_draft_lookup import self_draft_parser  # noqa: E402 (this directory's sibling script)
 from attnkit.methods.base import Step  # noqa: E402
 from attnkit.model import load_model_for_length  # noqa: E402
 from attnkit.runner import generate, logits_of, run_decoder_layers  # noqa: E402
@@ -62,16 +62,7 @@ class LayerSkippingSelfDraft(ModelDraft):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny:yarn=8")
-    ap.add_argument("--draft", default="snapkv:budget_tokens=512")
-    ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--gamma", type=int, default=12)
-    ap.add_argument("--confidence", type=float, default=0.3)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = self_draft_parser(__doc__, repeats=1)
     ap.add_argument("--skip", default="-,5,4,3,45",
                     help="comma-separated sets of skipped layers, each written as its digits ('-': none)")
     args = ap.parse_args(argv)
