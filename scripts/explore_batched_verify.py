@@ -16,7 +16,8 @@ results/explore_batched_verify_16k.txt), batched against apart, in plain steps: 
 2.52-2.58 for 8 (a first run: 1.37-1.46 against 1.69, 1.71-1.82 against 2.15-2.17, 2.15-2.20 against
 2.81-2.82, 2.66 against 3.15-3.23). It saves 0.3-0.6 of a plain step per forward, because each target
 row's attention over 16k keys (about 0.2 steps) stays. A loop built on it would save about one forward's
-fixed cost per round (an estimated 6 % at 16k). Not built.
+fixed cost per round (an estimated 6 % at 16k); scripts/explore_pipelined_self.py tries one (greedy) and
+finds it slower than attnkit's loop. Not built into the library.
 """
 
 from __future__ import annotations
