@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import attnkit  # noqa: E402
 from attnkit.eval.harness import cpu_name  # noqa: E402
+from attnkit.runner import check_benchmark_tokens  # noqa: E402
 from attnkit.speculative import make_draft, speculative_generate  # noqa: E402
 from attnkit.speculative.bench import code_prompt, format_time_per_round, time_per_round  # noqa: E402
 
@@ -143,9 +144,10 @@ def main(argv=None) -> int:
                     help="transformers' assistant_confidence_threshold (default: transformers' own, 0.4)")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
-    if args.new_tokens < 2:
-        ap.error(f"--new-tokens must be at least 2 (decoding speed is timed over the tokens after the first), "
-                 f"got {args.new_tokens}")
+    try:
+        check_benchmark_tokens(args.new_tokens, name="--new-tokens")
+    except attnkit.AttnkitError as e:
+        ap.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -55,4 +55,5 @@ def test_bench_reports_ratios(capsys):
     assert win["prefill_speedup"] > 0 and win["decode_speedup"] > 0
     for extra in ([], ["--speculate", "prompt_lookup"]):  # one new token: no decoding step to time
         assert main(["bench", "--model", MODEL, "--context", "300", "--new-tokens", "1", *extra]) == 2
-        assert "--new-tokens must be at least 2" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "--new-tokens must be a whole number >= 2" in err and "got 1" in err

@@ -114,11 +114,10 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     from attnkit.bench.speed import format_bench, run_bench
+    from attnkit.runner import check_benchmark_tokens
 
     _check_draft_options(args)
-    if args.new_tokens < 2:
-        raise AttnkitError(f"--new-tokens must be at least 2 for a benchmark (decoding speed is timed over the "
-                           f"tokens after the first), got {args.new_tokens}")
+    check_benchmark_tokens(args.new_tokens, name="--new-tokens")  # before the model loads
     if args.speculate:
         from attnkit.speculative.bench import bench_from_args
 

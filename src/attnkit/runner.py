@@ -99,10 +99,11 @@ def check_length(model: LoadedModel, prompt_len: int, max_new_tokens: int) -> No
                            f"{prompt_len + max_new_tokens} exceeds the {limit} positions model {model.spec!r} allows")
 
 
-def check_benchmark_tokens(new_tokens: int) -> None:
-    """A benchmark times decoding over the tokens after the first: it needs at least two new tokens."""
+def check_benchmark_tokens(new_tokens: int, name: str = "new_tokens") -> None:
+    """A benchmark times decoding over the tokens after the first: it needs at least two new tokens.
+    `name` is what the caller calls the value (the argument, or a command-line flag)."""
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
-        raise AttnkitError(f"new_tokens must be a whole number >= 2 for a benchmark (decoding speed is timed over "
+        raise AttnkitError(f"{name} must be a whole number >= 2 for a benchmark (decoding speed is timed over "
                            f"the tokens after the first), got {new_tokens!r}")
 
 
