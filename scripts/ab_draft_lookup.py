@@ -44,16 +44,19 @@ from attnkit.speculative.bench import code_prompt  # noqa: E402
 from attnkit.speculative.drafts import PromptLookupDraft  # noqa: E402
 
 
-def self_draft_parser(description: str, repeats: int) -> argparse.ArgumentParser:
-    """The options of a side-by-side run of `self` drafts (also scripts/explore_layer_skip_draft.py):
+def self_draft_parser(description: str, repeats: int, confidence: bool = True) -> argparse.ArgumentParser:
+    """The options of a side-by-side run of `self` drafts (also scripts/explore_layer_skip_draft.py and
+    scripts/ab_draft_confidence.py, which compares thresholds and so takes no single `--confidence`):
     the benchmark's 16k setting by default."""
-    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--model", default="tiny:yarn=8")
     ap.add_argument("--draft", default="snapkv:budget_tokens=512")
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=12)
-    ap.add_argument("--confidence", type=float, default=0.3)
+    if confidence:
+        ap.add_argument("--confidence", type=float, default=0.3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--threads", type=int, default=2)
