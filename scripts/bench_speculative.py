@@ -18,6 +18,8 @@ head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --conte
     # ... and with the draft verifying prompt-lookup guesses (add --draft-lookup; results/*_yarn_lookup_*)
     # ... and stopping a round after a token the draft is unsure of (results/*_yarn_lookup_conf_*:
     # --gamma 12 --draft-lookup --draft-confidence 0.3 --prompts 4; *_2prompts: --prompts 2)
+    # ... and drafting with int8 copies of the weights (results/*_yarn_lookup_conf_int8_*: add
+    # --draft-weights int8)
 
 Results in results/bench_spec_*.txt were taken on an Intel Xeon (2 cores) with OMP_NUM_THREADS=1 ...
 --threads 1 --repeats 2 (prompt lookup: --repeats 3 --prompts 64); results/bench_spec_prompt_lookup_
@@ -127,6 +129,8 @@ def main(argv=None) -> int:
                     "guesses several tokens per forward (TriForce's hierarchy)")
     ap.add_argument("--draft-confidence", type=float, default=None, metavar="P",
                     help="draft_model/self: stop drafting after a token the draft gave less than probability P")
+    ap.add_argument("--draft-weights", choices=["same", "int8"], default=None,
+                    help="draft_model/self: int8 drafts with weight-only int8 copies of the linear layers")
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=4)
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     model = load(args.model, args.context + args.new_tokens + 64)
-    draft = make_draft(args.kind, args.draft, model, lookup=args.draft_lookup, confidence=args.draft_confidence)
+    draft = make_draft(args.kind, args.draft, model, lookup=args.draft_lookup, confidence=args.draft_confidence,
+                       weights=args.draft_weights)
     prompts = [code_prompt(model, args.context, seed) for seed in range(args.prompts)]
 
     verify_cost = {} if args.verify_cost is None else {"verify_cost": args.verify_cost}

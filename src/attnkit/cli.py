@@ -57,7 +57,8 @@ def cmd_methods(args) -> int:
 def _check_draft_options(args) -> None:
     """The draft options mean nothing without --speculate: refuse them rather than ignore them."""
     given = [flag for flag, value in (("--draft", args.draft is not None), ("--draft-lookup", args.draft_lookup),
-                                      ("--draft-confidence", args.draft_confidence is not None)) if value]
+                                      ("--draft-confidence", args.draft_confidence is not None),
+                                      ("--draft-weights", args.draft_weights is not None)) if value]
     if given and not args.speculate:
         what = "is an option" if len(given) == 1 else "are options"
         raise AttnkitError(f"{', '.join(given)} {what} of speculative decoding's draft; add --speculate "
@@ -92,6 +93,7 @@ def cmd_generate(args) -> int:
                                f"(for self-speculation give the draft's method with --draft)")
         out = speculative_generate(model, prompt, args.speculate, draft_spec=args.draft,
                                    draft_lookup=args.draft_lookup, draft_confidence=args.draft_confidence,
+                                   draft_weights=args.draft_weights,
                                    gamma=args.gamma,
                                    adaptive_gamma=args.adaptive_gamma, **sampling)
     else:
@@ -106,9 +108,10 @@ def cmd_generate(args) -> int:
               f"final KV {s.final_kv_bytes / 2**20:.2f} MiB ({s.finish_reason})", file=sys.stderr)
         if args.speculate or recipe.decode is not None:
             forwards = f", {s.draft_forwards / s.rounds:.2f} draft forwards" if s.draft_forwards and s.rounds else ""
+            weights = f", draft weights {s.draft_weight_bytes / 2**20:.2f} MiB" if s.draft_weight_bytes else ""
             print(f"[speculate {s.draft}] acceptance {s.acceptance_rate:.2f}, {s.tokens_per_target_forward:.2f} "
                   f"tokens per target forward, {s.mean_gamma:.2f} drafted{forwards} per round, "
-                  f"{s.tokens_per_s:.1f} tok/s end to end", file=sys.stderr)
+                  f"{s.tokens_per_s:.1f} tok/s end to end{weights}", file=sys.stderr)
     return 0
 
 
@@ -277,6 +280,9 @@ def _speculation_arguments(p) -> None:
     g.add_argument("--draft-confidence", type=float, default=None, metavar="P",
                    help="draft_model/self: stop drafting after a token the draft gave less than probability P "
                         "(gamma becomes a cap; e.g. 0.3)")
+    g.add_argument("--draft-weights", choices=["same", "int8"], default=None,
+                   help="draft_model/self: int8 drafts with weight-only int8 copies of the model's linear layers "
+                        "(the target verifies with its own); same (default): the model's own weights")
 
 
 def cmd_calibrate(args) -> int:

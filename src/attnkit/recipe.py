@@ -16,8 +16,8 @@ each part is a method spec string or ``{"method": NAME, "params": {...}}``)::
 ``compose`` mechanism joins a prefill method and a cache method only, so either stands alone.
 ``decode`` is speculative decoding (:func:`attnkit.speculative_generate`): ``speculate`` is
 ``draft_model``, ``prompt_lookup`` or ``self``, with ``gamma``, ``adaptive_gamma``, ``max_gamma``,
-``draft`` (the draft's spec, as ``--draft``), ``draft_lookup`` (as ``--draft-lookup``) and
-``draft_confidence`` (as ``--draft-confidence``); it verifies
+``draft`` (the draft's spec, as ``--draft``), ``draft_lookup`` (as ``--draft-lookup``),
+``draft_confidence`` (as ``--draft-confidence``) and ``draft_weights`` (as ``--draft-weights``); it verifies
 with full attention, so it is not combined with another attention method.
 
 A peer's method (NVIDIA's kvpress, run in its own environment by :mod:`attnkit.bench.peers`)::
@@ -45,7 +45,8 @@ from attnkit.methods.base import Method, make_method, split_method_spec
 RECIPE_KEYS = ("method", "params", "name", "description")
 PART_ROLES = ("prefill", "cache", "heads", "select")
 ALL_RECIPE_KEYS = RECIPE_KEYS + PART_ROLES + ("decode", "kvpress")
-DECODE_KEYS = ("speculate", "gamma", "adaptive_gamma", "max_gamma", "draft", "draft_lookup", "draft_confidence")
+DECODE_KEYS = ("speculate", "gamma", "adaptive_gamma", "max_gamma", "draft", "draft_lookup", "draft_confidence",
+               "draft_weights")
 PEER_PREFIX = "kvpress:"
 
 
@@ -355,7 +356,7 @@ class Recipe:
         d = self.decode
         return speculative_generate(model, prompt, d["speculate"], draft_spec=d.get("draft"),
                                     draft_lookup=d.get("draft_lookup", False),
-                                    draft_confidence=d.get("draft_confidence"),
+                                    draft_confidence=d.get("draft_confidence"), draft_weights=d.get("draft_weights"),
                                     gamma=d.get("gamma", 4), adaptive_gamma=d.get("adaptive_gamma", False),
                                     max_gamma=d.get("max_gamma"), **options)
 
@@ -413,6 +414,7 @@ def _parse_part(value, source: str) -> tuple[str, dict]:
 
 def _parse_decode(value, source: str) -> dict | None:
     from attnkit.speculative.drafts import DRAFT_KINDS, check_confidence
+    from attnkit.speculative.int8_weights import DRAFT_WEIGHTS
 
     if value is None:
         return None
@@ -436,6 +438,9 @@ def _parse_decode(value, source: str) -> dict | None:
     except AttnkitError:
         raise AttnkitError(f"{source}: decode.draft_confidence must be a probability between 0 and 1, "
                            f"got {value.get('draft_confidence')!r}") from None
+    if value.get("draft_weights") is not None and value["draft_weights"] not in DRAFT_WEIGHTS:
+        raise AttnkitError(f"{source}: decode.draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, "
+                           f"got {value['draft_weights']!r}")
     if value.get("draft") is not None and not isinstance(value["draft"], str):
         raise AttnkitError(f"{source}: decode.draft must be a spec string (as --draft takes)")
     return {k: value[k] for k in DECODE_KEYS if k in value}

@@ -41,11 +41,11 @@ def code_prompt(model: LoadedModel, length: int, seed: int = 0) -> torch.Tensor:
 def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_tokens: int, draft: str | DraftSource,
                           draft_spec=None, gamma: int = 4, adaptive_gamma: bool = False, repeats: int = 3,
                           progress=None, draft_lookup: bool | str = False,
-                          draft_confidence: float | None = None) -> list[dict]:
+                          draft_confidence: float | None = None, draft_weights: str | None = None) -> list[dict]:
     """Rows for plain decoding and speculative decoding (greedy): medians of decode tok/s, end-to-end
     tok/s and prefill s, acceptance and tokens per target forward, speedups over plain."""
     check_benchmark_tokens(new_tokens)
-    source = resolve_draft(draft, draft_spec, model, draft_lookup, draft_confidence)
+    source = resolve_draft(draft, draft_spec, model, draft_lookup, draft_confidence, draft_weights)
     kw = dict(max_new_tokens=new_tokens, stop_at_eos=False)
     # warm-up (lazy initialisation, allocator) outside the measurement
     generate(model, prompt_ids[-64:], **{**kw, "max_new_tokens": 4})
@@ -146,6 +146,6 @@ def bench_from_args(args) -> int:
           f"{args.repeats} interleaved repeats", file=sys.stderr)
     rows = run_speculative_bench(model, prompt, args.new_tokens, args.speculate, args.draft, args.gamma,
                                  args.adaptive_gamma, args.repeats, progress, args.draft_lookup,
-                                 args.draft_confidence)
+                                 args.draft_confidence, args.draft_weights)
     print(json.dumps(rows) if args.json else format_rows(rows))
     return 0

@@ -52,6 +52,7 @@ from attnkit.methods.full import FullAttention
 from attnkit.model import LoadedModel
 from attnkit.runner import forward, logits_of, new_session, prefill, resolve_method
 from attnkit.sampling import SamplingConfig, next_token_distribution
+from attnkit.speculative.int8_weights import check_draft_weights, int8_bytes, int8_weight_view
 
 DRAFT_KINDS = ("draft_model", "prompt_lookup", "self")
 
@@ -109,6 +110,10 @@ class DraftSource:
     def relative_cost(self) -> float:
         """Estimated cost of drafting one token relative to one target forward (for adaptive gamma)."""
         return 0.0
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights the source holds besides the target's (a draft model's, int8 copies)."""
+        return 0
 
     def sizes_own_proposals(self) -> bool:
         """Whether the source chooses how many tokens to propose (gamma is then only a cap), instead of
@@ -201,14 +206,18 @@ class ModelDraft(DraftSource):
     draft model; an eviction method for self-speculation, then `model` is None = the target itself).
 
     `share_prefill` (self-speculation only): build the draft cache from the target's prompt pass
-    instead of a second pass over the prompt.
+    instead of a second pass over the prompt. `weights` ``"int8"``: draft with weight-only int8 copies of
+    the drafting model's linear layers (:mod:`attnkit.speculative.int8_weights`; QuantSpec's idea), made
+    once per model and kept.
     """
 
     def __init__(self, model: LoadedModel | None = None, method: str | Method | None = "full", *,
                  share_prefill: bool = True, kind: str | None = None, lookup: PromptLookupDraft | None = None,
-                 confidence: float | None = None):
+                 confidence: float | None = None, weights: str | None = None):
         self.model = model
         self.confidence = check_confidence(confidence)
+        self.weights = check_draft_weights(weights)
+        self._int8: tuple[LoadedModel, LoadedModel] | None = None  # (model, its int8 view), made on first use
         self.method = parse_method_spec(method) if isinstance(method, str) else resolve_method(method)
         if lookup is not None and not self.method.decode_only_appends():
             raise AttnkitError(f"lookup guessing for the draft needs a draft cache that only appends while decoding "
@@ -228,22 +237,36 @@ class ModelDraft(DraftSource):
         under = "" if self.lookup is None else f" <- {self.lookup.describe()}"
         if self.confidence is not None:
             under = f" stop<{self.confidence:g}{under}"
+        if self.weights != "same":
+            under = f" {self.weights}{under}"
         if self.model is None:
             return f"self[{self.method.describe()}]{under}"
         suffix = "" if isinstance(self.method, FullAttention) else f"[{self.method.describe()}]"
         return f"draft_model[{self.model.spec}]{suffix}{under}"
 
+    def _drafting(self, model: LoadedModel) -> LoadedModel:
+        """The model the draft runs: `model`, or its int8 view (made once per model object)."""
+        if self.weights == "same":
+            return model
+        if self._int8 is None or self._int8[0] is not model:
+            self._int8 = (model, int8_weight_view(model))
+        return self._int8[1]
+
+    def weight_bytes(self) -> int:
+        own = 0 if self.model is None else sum(p.nbytes for p in self.model.hf.parameters())
+        return own + (int8_bytes(self._int8[1]) if self._int8 is not None else 0)
+
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self, run: DraftRun) -> Session | None:
         self.sampling, self.generator = run.sampling, run.generator
         if self.model is None:
-            self.drafter = run.target
+            self.drafter = self._drafting(run.target)
         else:
             check_same_vocabulary(run.target, self.model)
             if self.model.device != run.target.device:
                 raise AttnkitError(f"draft model {self.model.spec!r} is on {self.model.device} but the target is on "
                                    f"{run.target.device}; put both on the same device")
-            self.drafter = self.model
+            self.drafter = self._drafting(self.model)
         n = run.prompt_ids.shape[0]
         limit = self.drafter.geometry.max_positions
         if n + run.max_new_tokens > limit:
@@ -271,7 +294,7 @@ class ModelDraft(DraftSource):
         """Bytes one draft step reads over bytes one target step reads (weights + KV), the memory-bound
         cost model of MagicDec; used only to choose gamma adaptively."""
         def weight_bytes(m: LoadedModel) -> int:
-            return sum(p.numel() * p.element_size() for p in m.hf.parameters())
+            return sum(p.nbytes for p in m.hf.parameters()) + int8_bytes(m)
 
         def kv_bytes(m: LoadedModel, tokens: int) -> int:
             g = m.geometry
@@ -631,7 +654,8 @@ def _key_values(spec: str, what: str) -> dict[str, str]:
 
 
 def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target: LoadedModel | None = None,
-               *, lookup: bool | str = False, confidence: float | None = None) -> DraftSource:
+               *, lookup: bool | str = False, confidence: float | None = None,
+               weights: str | None = None) -> DraftSource:
     """A draft source from the CLI's ``--speculate KIND [--draft SPEC]``:
 
     - ``draft_model``: SPEC is a model spec (default ``tiny-draft``) or a :class:`LoadedModel`; an
@@ -651,6 +675,10 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
     `confidence` (``draft_model`` and ``self``; ``--draft-confidence``): a round's drafting stops after
     the first token the draft gave less than this probability (:meth:`ModelDraft._unsure`), so unlikely
     drafts cost neither draft forwards nor verification rows; None drafts gamma tokens every round.
+
+    `weights` (``draft_model`` and ``self``; ``--draft-weights``): ``"int8"`` drafts with weight-only
+    int8 copies of the drafting model's linear layers (:mod:`attnkit.speculative.int8_weights`), the
+    target still verifying with its own; None or ``"same"``: the model's own weights.
     """
     from attnkit.model import load_model
 
@@ -660,6 +688,9 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
         raise AttnkitError(f"a confidence threshold is for a model draft (draft_model, self), whose tokens have "
                            f"probabilities; {kind!r} has none")
     check_confidence(confidence)
+    if check_draft_weights(weights) != "same" and kind not in ("draft_model", "self"):
+        raise AttnkitError(f"draft weights {weights!r} are for a model draft (draft_model, self); {kind!r} runs no "
+                           f"model")
     if kind == "prompt_lookup":
         if spec is not None and not isinstance(spec, str):
             raise AttnkitError(f"prompt_lookup takes a spec string like 'max_ngram=3,min_ngram=1', got "
@@ -682,7 +713,8 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
         if isinstance(method, FullAttention):
             raise AttnkitError("self-speculation drafts with a compressed cache: give an eviction method such as "
                                f"{DEFAULT_SELF_METHOD!r}, not {method.describe()!r} (that is the target itself)")
-        return ModelDraft(None, method, kind="self", lookup=_nested_lookup(lookup), confidence=confidence)
+        return ModelDraft(None, method, kind="self", lookup=_nested_lookup(lookup), confidence=confidence,
+                          weights=weights)
     if kind == "draft_model":
         method: str | Method = "full"
         if isinstance(spec, LoadedModel):
@@ -696,7 +728,8 @@ def make_draft(kind: str, spec: str | LoadedModel | Method | None = None, target
                                dtype=target.dtype if target is not None else torch.float32)
         if target is not None:
             check_same_vocabulary(target, model)
-        return ModelDraft(model, method, kind="draft_model", lookup=_nested_lookup(lookup), confidence=confidence)
+        return ModelDraft(model, method, kind="draft_model", lookup=_nested_lookup(lookup), confidence=confidence,
+                          weights=weights)
     raise AttnkitError(f"unknown draft source {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
 
 

@@ -101,6 +101,7 @@ class SpeculativeStats(GenerationStats):
     tokens_per_target_forward: float  # mean tokens a round emits: accepted drafts + 1
     mean_gamma: float  # drafted tokens per round
     draft_forwards: int  # forwards of the draft model (0 for prompt lookup); one may take several tokens
+    draft_weight_bytes: int  # weights held for drafting besides the target's (a draft model's, int8 copies)
     draft_s: float  # time spent proposing (draft forwards, lookups, snapshots)
     verify_s: float  # time spent in the target's verification forwards and the acceptance rule
     tokens_per_s: float  # new tokens over prefill + decode time (end to end)
@@ -258,14 +259,15 @@ def prefill_sessions(model: LoadedModel, sessions: list[Session], ids: torch.Ten
 
 
 def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel, draft_lookup: bool | str = False,
-                  draft_confidence: float | None = None) -> DraftSource:
+                  draft_confidence: float | None = None, draft_weights: str | None = None) -> DraftSource:
     if isinstance(draft, DraftSource):
-        if draft_spec is not None or draft_lookup or draft_confidence is not None:
-            raise AttnkitError("draft_spec, draft_lookup or draft_confidence is given with a DraftSource instance; "
-                               "configure the instance instead")
+        if draft_spec is not None or draft_lookup or draft_confidence is not None or draft_weights is not None:
+            raise AttnkitError("draft_spec, draft_lookup, draft_confidence or draft_weights is given with a DraftSource "
+                               "instance; configure the instance instead")
         return draft
     if isinstance(draft, str):
-        return make_draft(draft, draft_spec, model, lookup=draft_lookup, confidence=draft_confidence)
+        return make_draft(draft, draft_spec, model, lookup=draft_lookup, confidence=draft_confidence,
+                          weights=draft_weights)
     raise AttnkitError(f"draft must be a kind (draft_model, prompt_lookup, self) or a DraftSource, "
                        f"got {type(draft).__name__}")
 
@@ -273,7 +275,7 @@ def resolve_draft(draft: str | DraftSource, draft_spec, model: LoadedModel, draf
 @torch.inference_mode()
 def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = "prompt_lookup", *,
                          draft_spec=None, draft_lookup: bool | str = False,
-                         draft_confidence: float | None = None, gamma: int = 4,
+                         draft_confidence: float | None = None, draft_weights: str | None = None, gamma: int = 4,
                          adaptive_gamma: bool = False, max_gamma: int | None = None,
                          verify_cost: float = DEFAULT_VERIFY_COST,
                          max_new_tokens: int = 64, chunk_size: int | None = None,
@@ -291,7 +293,9 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     and ``self``): the draft model verifies prompt-lookup guesses several at a time (TriForce's
     hierarchy; True or a ``prompt_lookup`` spec; see :func:`attnkit.speculative.drafts.make_draft`).
     `draft_confidence` (``draft_model`` and ``self``): stop a round's drafting after the first token the
-    draft gave less than this probability (gamma is then a cap).
+    draft gave less than this probability (gamma is then a cap). `draft_weights` (``draft_model`` and
+    ``self``): ``"int8"`` drafts with weight-only int8 copies of the drafting model's linear layers
+    (:mod:`attnkit.speculative.int8_weights`); the target verifies with its own weights.
     `verify_cost` is the extra cost of one more token in the target's verification forward relative to
     a one-token step (used only to choose gamma adaptively: ~0 on a GPU, ~0.1 on one CPU core). A round
     with nothing to verify (the source proposed nothing) is an ordinary decoding step. The other
@@ -301,7 +305,7 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
     sampling, stops = generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
     if not isinstance(verify_cost, (int, float)) or isinstance(verify_cost, bool) or verify_cost < 0:
         raise AttnkitError(f"verify_cost must be a number >= 0, got {verify_cost!r}")
-    source = resolve_draft(draft, draft_spec, model, draft_lookup, draft_confidence)
+    source = resolve_draft(draft, draft_spec, model, draft_lookup, draft_confidence, draft_weights)
     ids = encode_prompt(model, prompt)
     n = ids.shape[0]
     check_length(model, n, max_new_tokens)
@@ -388,7 +392,8 @@ def speculative_generate(model: LoadedModel, prompt, draft: str | DraftSource = 
         drafted_tokens=drafted_total, accepted_tokens=accepted_total,
         acceptance_rate=accepted_total / drafted_total if drafted_total else 0.0,
         tokens_per_target_forward=emitted_by_rounds / rounds if rounds else 0.0,
-        mean_gamma=drafted_total / rounds if rounds else 0.0, draft_forwards=source.forwards, draft_s=draft_s,
+        mean_gamma=drafted_total / rounds if rounds else 0.0, draft_forwards=source.forwards,
+        draft_weight_bytes=source.weight_bytes(), draft_s=draft_s,
         verify_s=verify_s,
         tokens_per_s=len(generated) / total_s if total_s > 0 else 0.0,
     )
