@@ -225,6 +225,7 @@ def main(argv=None) -> int:
     print(f"{model.spec}: {args.kind}, {args.context}-token code prompts x{args.prompts}, {args.new_tokens} new "
           f"tokens, gamma {args.gamma}{adaptive}, {args.repeats} repeats, {torch.get_num_threads()} threads, "
           f"{cpu_name()}")
+    print(f"draft: {draft.describe()}")  # the table cuts long decoder names
     print(head)
     print("-" * len(head))
     for row in rows:

@@ -17,11 +17,11 @@ Each linear layer's weight ``W`` ``[out, in]`` is stored as int8 with one scale 
 
 computed by torch's weight-only int8 kernel (``aten::_weight_int8pack_mm``) on activations in bfloat16
 for a float32 model (its float32-activation path is 10-20x slower on this CPU), else in the model's
-dtype. Measured on this AMD EPYC (2 threads, ``tiny``'s 43 projections, 2026-11-25): 0.45-0.9 ms for
+dtype. Measured on this AMD EPYC (2 threads, ``tiny``'s 43 projections, 2026-11-25): 0.45-1.2 ms for
 1-12 rows against 0.74-2.4 ms in float32, so a ``tiny`` draft forward at 512 cached entries takes 2.2 ms
-for 1 token and 3.4 ms for 5, against 3.7 and 5.5 ms (``scripts/ab_draft_weights.py`` measures the
-effect on self-speculation). The copies cost a quarter of the float32 weights' bytes; embeddings,
-norms and rotary tables are shared with the model, not copied.
+for 1 token and 3.4 ms for 5, against 3.7 and 5.5 ms (the effect on self-speculation, side by side:
+``scripts/ab_draft_confidence.py --weights same,int8``; README). The copies cost a quarter of the float32
+weights' bytes; embeddings, norms and rotary tables are shared with the model, not copied.
 """
 
 from __future__ import annotations
