@@ -60,6 +60,7 @@ from attnkit.eval.harness import cpu_name  # noqa: E402
 from attnkit.runner import check_benchmark_tokens  # noqa: E402
 from attnkit.speculative import make_draft, speculative_generate  # noqa: E402
 from attnkit.speculative.bench import code_prompt, format_time_per_round, time_per_round  # noqa: E402
+from attnkit.speculative.int8_weights import DRAFT_WEIGHTS  # noqa: E402
 
 
 class _Clock:
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
                     "guesses several tokens per forward (TriForce's hierarchy)")
     ap.add_argument("--draft-confidence", type=float, default=None, metavar="P",
                     help="draft_model/self: stop drafting after a token the draft gave less than probability P")
-    ap.add_argument("--draft-weights", choices=["same", "int8"], default=None,
+    ap.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default=None,
                     help="draft_model/self: int8 drafts with weight-only int8 copies of the linear layers")
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)

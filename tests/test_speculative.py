@@ -887,6 +887,7 @@ def test_adaptive_gamma_follows_acceptance():
 @pytest.mark.parametrize("command", ["generate", "bench"])
 @pytest.mark.parametrize("flags,named", [(["--draft-lookup"], "--draft-lookup"),
                                          (["--draft-confidence", "0.3"], "--draft-confidence"),
+                                         (["--draft-weights", "int8"], "--draft-weights"),
                                          (["--draft", "tiny-draft"], "--draft")])
 def test_cli_refuses_draft_options_without_speculate(command, flags, named, capsys):
     args = [command, "--model", f"random:llama:{SMALL}", *flags]

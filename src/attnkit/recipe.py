@@ -414,7 +414,7 @@ def _parse_part(value, source: str) -> tuple[str, dict]:
 
 def _parse_decode(value, source: str) -> dict | None:
     from attnkit.speculative.drafts import DRAFT_KINDS, check_confidence
-    from attnkit.speculative.int8_weights import DRAFT_WEIGHTS
+    from attnkit.speculative.int8_weights import check_draft_weights
 
     if value is None:
         return None
@@ -438,9 +438,10 @@ def _parse_decode(value, source: str) -> dict | None:
     except AttnkitError:
         raise AttnkitError(f"{source}: decode.draft_confidence must be a probability between 0 and 1, "
                            f"got {value.get('draft_confidence')!r}") from None
-    if value.get("draft_weights") is not None and value["draft_weights"] not in DRAFT_WEIGHTS:
-        raise AttnkitError(f"{source}: decode.draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, "
-                           f"got {value['draft_weights']!r}")
+    try:
+        check_draft_weights(value.get("draft_weights"))
+    except AttnkitError as e:
+        raise AttnkitError(f"{source}: decode.{e}") from None
     if value.get("draft") is not None and not isinstance(value["draft"], str):
         raise AttnkitError(f"{source}: decode.draft must be a spec string (as --draft takes)")
     return {k: value[k] for k in DECODE_KEYS if k in value}

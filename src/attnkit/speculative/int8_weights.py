@@ -49,7 +49,7 @@ def check_draft_weights(value) -> str:
     if value is None:
         return "same"
     if value not in DRAFT_WEIGHTS:
-        raise AttnkitError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {value!r}")
+        raise AttnkitError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {value!r}")
     return value
 
 
@@ -66,7 +66,6 @@ class Int8WeightLinear(nn.Module):
         self.register_buffer("qweight", F.pad(quantized, (0, self.pad)).contiguous())
         self.register_buffer("scale", scale.to(compute_dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.compute_dtype = compute_dtype
 
     def dequantized_weight(self) -> torch.Tensor:
         """``Q * s`` ``[out, in]`` in float32: the weight this layer multiplies by."""
@@ -74,7 +73,7 @@ class Int8WeightLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        flat = x.reshape(-1, self.in_features).to(self.scale.dtype)  # the activations' dtype for the kernel
         if self.pad:
             flat = F.pad(flat, (0, self.pad))
         y = _INT8_MM(flat, self.qweight, self.scale).to(x.dtype)
@@ -83,7 +82,7 @@ class Int8WeightLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8, {self.compute_dtype}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8, {self.scale.dtype}"
 
 
 def _with_int8_linears(module: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
