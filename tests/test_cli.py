@@ -3,7 +3,7 @@
 import json
 
 from attnkit.cli import main
-from conftest import SMALL
+from helpers import SMALL
 
 MODEL = f"random:llama:{SMALL}"
 

@@ -17,7 +17,7 @@ from attnkit.runner import forward, logits_of, new_session, prefill, resolve_met
 from attnkit.sampling import SamplingConfig, next_token_distribution
 from attnkit.speculative import make_draft, speculative_generate
 from attnkit.speculative.int8_weights import Int8WeightLinear, int8_bytes, int8_weight_view
-from conftest import SMALL, random_ids
+from helpers import SMALL, random_ids
 from test_speculative import SIGNIFICANCE, chi_square_p_value, repetitive_prompt, sharpened, target_joint
 
 

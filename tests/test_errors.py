@@ -8,7 +8,7 @@ import torch
 import attnkit
 from attnkit import AttnkitError
 from attnkit.recipe import load_recipe
-from conftest import SMALL, random_ids
+from helpers import SMALL, random_ids
 
 
 def test_unknown_method(small_llama):

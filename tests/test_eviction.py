@@ -18,7 +18,7 @@ from attnkit.methods.base import LayerContext, Session, Step
 from attnkit.methods.keyformer import DecodeNoise, keyformer_noise, keyformer_tau
 from attnkit.rope import Rope
 from attnkit.runner import forward, new_session, prefill
-from conftest import SMALL, random_ids
+from helpers import SMALL, random_ids
 
 torch.set_num_threads(1)
 

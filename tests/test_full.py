@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import attnkit
-from conftest import random_ids
+from helpers import random_ids
 
 NEW = 12
 

@@ -8,7 +8,7 @@ import torch
 import attnkit
 from attnkit import AttnkitError
 from attnkit.hf_cache import AttnkitCache
-from conftest import SMALL, random_ids
+from helpers import SMALL, random_ids
 
 torch.set_num_threads(1)
 

@@ -19,7 +19,7 @@ from attnkit.methods.base import parse_method_spec
 from attnkit.recipe import recipe_from_dict, recipe_to_dict
 from attnkit.runner import generate
 from attnkit.sparse_attention import HeadPattern as HP
-from conftest import SMALL, random_ids
+from helpers import SMALL, random_ids
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,7 @@ import torch
 
 import attnkit
 from attnkit.sampling import SamplingConfig, next_token_distribution
-from conftest import random_ids
+from helpers import random_ids
 
 
 def test_seeded_sampling_is_reproducible(small_llama):

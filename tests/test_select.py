@@ -12,7 +12,7 @@ from attnkit.errors import AttnkitError
 from attnkit.methods.base import make_method, parse_method_spec
 from attnkit.methods.select import HIDDEN, Select, top_p
 from attnkit.runner import new_session, prefill
-from conftest import random_ids
+from helpers import random_ids
 
 SPEC4 = "random:llama:layers=4,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 NEW = 8

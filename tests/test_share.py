@@ -19,7 +19,7 @@ from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import make_method, parse_method_spec
 from attnkit.methods.share import LayerPlan, Share, shared_attention, shared_prefill_fused
-from conftest import random_ids
+from helpers import random_ids
 
 SPEC4 = "random:llama:layers=4,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 NEW = 8

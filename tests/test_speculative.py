@@ -35,7 +35,7 @@ from attnkit.speculative.bench import format_time_per_round, run_speculative_ben
 from attnkit.speculative.drafts import drop_newest, snapshot_session
 from attnkit.speculative.generate import VerifyingFull, prefill_sessions
 from attnkit.tokenizer import build_byte_tokenizer
-from conftest import SMALL, random_ids
+from helpers import SMALL, random_ids
 
 SIGNIFICANCE = 0.001  # chi-square tests fail when P(statistic >= observed | lossless) < 0.1%
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import attnkit
-from conftest import SMALL, random_ids
+from helpers import SMALL, random_ids
 
 
 def seed_mask(n: int, window: int) -> torch.Tensor:
