@@ -1,8 +1,10 @@
-"""The method contract, the registry of methods, and the per-forward step the attention function sees.
+"""The method contract: the hooks a method may implement and the dense default behind them.
 
-A method is a small dataclass of its hyper-parameters (validated in ``__post_init__``) registered by
-name with :func:`register`. During a forward pass the runner hands a :class:`Step` to every layer's
-attention call; the step wraps the layer in a :class:`LayerContext` and calls the method's hooks:
+A method is a small frozen dataclass of its hyper-parameters (validated in ``__post_init__``) registered
+by name with :func:`attnkit.methods.spec.register`. It holds no run state: what it keeps per layer and
+per generation lives in the objects ``new_layer_state()`` / ``new_session_state()`` return, which the
+session owns. During a forward pass the runner hands a :class:`attnkit.session.Step` to every layer's
+attention call; the step wraps the layer in a :class:`attnkit.session.LayerContext` and calls the hooks:
 
 - ``prefill_attention(ctx, q, k, v) -> out``: attention for a prompt chunk; it also stores the chunk's
   keys and values in ``ctx.kv`` (the layer's cache) as the method sees fit.
@@ -17,7 +19,7 @@ attention call; the step wraps the layer in a :class:`LayerContext` and calls th
   no cache at all; its hooks must then not touch ``ctx.kv``).
 - ``run_layers(model, step, hidden, all_positions) -> hidden``: a model-level hook (default ``None``: the
   runner runs every decoder layer on every new token). A method that changes which tokens a layer sees
-  (Select-Attention, GemFilter) runs the layers itself with :func:`attnkit.runner.run_decoder_layers`.
+  (Select-Attention, GemFilter) runs the layers itself with :func:`attnkit.forward.run_decoder_layers`.
 
 q is ``[b, q_heads, n, d]``, k and v ``[b, kv_heads, n, d]``, all after RoPE, at positions ``ctx.q_pos``.
 """
@@ -25,111 +27,20 @@ q is ``[b, q_heads, n, d]``, k and v ``[b, kv_heads, n, d]``, all after RoPE, at
 from __future__ import annotations
 
 import dataclasses
-import re
-import types
-import typing
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from attnkit.attention import attend, folded_attention, folded_bias, sdpa
-from attnkit.cache import KVCache, LayerKV
 from attnkit.errors import AttnkitError
-
-METHODS: dict[str, type[Method]] = {}
-
-
-def register(cls: type[Method]) -> type[Method]:
-    """Class decorator: add a method dataclass to the registry under ``cls.name``."""
-    if cls.name in METHODS:
-        raise ValueError(f"method {cls.name!r} registered twice")
-    METHODS[cls.name] = cls
-    return cls
-
-
-@dataclass
-class Session:
-    """State of one generation: the method, the cache, and what the method keeps per layer."""
-
-    method: Method
-    cache: KVCache
-    n_layers: int
-    prompt_len: int
-    max_new_tokens: int
-    layer_state: list[dict] = field(default_factory=list)
-    # rotations by position offsets with the model's RoPE frequencies (attnkit.rope.Rope), filled in by
-    # the runner / AttnkitCache; methods that re-index key positions need it
-    rope: Any = None
-    # state a method shares across layers (e.g. Keyformer's shared score), keyed by the method
-    shared: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.layer_state = [{} for _ in range(self.n_layers)]
-
-
-@dataclass
-class Step:
-    """One forward pass: which phase, which positions, and whether it ends the prompt."""
-
-    session: Session
-    phase: str  # "prefill" or "decode"
-    q_pos: torch.Tensor  # [n] original positions of the new tokens
-    last_chunk: bool = True
-    # what the layers of this forward can share (e.g. a mask built on the first layer), by key
-    shared: dict = field(default_factory=dict, repr=False)
-
-    def shared_value(self, key, build):
-        """The value the layers of this forward share under `key`, built by ``build()`` on first use."""
-        value = self.shared.get(key)
-        if value is None:
-            value = self.shared[key] = build()
-        return value
-
-    def attention(self, layer: int, q, k, v, scaling: float, native_window: int | None) -> torch.Tensor:
-        ctx = LayerContext(self, layer, scaling, native_window)
-        method = self.session.method
-        if ctx.kv is None:
-            capacity = method.layer_capacity(ctx)
-            if capacity is not None:  # None: this layer keeps no cache (Select-Attention's later layers)
-                slots, ring = capacity
-                self.session.cache.layers[layer] = LayerKV.allocate(k.shape[0], k.shape[1], slots, k.shape[-1],
-                                                                    k.dtype, k.device, ring)
-        if self.phase == "prefill":
-            out = method.prefill_attention(ctx, q, k, v)
-            self.session.cache.track_peak()
-            if self.last_chunk:
-                method.after_prefill(ctx, q, k, v)
-        else:
-            out = method.decode_attention(ctx, q, k, v)
-            self.session.cache.track_peak()
-            method.after_decode(ctx)
-        self.session.cache.track_peak()
-        return out
-
-
-@dataclass
-class LayerContext:
-    step: Step
-    index: int
-    scaling: float
-    native_window: int | None  # the model's own sliding window for this layer, if any
-
-    @property
-    def kv(self) -> LayerKV:
-        return self.step.session.cache.layers[self.index]
-
-    @property
-    def q_pos(self) -> torch.Tensor:
-        return self.step.q_pos
-
-    @property
-    def state(self) -> dict:
-        return self.step.session.layer_state[self.index]
-
-    @property
-    def session(self) -> Session:
-        return self.step.session
+from attnkit.methods.spec import (  # noqa: F401  (transitional re-exports for the method modules)
+    METHODS,
+    make_method,
+    parse_method_spec,
+    register,
+    split_method_spec,
+)
+from attnkit.session import LayerContext, Session, Step  # noqa: F401  (transitional re-exports)
 
 
 class Method:
@@ -140,6 +51,15 @@ class Method:
     # model-level hook ``run_layers(model, step, hidden, all_positions) -> hidden`` (see the module
     # docstring); None = the runner runs every decoder layer on the new tokens
     run_layers: ClassVar[Any] = None
+
+    # ---- state ---------------------------------------------------------------------------------
+    def new_layer_state(self):
+        """This method's state for one layer of one generation (``ctx.state``)."""
+        return {}
+
+    def new_session_state(self):
+        """This method's state for one generation, shared by its layers (``ctx.session.state``)."""
+        return None
 
     # ---- hooks ---------------------------------------------------------------------------------
     def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
@@ -216,89 +136,16 @@ class Method:
         return f"{self.name}({inner})" if inner else self.name
 
 
-def _coerce(name: str, method: str, hint, raw):
-    """Turn a command-line string into the dataclass field's type `hint`, with a clear error."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    if not isinstance(raw, str):
-        return raw
-    if raw.lower() in ("none", "null") and type(None) in options:
-        return None
-    for typ in options:
-        if typ is type(None):
-            continue
-        try:
-            if typ is bool:
-                if raw.lower() in ("1", "true", "yes"):
-                    return True
-                if raw.lower() in ("0", "false", "no"):
-                    return False
-                raise ValueError
-            if typ in (int, float, str):
-                return typ(raw)
-            if typing.get_origin(typ) is typing.Literal:
-                if raw in typing.get_args(typ):
-                    return raw
-                raise ValueError
-            if typing.get_origin(typ) is list and "/" in raw:
-                # a per-layer list on the command line: values separated by "/" ("512/256/256")
-                (item,) = typing.get_args(typ) or (str,)
-                return [item(x) for x in raw.split("/")]
-        except ValueError:
-            continue
-    raise AttnkitError(f"method {method!r}: parameter {name}={raw!r} is not a valid {hint}")
-
-
-def make_method(name: str, **params) -> Method:
-    """Build a registered method by name; string values (from the CLI) are converted to the field types."""
-    from attnkit import methods as _  # noqa: F401  (registers the built-in methods)
-
-    if name not in METHODS:
-        raise AttnkitError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
-    cls = METHODS[name]
-    fields = {f.name: f for f in cls.parameters()}
-    unknown = sorted(set(params) - set(fields))
-    if unknown:
-        allowed = ", ".join(fields) or "none"
-        raise AttnkitError(f"method {name!r} has no parameter {', '.join(unknown)}; its parameters: {allowed}")
-    hints = typing.get_type_hints(cls)
-    values = {k: _coerce(k, name, hints.get(k, str), v) for k, v in params.items()}
-    try:
-        return cls(**values)
-    except (ValueError, TypeError) as exc:
-        raise AttnkitError(f"method {name!r}: {exc}") from None
-
-
-_JOIN = re.compile(r"\+(?=\s*[A-Za-z_]\w*\s*(?::|,|\+|$))")  # "+" before a method name
-
-
-def split_method_spec(spec: str) -> list[tuple[str, dict[str, str]]]:
-    """``"window:window=1024"`` -> ``[("window", {"window": "1024"})]``, without building the method;
-    ``"PREFILL+CACHE"`` -> two entries. Values stay strings (:func:`make_method` converts them)."""
-    parts = [p.strip() for p in _JOIN.split(spec)]
-    if len(parts) > 2 or not all(parts):
-        raise AttnkitError(f"method spec {spec!r}: 'PREFILL+CACHE' joins exactly two method specs")
-    out = []
-    for part in parts:
-        name, _, rest = part.partition(":")
-        params = {}
-        for item in filter(None, rest.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise AttnkitError(f"method spec {spec!r}: expected key=value, got {item!r}")
-            params[key.strip()] = value.strip()
-        out.append((name.strip(), params))
-    return out
-
-
-def parse_method_spec(spec: str) -> Method:
-    """``"window:window=1024"`` or ``"window:window=1024,foo=bar"`` -> a method instance.
-
-    ``"PREFILL+CACHE"`` (two specs joined by ``+``, e.g. ``"minference:config=p.json+snapkv:budget=0.3"``)
-    is the ``compose`` method: prefill outputs from the first, the KV cache policy of the second.
-    """
-    parts = split_method_spec(spec)
-    if len(parts) > 1:
-        texts = [p.strip() for p in _JOIN.split(spec)]
-        return make_method("compose", prefill=texts[0], cache=texts[1])
-    name, params = parts[0]
-    return make_method(name, **params)
+def resolve_method(method, params: dict | None = None) -> Method:
+    """A method instance from a name (+ params), an instance, or None (= full)."""
+    if method is None:
+        method = "full"
+    if isinstance(method, Method):
+        if params:
+            raise AttnkitError("params are given with a method instance; set them on the instance instead")
+        return method
+    if isinstance(method, str):
+        if params is not None and not isinstance(params, dict):
+            raise AttnkitError(f"params must be a mapping of parameter names to values, got {params!r}")
+        return make_method(method, **(params or {}))
+    raise AttnkitError(f"method must be a name or a Method, got {type(method).__name__}")

@@ -20,34 +20,33 @@ each part is a method spec string or ``{"method": NAME, "params": {...}}``)::
 ``draft_confidence`` (as ``--draft-confidence``) and ``draft_weights`` (as ``--draft-weights``); it verifies
 with full attention, so it is not combined with another attention method.
 
-A peer's method (NVIDIA's kvpress, run in its own environment by :mod:`attnkit.bench.peers`)::
+A peer's method (NVIDIA's kvpress, named as :mod:`attnkit.recipe.peer` says)::
 
     {"kvpress": "SnapKVPress", "params": {"compression_ratio": 0.5}}      # or "kvpress:SnapKVPress:compression_ratio=0.5"
 
-**Budgets.** A sweep gives budgets to recipes that leave theirs open (:meth:`Recipe.with_budget`): a
-fraction ``0 < f <= 1`` of the prompt or a whole number of tokens. It sets ``budget`` /
-``budget_tokens`` of an eviction method (the cache part), ``window`` of ``window`` (the fraction of the
-task's length), ``compression_ratio = 1 - f`` of a kvpress press. A recipe that sets its own budget
-runs at that budget only.
+A sweep's budget goes to the part that takes one (:mod:`attnkit.recipe.budget`).
 """
 
 from __future__ import annotations
 
-import copy
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import Method, make_method, split_method_spec
+from attnkit.methods.base import Method
+from attnkit.methods.spec import make_method, method_from_dict, split_method_spec
+from attnkit.recipe import budget as budgets
+from attnkit.recipe.peer import PREFIX as PEER_PREFIX
+from attnkit.recipe.peer import check_press_name, parse_peer_spec, require_kvpress
+from attnkit.runner import generate
+from attnkit.speculative import speculative_generate
 
 RECIPE_KEYS = ("method", "params", "name", "description")
 PART_ROLES = ("prefill", "cache", "heads", "select")
 ALL_RECIPE_KEYS = RECIPE_KEYS + PART_ROLES + ("decode", "kvpress")
 DECODE_KEYS = ("speculate", "gamma", "adaptive_gamma", "max_gamma", "draft", "draft_lookup", "draft_confidence",
                "draft_weights")
-PEER_PREFIX = "kvpress:"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -56,17 +55,7 @@ PEER_PREFIX = "kvpress:"
 
 def recipe_from_dict(data, source: str = "recipe") -> Method:
     """A ``{"method": NAME, "params": {...}}`` mapping -> a method instance."""
-    if not isinstance(data, dict):
-        raise AttnkitError(f"{source}: a recipe must be a mapping with a 'method' key, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(RECIPE_KEYS))
-    if unknown:
-        raise AttnkitError(f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(RECIPE_KEYS)}")
-    if not isinstance(data.get("method"), str):
-        raise AttnkitError(f"{source}: 'method' must be a method name (see `attnkit methods`)")
-    params = data.get("params", {}) or {}
-    if not isinstance(params, dict):
-        raise AttnkitError(f"{source}: 'params' must be a mapping of parameter names to values")
-    return make_method(data["method"], **params)
+    return method_from_dict(data, source)
 
 
 def load_recipe(path: str | Path) -> Method:
@@ -91,47 +80,6 @@ def _spec_text(name: str, params: dict) -> str:
     return f"{name}:{inner}" if inner else name
 
 
-def format_budget(budget) -> str:
-    return "" if budget is None else f"{budget:g}"
-
-
-def _is_fraction(budget) -> bool:
-    return isinstance(budget, float) and 0.0 < budget <= 1.0
-
-
-def check_budget_value(budget, source: str = "budget"):
-    """A sweep budget: a fraction 0 < f <= 1 (float) or a whole number of tokens >= 1 (int)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise AttnkitError(f"{source}: budgets are fractions of the prompt (0 < f <= 1) or whole token counts, "
-                           f"got {budget!r}")
-    if isinstance(budget, float) and not _is_fraction(budget):
-        if budget.is_integer() and budget > 1:
-            return int(budget)
-        raise AttnkitError(f"{source}: a fractional budget must satisfy 0 < f <= 1, got {budget!r} "
-                           f"(write a whole number for a token count)")
-    if isinstance(budget, int) and budget < 1:
-        raise AttnkitError(f"{source}: a token budget must be >= 1, got {budget!r}")
-    return budget
-
-
-def _method_class(name: str, source: str):
-    from attnkit.methods import METHODS
-
-    if name not in METHODS:
-        raise AttnkitError(f"{source}: unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
-    return METHODS[name]
-
-
-def _budget_style(name: str, source: str) -> str | None:
-    """How a method takes a budget: "eviction" (budget / budget_tokens), "window", or None."""
-    fields = {f.name for f in _method_class(name, source).parameters()}
-    if {"budget", "budget_tokens"} <= fields:
-        return "eviction"
-    if name == "window":
-        return "window"
-    return None
-
-
 @dataclass
 class Recipe:
     """A prefill method, a cache policy, optional head sharing / token selection, a decoding strategy
@@ -145,6 +93,7 @@ class Recipe:
     description: str | None = None
     budget: float | int | None = None  # the sweep budget applied by with_budget, if any
     source: str = "recipe"
+    _method: Method | None = field(default=None, init=False, repr=False, compare=False)  # built on first use
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
@@ -168,8 +117,6 @@ class Recipe:
                                f"got {spec!r}")
         spec = spec.strip()
         if spec.startswith(PEER_PREFIX):
-            from attnkit.bench.peers import parse_peer_spec, require_kvpress
-
             press, params = parse_peer_spec(spec)
             require_kvpress()
             return cls(peer=(press, params), name=spec, source=source)
@@ -198,8 +145,6 @@ class Recipe:
             if others:
                 raise AttnkitError(f"{source}: a kvpress recipe names the press and its params only; drop "
                                    f"{', '.join(others)}")
-            from attnkit.bench.peers import check_press_name, require_kvpress
-
             press = check_press_name(data["kvpress"], source)
             require_kvpress()
             return cls(peer=(press, dict(params)), name=name or _spec_text(PEER_PREFIX + press, params),
@@ -257,24 +202,11 @@ class Recipe:
         return list(self.parts.values()) in ([], [("full", {})])
 
     def budget_role(self) -> str | None:
-        """The part a sweep budget goes to (``cache``, or ``method``/``heads``/``select`` alone), or
-        ``kvpress``; None when nothing in the recipe takes a budget."""
-        if self.peer is not None:
-            return "kvpress"
-        for role in ("cache", "method", "select", "heads"):
-            if role in self.parts and _budget_style(self.parts[role][0], self.source):
-                return role
-        return None
+        """The part a sweep budget goes to (see :func:`attnkit.recipe.budget.budget_role`)."""
+        return budgets.budget_role(self)
 
     def has_own_budget(self) -> bool:
-        role = self.budget_role()
-        if role is None:
-            return False
-        if role == "kvpress":
-            return "compression_ratio" in self.peer[1]
-        name, params = self.parts[role]
-        keys = ("budget", "budget_tokens") if _budget_style(name, self.source) == "eviction" else ("window",)
-        return any(params.get(k) is not None for k in keys)
+        return budgets.has_own_budget(self)
 
     def takes_budget(self) -> bool:
         """Whether a sweep's budgets apply (something takes a budget and the recipe leaves it open)."""
@@ -283,30 +215,8 @@ class Recipe:
     def with_budget(self, budget, length: int | None = None) -> Recipe:
         """This recipe at `budget` (a fraction of the prompt or a token count); `length` (the prompt's
         tokens) turns a fraction into a window size."""
-        budget = check_budget_value(budget, f"{self.source} ({self.label})")
-        role = self.budget_role()
-        if role is None:
-            raise AttnkitError(f"recipe {self.label!r} has no part that takes a KV budget")
-        out = copy.deepcopy(self)
-        out.budget = budget
-        if role == "kvpress":
-            if not _is_fraction(budget):
-                raise AttnkitError(f"recipe {self.label!r}: kvpress presses take fractional budgets "
-                                   f"(compression_ratio = 1 - budget), got {budget!r} tokens")
-            out.peer[1]["compression_ratio"] = round(1.0 - budget, 10)
-            return out
-        name, params = out.parts[role]
-        if _budget_style(name, self.source) == "eviction":
-            params.pop("budget", None)
-            params.pop("budget_tokens", None)
-            params["budget" if _is_fraction(budget) else "budget_tokens"] = budget
-        else:
-            if _is_fraction(budget):
-                if length is None:
-                    raise AttnkitError(f"recipe {self.label!r}: a fractional window budget needs the prompt length")
-                params["window"] = max(1, round(budget * length))
-            else:
-                params["window"] = budget
+        out = budgets.with_budget(self, budget, length)
+        out._method = None
         out.check()
         return out
 
@@ -341,18 +251,16 @@ class Recipe:
         return make_method(name, **params)
 
     def method(self) -> Method:
-        """The attention method (``full`` for a recipe that only sets the decoding strategy)."""
-        return _built(self)
+        """The attention method (``full`` for a recipe that only sets the decoding strategy), built once."""
+        if self._method is None:
+            self._method = self._build()
+        return self._method
 
     def generate(self, model, prompt, **options):
         """:func:`attnkit.generate` with this recipe's method, or :func:`attnkit.speculative_generate`
         with its decoding strategy; `options` are theirs (max_new_tokens, stop, ...)."""
-        from attnkit.runner import generate
-
         if self.decode is None:
             return generate(model, prompt, self.method(), **options)
-        from attnkit.speculative import speculative_generate
-
         d = self.decode
         return speculative_generate(model, prompt, d["speculate"], draft_spec=d.get("draft"),
                                     draft_lookup=d.get("draft_lookup", False),
@@ -376,22 +284,6 @@ class Recipe:
         if self.decode is not None:
             out["decode"] = dict(self.decode)
         return out
-
-
-def _built(recipe: Recipe) -> Method:
-    key = json.dumps([recipe.to_dict(), recipe.budget], sort_keys=True, default=str)
-    return _build_cached(key, recipe)
-
-
-_BUILT: dict[str, Method] = {}
-
-
-def _build_cached(key: str, recipe: Recipe) -> Method:
-    if key not in _BUILT:
-        if len(_BUILT) > 256:
-            _BUILT.clear()
-        _BUILT[key] = recipe._build()
-    return _BUILT[key]
 
 
 def _parse_part(value, source: str) -> tuple[str, dict]:
@@ -456,7 +348,3 @@ def load_recipe_file(path: str | Path) -> Recipe:
 def as_recipe(value, source: str = "recipe") -> Recipe:
     """A spec string, mapping, method or recipe -> :class:`Recipe`."""
     return Recipe.parse(value, source)
-
-
-__all__ = ["Recipe", "as_recipe", "load_recipe", "load_recipe_file", "recipe_from_dict", "recipe_to_dict",
-           "check_budget_value", "format_budget"]

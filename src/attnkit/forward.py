@@ -1,0 +1,73 @@
+"""Running the decoder over chosen tokens at their original positions.
+
+attnkit drives the Hugging Face modules itself (embeddings, rotary embedding, decoder layers, final
+norm, LM head); each layer's attention reaches the active method through attnkit's attention function
+(:mod:`attnkit.attention`), which receives the :class:`attnkit.session.Step` passed here. The runner
+and the methods that choose which tokens a layer sees (Select-Attention, GemFilter) share these
+functions, so no method needs the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.model import LoadedModel
+from attnkit.session import Session, Step
+
+
+def forward(model: LoadedModel, ids: torch.Tensor, start: int, step_factory: Callable[[torch.Tensor], Step],
+            all_positions: bool = False) -> torch.Tensor:
+    """Run the decoder on `ids` ([n]) at positions start..; final-norm hidden states ``[n or 1, hidden]``
+    of every position (or only the last)."""
+    base = model.hf.model
+    positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+    hidden = base.embed_tokens(ids[None])
+    step = step_factory(positions)
+    session = getattr(step, "session", None)  # a step-like object (speculative decoding's tee) has none
+    hook = None if session is None else session.method.run_layers
+    if hook is None:
+        hidden = run_decoder_layers(model, hidden, positions, step)
+    else:  # model-level hook: the method runs the layers (it may change which tokens later layers see)
+        hidden = hook(model, step, hidden, all_positions)
+    return base.norm(hidden[0] if all_positions else hidden[0, -1:])
+
+
+def run_decoder_layers(model: LoadedModel, hidden: torch.Tensor, positions: torch.Tensor, step: Step,
+                       layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Run decoder layers `layers` (default: all) on `hidden` ``[1, n, hidden]`` at the original
+    `positions` ``[n]`` (RoPE is applied at those positions, whatever they are), attention through `step`.
+
+    The building block of the ``run_layers`` hook: a method may run layers 0..L on the new tokens and the
+    layers after L on another set of tokens (at their own positions, with another :class:`Step`)."""
+    base = model.hf.model
+    position_embeddings = base.rotary_emb(hidden, positions[None])
+    for i in layers if layers is not None else range(len(base.layers)):
+        hidden = base.layers[i](hidden, attention_mask=None, position_ids=positions[None], past_key_values=None,
+                                use_cache=False, position_embeddings=position_embeddings, attnkit_step=step)
+    return hidden
+
+
+def logits_of(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """LM-head logits (float32) of final hidden states ``[n, hidden]``."""
+    return model.hf.lm_head(hidden).float()
+
+
+def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size: int | None = None,
+            all_positions: bool = False) -> torch.Tensor:
+    """Feed the prompt (in chunks of `chunk_size` tokens if given); final hidden states of the last
+    position ``[1, hidden]``, or of every position ``[n, hidden]``."""
+    n = ids.shape[0]
+    if chunk_size is not None and chunk_size <= 0:
+        raise AttnkitError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    chunk = chunk_size or n
+    outputs = []
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        hidden = forward(model, ids[start:end], start,
+                         lambda pos, last=(end == n): Step(session, "prefill", pos, last), all_positions)
+        if all_positions or end == n:
+            outputs.append(hidden)
+    return torch.cat(outputs) if all_positions else outputs[-1]

@@ -1,0 +1,125 @@
+"""One generation's state and the per-forward step the attention function hands to the active method.
+
+- :class:`Session`: the method, the KV cache, and the method's own state: one object per layer
+  (``method.new_layer_state()``) and one for the whole generation (``method.new_session_state()``),
+  both typed by the method (dataclasses), never string-keyed dictionaries shared between methods.
+- :class:`Step`: one forward pass (prefill chunk or decoding step): its phase, the original positions of
+  its tokens, and what the layers of this forward share (e.g. a mask built on the first layer).
+- :class:`LayerContext`: one layer's view of a step, passed to every method hook.
+
+The method is anything with the hooks of :class:`attnkit.methods.base.Method`; this module sits below
+the methods and does not import them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attnkit.cache import KVCache, LayerKV
+from attnkit.model import LoadedModel
+from attnkit.rope import Rope
+
+
+@dataclass
+class Session:
+    """State of one generation: the method, the cache, and what the method keeps per layer and per run."""
+
+    method: Any  # an attnkit.methods.base.Method
+    cache: KVCache
+    n_layers: int
+    prompt_len: int
+    max_new_tokens: int
+    # rotations by position offsets with the model's RoPE frequencies (attnkit.rope.Rope), filled in by
+    # the runner / AttnkitCache; methods that re-index key positions need it
+    rope: Any = None
+    layer_state: list = field(default_factory=list)
+    state: Any = None  # the method's per-generation state (shared by its layers)
+    shared: dict = field(default_factory=dict)  # transitional: string-keyed state, being replaced by `state`
+
+    def __post_init__(self):
+        self.layer_state = [self.method.new_layer_state() for _ in range(self.n_layers)]
+        self.state = self.method.new_session_state()
+
+
+@dataclass
+class Step:
+    """One forward pass: which phase, which positions, and whether it ends the prompt."""
+
+    session: Session
+    phase: str  # "prefill" or "decode"
+    q_pos: torch.Tensor  # [n] original positions of the new tokens
+    last_chunk: bool = True
+    # what the layers of this forward can share (e.g. a mask built on the first layer), by key
+    memo: dict = field(default_factory=dict, repr=False)
+
+    def shared_value(self, key, build):
+        """The value the layers of this forward share under `key`, built by ``build()`` on first use."""
+        value = self.memo.get(key)
+        if value is None:
+            value = self.memo[key] = build()
+        return value
+
+    def attention(self, layer: int, q, k, v, scaling: float, native_window: int | None) -> torch.Tensor:
+        """Run the session's method on one layer's q, k, v (after RoPE): allocate the layer's cache on
+        first use, then the phase's hooks."""
+        ctx = LayerContext(self, layer, scaling, native_window)
+        method = self.session.method
+        if ctx.kv is None:
+            capacity = method.layer_capacity(ctx)
+            if capacity is not None:  # None: this layer keeps no cache (Select-Attention's later layers)
+                slots, ring = capacity
+                self.session.cache.layers[layer] = LayerKV.allocate(k.shape[0], k.shape[1], slots, k.shape[-1],
+                                                                    k.dtype, k.device, ring)
+        if self.phase == "prefill":
+            out = method.prefill_attention(ctx, q, k, v)
+            self.session.cache.track_peak()
+            if self.last_chunk:
+                method.after_prefill(ctx, q, k, v)
+        else:
+            out = method.decode_attention(ctx, q, k, v)
+            self.session.cache.track_peak()
+            method.after_decode(ctx)
+        self.session.cache.track_peak()
+        return out
+
+
+@dataclass
+class LayerContext:
+    """One layer's view of a step; `state_of` picks the layer state the hooks see (a composed method
+    gives each of its parts its own)."""
+
+    step: Step
+    index: int
+    scaling: float
+    native_window: int | None  # the model's own sliding window for this layer, if any
+    state_of: Any = None  # callable(layer state) -> the state these hooks see; None: the layer state itself
+
+    @property
+    def kv(self) -> LayerKV:
+        return self.step.session.cache.layers[self.index]
+
+    @property
+    def q_pos(self) -> torch.Tensor:
+        return self.step.q_pos
+
+    @property
+    def state(self):
+        own = self.step.session.layer_state[self.index]
+        return own if self.state_of is None else self.state_of(own)
+
+    @property
+    def session(self) -> Session:
+        return self.step.session
+
+    def scoped(self, state_of) -> LayerContext:
+        """The same layer and step, its hooks seeing ``state_of(layer state)`` as their state."""
+        return LayerContext(self.step, self.index, self.scaling, self.native_window, state_of)
+
+
+def new_session(model: LoadedModel, method, prompt_len: int, max_new_tokens: int) -> Session:
+    """A fresh session of `method` for one generation on `model` (an empty cache per layer)."""
+    n_layers = model.geometry.n_layers
+    return Session(method, KVCache(n_layers), n_layers, prompt_len, max_new_tokens, rope=Rope.from_model(model))
