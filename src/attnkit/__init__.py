@@ -6,15 +6,18 @@
 """
 
 from attnkit.errors import AttnkitError
+from attnkit.generation import GenerationConfig
 from attnkit.hf_cache import AttnkitCache
 from attnkit.methods import METHODS, Method, make_method, parse_method_spec
 from attnkit.model import Geometry, LoadedModel, load_model, prepare
+from attnkit.recipe import Recipe, as_recipe, load_recipe_file
 from attnkit.runner import Generation, GenerationStats, generate, score_tokens, token_nll
-from attnkit.speculative import speculative_generate  # noqa: F401  (speculative decoding, seed 003)
+from attnkit.speculative import speculative_generate
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttnkitError", "AttnkitCache", "METHODS", "Method", "make_method", "parse_method_spec", "Geometry", "LoadedModel",
-    "load_model", "prepare", "Generation", "GenerationStats", "generate", "score_tokens", "token_nll", "__version__",
+    "AttnkitError", "AttnkitCache", "GenerationConfig", "METHODS", "Method", "make_method", "parse_method_spec",
+    "Geometry", "LoadedModel", "load_model", "prepare", "Recipe", "as_recipe", "load_recipe_file", "Generation",
+    "GenerationStats", "generate", "score_tokens", "token_nll", "speculative_generate", "__version__",
 ]

@@ -8,7 +8,7 @@
     out = model.hf.generate(ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
 
 The tokens are the same as ``attnkit.generate(model, ids, "h2o", params=..., max_new_tokens=64)``:
-both routes run the same method hooks on the same :class:`~attnkit.methods.base.Session`.
+both routes run the same method hooks on the same :class:`~attnkit.session.Session`.
 
 How the cache and the attention function meet. In transformers (5.x) an attention module calls
 ``past_key_values.update(k, v, layer_idx)`` and then the registered attention function with what
@@ -37,12 +37,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from attnkit import validate
 from attnkit.attention import ATTN_IMPLEMENTATION, defer_attention
 from attnkit.cache import KVCache
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import Method, Session, Step
+from attnkit.methods.base import Method, resolve_method
 from attnkit.rope import Rope
-from attnkit.runner import resolve_method
+from attnkit.session import Session, Step
 
 
 class _AttnkitLayer(CacheLayerMixin):
@@ -113,8 +114,9 @@ class AttnkitCache(Cache):
             raise AttnkitError(f"the model uses attn_implementation={impl!r}; AttnkitCache needs "
                                f"{ATTN_IMPLEMENTATION!r} (attnkit.prepare(model, tokenizer) or "
                                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise AttnkitError(f"max_new_tokens must be the generation length (>= 1), got {max_new_tokens!r}")
+        if not (validate.is_whole(max_new_tokens) and max_new_tokens >= 1):
+            raise AttnkitError(f"max_new_tokens must be the generation length (a whole number >= 1), "
+                               f"got {max_new_tokens!r}")
         self.method = resolve_method(method, params)
         if self.method.run_layers is not None:
             raise AttnkitError(f"method {self.method.name!r} changes which tokens the decoder layers see (a model-level "
