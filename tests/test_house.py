@@ -11,7 +11,7 @@ PACKAGE = SRC / "attnkit"
 
 # bottom to top: a module may import modules of its own layer or the layers below
 LAYERS = [
-    ("errors", "validate", "config_file"),
+    ("errors", "validate", "config_file", "version"),
     ("tokenizer", "rope", "masks", "sampling"),
     ("attention",),
     ("model", "cache"),
@@ -21,8 +21,8 @@ LAYERS = [
     ("runner", "hf_cache"),
     ("speculative",),
     ("recipe",),
-    ("calibrate",),
     ("eval",),
+    ("calibrate",),  # calibration prompts come from eval's task generators
     ("bench",),
     ("cli",),
 ]

@@ -13,8 +13,7 @@ from attnkit.model import Geometry, LoadedModel, load_model, prepare
 from attnkit.recipe import Recipe, as_recipe, load_recipe_file
 from attnkit.runner import Generation, GenerationStats, generate, score_tokens, token_nll
 from attnkit.speculative import speculative_generate
-
-__version__ = "0.1.0"
+from attnkit.version import __version__
 
 __all__ = [
     "AttnkitError", "AttnkitCache", "GenerationConfig", "METHODS", "Method", "make_method", "parse_method_spec",

@@ -1,6 +1,7 @@
-"""Select-Attention's filter layer: sweep ``L`` on calibration tasks and pick the best (seed 000, section 4.2).
+"""Select-Attention's filter layer: sweep ``L`` on calibration tasks and pick the best.
 
-The seed chose layer 15 of Llama3 "by validation on the benchmark" (section 4.2: "ベンチマークでの検証により
+Select-Attention is section 4.2 of Taniguchi, Xiao, Dong, Oyamada, Onizuka: "Attention スコアの分布類似性を用いた
+大規模言語モデルの動作効率化および省メモリ化". The paper chose layer 15 of Llama3 "by validation on the benchmark" (section 4.2: "ベンチマークでの検証により
 Llama3 では 15 層目が最も適切"). This tool does the same on attnkit's synthetic tasks: for every candidate ``L``
 it generates the calibration samples (:func:`attnkit.calibrate.patterns.calibration_samples`, never an evaluation
 sample) with ``select:filter_layer=L,p_decode=p`` and scores them with the task's own metric
@@ -20,8 +21,10 @@ from pathlib import Path
 from attnkit.calibrate import progress_to_stderr
 from attnkit.calibrate.patterns import calibration_samples
 from attnkit.errors import AttnkitError
+from attnkit.eval.tasks import TASKS
 from attnkit.methods.select import Select, check_p
-from attnkit.model import LoadedModel
+from attnkit.model import LoadedModel, load_model_for_length
+from attnkit.runner import generate
 
 DEFAULT_TASKS = ("passkey", "kv_retrieval")
 
@@ -41,9 +44,6 @@ def sweep_filter_layer(model: LoadedModel, *, tasks: Sequence[str] = DEFAULT_TAS
                        value_weighted: bool = False, progress: Callable[[str], None] | None = None) -> dict:
     """Score ``select`` at every filter layer in `layers` (default ``0 .. n_layers-2``) and ``full``; the result
     (JSON-ready) has one row per layer, the full score and the best layer."""
-    from attnkit.eval.tasks import TASKS
-    from attnkit.runner import generate
-
     try:
         check_p("p", p)
     except ValueError as exc:
@@ -103,8 +103,6 @@ def format_table(result: dict) -> str:
 
 def main(args) -> int:
     """``attnkit calibrate filter-layer`` (arguments parsed by :mod:`attnkit.cli`)."""
-    from attnkit.model import load_model_for_length
-
     model = load_model_for_length(args.model, max(args.length + 64, 4096))
     result = sweep_filter_layer(model, tasks=args.tasks, length=args.length, samples=args.samples, seed=args.seed,
                                 split=args.split, p=args.p, layers=args.layers, prefill_select=args.prefill_select,

@@ -1,24 +1,26 @@
-"""Share-Attention calibration: which heads of a layer may share one softmax (seed 000, sections 3.1 and 4.1).
+"""Share-Attention calibration: which heads of a layer may share one softmax.
 
-The seed's three offline steps (section 4.1):
+Taniguchi, Xiao, Dong, Oyamada, Onizuka: "Attention スコアの分布類似性を用いた大規模言語モデルの動作効率化および
+省メモリ化" (efficient, memory-saving LLM inference from the similarity of attention score distributions),
+sections 3.1 and 4.1; "the paper" below. Its three offline steps (section 4.1):
 
 1. run calibration prompts and take every layer's per-head prefill attention maps ``A_h`` (N x N, causal);
 2. the distance of eq. 9 between every pair of heads of a layer,
    ``distance(A, A') = sqrt(sum (A - A')^2) / sqrt(N)`` (N the input length), averaged over the prompts;
-3. cluster heads whose distance is at most the layer's threshold ``th`` (the seed: "distance が th 以下であれば
+3. cluster heads whose distance is at most the layer's threshold ``th`` (the paper: "distance が th 以下であれば
    類似"), pick one essential head per cluster and write ``{"essential_heads": [...], "share_to": {...}}``.
 
 The maps are never held whole: each layer's probabilities are formed a chunk of queries at a time (at most
 :data:`attnkit.methods.eviction.SCORE_BLOCK_ELEMENTS` head x query x key entries) and only the pairwise sums of
 squared differences (``heads x heads`` numbers, accumulated in float64 through a Gram matrix) survive a chunk.
 
-Clustering (the seed does not spell it out): a leader rule that guarantees every shared head is within ``th``
+Clustering (the paper does not spell it out): a leader rule that guarantees every shared head is within ``th``
 of ITS essential head, the quantity the approximation depends on. Repeatedly, among the heads not yet assigned,
 the head with the most unassigned heads within ``th`` (ties: the smaller summed distance to them, then the
-lower index) becomes essential and those heads share to it. ``th = 0`` shares nothing (the seed's "th=0 として
+lower index) becomes essential and those heads share to it. ``th = 0`` shares nothing (the paper's "th=0 として
 共有しない" of section 5).
 
-Thresholds are per layer, as the seed uses them (section 5, Fig. 6-7: sharing hurts in the early layers and the
+Thresholds are per layer, as the paper uses them (section 5, Fig. 6-7: sharing hurts in the early layers and the
 last layers decide the answer's format, so ``th`` is low there and high in the middle): one value for all
 layers, one per layer from a file, or a schedule ``LOW,HIGH[,A:B]`` giving HIGH to layers ``A .. B-1`` and LOW
 to the others. The default band follows Fig. 6 on Llama3's 32 layers (15-28 tolerate sharing):
@@ -45,18 +47,21 @@ import torch
 from attnkit.calibrate import progress_to_stderr
 from attnkit.calibrate.patterns import calibration_samples
 from attnkit.errors import AttnkitError
+from attnkit.forward import prefill
 from attnkit.methods.base import Method
 from attnkit.methods.eviction import SCORE_BLOCK_ELEMENTS
 from attnkit.methods.share import CONFIG_FORMAT, LayerPlan, essential_probabilities, parse_share_config
-from attnkit.model import LoadedModel
+from attnkit.model import LoadedModel, load_model_for_length
+from attnkit.session import new_session
+from attnkit.version import __version__
 
 DEFAULT_TASKS = ("passkey", "kv_retrieval", "code_completion")
-DEFAULT_THRESHOLD = 0.18  # the seed's example (section 3.1, layer 13 of Llama3)
+DEFAULT_THRESHOLD = 0.18  # the paper's example (section 3.1, layer 13 of Llama3)
 
 
 # ---- eq. 9 ---------------------------------------------------------------------------------------------
 def eq9_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Eq. 9 of the seed for two N x N attention matrices: ``sqrt(sum (A - A')^2) / sqrt(N)``."""
+    """Eq. 9 of the paper for two N x N attention matrices: ``sqrt(sum (A - A')^2) / sqrt(N)``."""
     n = a.shape[-1]
     return float(((a.double() - b.double()) ** 2).sum().sqrt() / n ** 0.5)
 
@@ -206,8 +211,6 @@ class _MapProbe(Method):
 @torch.inference_mode()
 def layer_distances(model: LoadedModel, prompts, progress: Callable[[str], None] | None = None) -> torch.Tensor:
     """Eq. 9 distances ``[layers, heads, heads]`` averaged over the prompts ``(info, sample, ids)``."""
-    from attnkit.runner import new_session, prefill
-
     geo = model.geometry
     total = torch.zeros(geo.n_layers, geo.n_q_heads, geo.n_q_heads, dtype=torch.float64)
 
@@ -251,13 +254,12 @@ def calibrate_heads(model: LoadedModel, *, length: int = 1024, tasks: Sequence[s
             "distances": [[round(float(x), 6) for x in row] for row in dist[i]],
         })
     retention = [layer["retention_rate"] for layer in layers]
-    from attnkit import __version__
 
     config = {
         "format": CONFIG_FORMAT,
         "model": model.spec, "architecture": geo.architecture,
         "n_layers": geo.n_layers, "n_heads": geo.n_q_heads, "n_kv_heads": geo.n_kv_heads, "head_dim": geo.head_dim,
-        "distance": "eq. 9 of seed 000: sqrt(sum (A - A')^2) / sqrt(N) between prefill attention maps, mean over prompts",
+        "distance": "eq. 9 of Share-Attention (Taniguchi et al.): sqrt(sum (A - A')^2) / sqrt(N) between prefill attention maps, mean over prompts",
         "clustering": "leader rule: the head with most unassigned heads within the threshold becomes essential; "
                       "every shared head is within the threshold of its essential head; threshold 0 shares nothing",
         "threshold_rule": rule, "thresholds": per_layer,
@@ -307,8 +309,6 @@ def summary(config: dict) -> str:
 
 def main(args) -> int:
     """``attnkit calibrate heads`` (arguments parsed by :mod:`attnkit.cli`)."""
-    from attnkit.model import load_model_for_length
-
     model = load_model_for_length(args.model, max(args.length, 4096))
     config = calibrate_heads(model, length=args.length, tasks=args.tasks, samples=args.samples, seed=args.seed,
                              split=args.split, threshold=args.threshold, thresholds=args.thresholds,
