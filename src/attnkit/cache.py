@@ -9,7 +9,7 @@ Capacity is allocated up front (the runner knows the prompt length and the token
 decoding never reallocates. ``keep`` compacts a layer to a chosen subset per head into fresh, smaller
 tensors: evicted entries really leave memory, and :meth:`KVCache.nbytes` shows it. In ring mode a
 layer holds at most ``capacity`` entries and a token at position p lands in slot p mod capacity,
-overwriting the oldest (Mistral's rolling buffer cache, seed 004).
+overwriting the oldest (the rolling buffer cache of Mistral 7B, Jiang et al. 2023, arXiv 2310.06825).
 """
 
 from __future__ import annotations

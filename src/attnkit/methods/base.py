@@ -105,14 +105,12 @@ class Method:
         keys, values, positions = ctx.kv.view()
         if ctx.native_window is None and q.shape[2] == 1:
             # the newest token's query: every held key is at or before it, so no mask and none of
-            # attend's checks of the key positions (reductions over the whole cache in every layer:
-            # 7-9 % of a one-token step of `tiny` at 2k tokens)
+            # attend's checks of the key positions (reductions over the whole cache in every layer)
             return sdpa(q, keys, values, ctx.scaling)
         if ctx.native_window is None and not ctx.kv.ring:
             # several appended tokens (a draft checking guesses): they fill the last slots, every other
             # key precedes them, so the causal mask by slot index is the mask by position, whatever each
-            # head kept; built on the first layer, reused by the others holding as many entries (150 us
-            # per layer otherwise)
+            # head kept; built on the first layer, reused by the others holding as many entries
             n, length, groups = q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1]
 
             def slot_order_bias():
