@@ -9,7 +9,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -41,6 +41,8 @@ class GenerationStats:
     final_kv_bytes: int
     peak_rss_bytes: int
     finish_reason: str  # "length", "eos" or "stop"
+    # what the method measured during the run (e.g. Select-Attention's kept tokens), by name
+    method_stats: dict = field(default_factory=dict, kw_only=True)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -114,7 +116,7 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
         ttft_s=ttft_s, decode_s=decode_s,
         decode_tokens_per_s=decode_steps / decode_s if decode_steps and decode_s > 0 else 0.0,
         peak_kv_bytes=session.cache.peak_bytes, final_kv_bytes=session.cache.nbytes(),
-        peak_rss_bytes=peak_rss_bytes(), finish_reason=emit.finish,
+        peak_rss_bytes=peak_rss_bytes(), finish_reason=emit.finish, method_stats=method.run_stats(session),
     )
     return Generation(text, emit.generated, stats, kept_logits)
 

@@ -61,6 +61,11 @@ class Method:
         """This method's state for one generation, shared by its layers (``ctx.session.state``)."""
         return None
 
+    def run_stats(self, session) -> dict:
+        """What this method measured during the generation `session` ran (numbers by name), for the
+        run's statistics (:attr:`attnkit.runner.GenerationStats.method_stats`)."""
+        return {}
+
     # ---- hooks ---------------------------------------------------------------------------------
     def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
         s = ctx.session
