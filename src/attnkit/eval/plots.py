@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 
 from attnkit.eval.table import is_reference
 from attnkit.eval.tasks import NEEDLE_TASKS
+from attnkit.validate import is_number
 
 
 def is_full(row: dict) -> bool:
@@ -38,7 +39,7 @@ def _safe(name: str) -> str:
 
 def _x_budget(r: dict):
     b = r.get("budget")
-    if isinstance(b, (int, float)) and not isinstance(b, bool):
+    if is_number(b):
         if isinstance(b, float) and b <= 1:
             return b
         return b / r["length"] if r.get("length") else None
