@@ -11,6 +11,8 @@ import torch
 
 from attnkit import AttnkitError, load_model
 from attnkit.eval import corpus, harness, tasks
+from attnkit.eval import results as results_store
+from attnkit.eval.table import format_table
 from attnkit.eval.tasks import GENERATED_TASKS, TASKS, Sample, edit_similarity, string_match_score
 
 SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
@@ -35,7 +37,7 @@ def test_rows_have_every_field(rows_and_dir):
     rows, _ = rows_and_dir
     assert len(rows) == 4  # 2 tasks x 1 length x 2 methods
     for row in rows:
-        assert set(harness.ROW_FIELDS) <= set(row)
+        assert set(results_store.ROW_FIELDS) <= set(row)
         assert row["model"] == SPEC and row["length"] == 256 and row["samples"] == 2
         assert len(row["scores"]) == 2 and row["score"] == pytest.approx(sum(row["scores"]) / 2)
         assert row["seeds"] == [3, 4]
@@ -63,7 +65,7 @@ def test_full_row_is_relative_one(rows_and_dir):
 
 def test_relative_for_higher_is_better_task(model, monkeypatch):
     fake = dataclasses.replace(TASKS["passkey"], score=lambda prediction, sample: 0.5)
-    monkeypatch.setitem(harness.TASKS, "passkey", fake)
+    monkeypatch.setitem(TASKS, "passkey", fake)
     rows = harness.run_eval(model, ["passkey"], [256], ["window:window=64", "full"], samples=1, progress=False)
     assert [r["method"] for r in rows] == ["full", "window"]  # full runs first
     assert all(r["score_rel_full"] == 1.0 for r in rows)
@@ -83,7 +85,7 @@ def test_jsonl_and_table_written(rows_and_dir):
     rows, out = rows_and_dir
     lines = (out / "results.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == json.loads(json.dumps(rows))
-    assert harness.read_results(out) == json.loads(json.dumps(rows))
+    assert results_store.read_results(out) == json.loads(json.dumps(rows))
     table = (out / "table.txt").read_text()
     assert "passkey" in table and "perplexity" in table and "window:window=64" in table
 
@@ -133,12 +135,12 @@ def test_format_table():
         dict(task="perplexity", length=1024, method="window", method_params={"window": 8},
              method_spec="window:window=8", score=2.5, higher_is_better=False, score_rel_full=None, samples=4),
     ]
-    table = harness.format_table(rows)
+    table = format_table(rows)
     lines = table.splitlines()
     assert lines[0].split() == ["task", "length", "full", "window:window=8"]
     assert "50.0%" in lines[2] and "25.0% (0.50x)" in lines[2]
     assert lines[3].split() == ["perplexity", "1024", "-", "2.500"]
-    assert harness.format_table([]) == "(no results)"
+    assert format_table([]) == "(no results)"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from attnkit import AttnkitError, load_model
 from attnkit.cli import main
 from attnkit.eval import harness, longbench
+from attnkit.eval import results as results_store
 from attnkit.eval.longbench import LongBenchData, prompt_ids, score, truncate_middle
 from attnkit.tokenizer import build_byte_tokenizer
 
@@ -113,7 +114,7 @@ def test_eval_cli_data(tmp_path, capsys):
                  "--lengths", "128", "--samples", "1", "--no-progress", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "longbench:passage_count" in out and "longbench:gov_report" in out
-    rows = harness.read_results(tmp_path)
+    rows = results_store.read_results(tmp_path)
     assert [r["task"] for r in rows] == ["longbench:passage_count", "longbench:gov_report"]
 
 

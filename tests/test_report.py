@@ -13,7 +13,7 @@ import torch
 
 from attnkit import AttnkitError
 from attnkit.cli import main
-from attnkit.eval import harness
+from attnkit.eval import results as results_store
 from attnkit.eval.report import enrich, summarize, write_report
 from attnkit.eval.sweep import run_sweep, sweep_from_dict
 
@@ -29,14 +29,14 @@ def results(tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("sweep")
     run_sweep(sweep_from_dict(SWEEP), out, progress=False)
-    return out / harness.RESULTS_FILE
+    return out / results_store.RESULTS_FILE
 
 
 def _fresh_dir(tmp_path: Path, results: Path) -> Path:
     """A directory holding nothing but a copy of the results file."""
     d = tmp_path / "only_results"
     d.mkdir()
-    shutil.copy(results, d / harness.RESULTS_FILE)
+    shutil.copy(results, d / results_store.RESULTS_FILE)
     return d
 
 
@@ -60,7 +60,7 @@ def test_report_from_results_alone(results, tmp_path):
 
 
 def test_summary_numbers(results):
-    rows, _ = enrich(harness.read_results(results))
+    rows, _ = enrich(results_store.read_results(results))
     summary = {s["label"]: s for s in summarize(rows)}
     full = summary["full"]
     assert full["decode_speedup"] == 1.0 and full["final_kv_ratio"] == 1.0 and full["cells"] == 4
@@ -72,24 +72,24 @@ def test_other_schema_versions(results, tmp_path):
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     old = tmp_path / "old"
     old.mkdir()
-    with open(old / harness.RESULTS_FILE, "w") as fh:  # schema 1: before recipes, budgets and depth scores
+    with open(old / results_store.RESULTS_FILE, "w") as fh:  # schema 1: before recipes, budgets and depth scores
         for row in rows:
             row = {k: v for k, v in row.items() if k not in ("schema", "recipe", "recipe_name", "budget", "cell",
                                                               "depth_scores")}
             fh.write(json.dumps(row) + "\n")
-    read = harness.read_results(old)
+    read = results_store.read_results(old)
     assert all(r["schema_read"] == 1 and r["recipe_name"] == r["method_spec"] for r in read)
     assert write_report(old).is_file()
     new = tmp_path / "new"
     new.mkdir()
-    rows[3]["schema"] = harness.SCHEMA + 1
-    (new / harness.RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows[3]["schema"] = results_store.SCHEMA + 1
+    (new / results_store.RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(AttnkitError, match=r"line 4: results schema 3 is newer than this attnkit reads"):
         write_report(new)
-    (new / harness.RESULTS_FILE).write_text("{broken\n")
+    (new / results_store.RESULTS_FILE).write_text("{broken\n")
     with pytest.raises(AttnkitError, match="line 1 is not a JSON row"):
-        harness.read_results(new)
-    (new / harness.RESULTS_FILE).write_text("")
+        results_store.read_results(new)
+    (new / results_store.RESULTS_FILE).write_text("")
     with pytest.raises(AttnkitError, match="holds no rows"):
         write_report(new)
 

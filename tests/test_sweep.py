@@ -18,7 +18,8 @@ from attnkit import AttnkitError
 from attnkit.bench import peers
 from attnkit.bench.speed import decode_weight_bytes, format_bench, measure_bandwidth, run_bench
 from attnkit.cli import main
-from attnkit.eval import harness
+from attnkit.eval import cells
+from attnkit.eval import results as results_store
 from attnkit.eval.sweep import load_sweep, run_sweep, sweep_from_dict
 from attnkit.recipe import Recipe, as_recipe, load_recipe_file
 
@@ -44,7 +45,7 @@ def _write(tmp_path: Path, data: dict, name: str = "sweep.yaml") -> Path:
 
 
 def _stable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in harness.VOLATILE_FIELDS} for r in rows]
+    return [{k: v for k, v in r.items() if k not in results_store.VOLATILE_FIELDS} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +146,9 @@ def test_sweep_rows(reference):
     rows, out = reference
     labels = [r["method_spec"] for r in rows[:7]]
     assert labels == ["full", "snapkv@0.25", "snapkv@0.5", "window@0.25", "window@0.5", "streaming:budget=0.3", "pl"]
-    assert len(rows) == 14 and harness.read_results(out) == rows
+    assert len(rows) == 14 and results_store.read_results(out) == rows
     for row in rows:
-        assert row["schema"] == harness.SCHEMA and set(harness.ROW_FIELDS) <= set(row)
+        assert row["schema"] == results_store.SCHEMA and set(results_store.ROW_FIELDS) <= set(row)
         assert row["model"] == SPEC and row["samples"] == 2 and row["git_commit"] is not None
     window = next(r for r in rows if r["method_spec"] == "window@0.25")
     assert window["budget"] == 0.25 and window["method_params"] == {"window": 64}
@@ -161,7 +162,7 @@ def test_sweep_rows(reference):
 def test_interrupted_sweep_resumes_to_the_same_results(reference, tmp_path, monkeypatch):
     rows, ref_dir = reference
     sweep = sweep_from_dict(SWEEP)
-    real = harness._run_cell
+    real = cells.run_cell
     calls = []
 
     def interrupted(model, task, recipe, items, bar, peers_):
@@ -171,30 +172,30 @@ def test_interrupted_sweep_resumes_to_the_same_results(reference, tmp_path, monk
             raise KeyboardInterrupt
         return real(model, task, recipe, items, bar, peers_)
 
-    monkeypatch.setattr(harness, "_run_cell", interrupted)
+    monkeypatch.setattr(cells, "run_cell", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(sweep, tmp_path, progress=False)
-    results = tmp_path / harness.RESULTS_FILE
-    assert len(harness.read_results(results)) == 3
+    results = tmp_path / results_store.RESULTS_FILE
+    assert len(results_store.read_results(results)) == 3
     with results.open("a") as fh:  # and a row cut off while being written
         fh.write('{"schema": 2, "cell": "half a row')
-    monkeypatch.setattr(harness, "_run_cell", real)
+    monkeypatch.setattr(cells, "run_cell", real)
     resumed_calls = []
-    monkeypatch.setattr(harness, "_run_cell", lambda *a: resumed_calls.append(a[2].label) or real(*a))
+    monkeypatch.setattr(cells, "run_cell", lambda *a: resumed_calls.append(a[2].label) or real(*a))
     resumed = run_sweep(sweep, tmp_path, progress=False)
     assert len(resumed_calls) == len(rows) - 3  # finished cells are not run again
-    assert _stable(harness.read_results(results)) == _stable(harness.read_results(ref_dir))
+    assert _stable(results_store.read_results(results)) == _stable(results_store.read_results(ref_dir))
     assert _stable(resumed) == _stable(rows)
     again = run_sweep(sweep, tmp_path, progress=False)  # all done: nothing runs, nothing is appended
     assert len(resumed_calls) == len(rows) - 3 and len(again) == len(rows)
-    assert len(harness.read_results(results)) == len(rows)
+    assert len(results_store.read_results(results)) == len(rows)
 
 
 def test_killed_sweep_resumes_to_the_same_results(reference, tmp_path):
     rows, ref_dir = reference
     path = _write(tmp_path, SWEEP)
     out = tmp_path / "out"
-    results = out / harness.RESULTS_FILE
+    results = out / results_store.RESULTS_FILE
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "attnkit.cli", "eval", "--sweep", str(path), "--out", str(out),
                              "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -210,7 +211,7 @@ def test_killed_sweep_resumes_to_the_same_results(reference, tmp_path):
     n_before = results.read_text().count("\n")
     assert n_before >= 2
     assert main(["eval", "--sweep", str(path), "--out", str(out), "--no-progress"]) == 0
-    assert _stable(harness.read_results(results)) == _stable(harness.read_results(ref_dir))
+    assert _stable(results_store.read_results(results)) == _stable(results_store.read_results(ref_dir))
 
 
 def test_eval_cli_recipes_and_sweep_errors(tmp_path, capsys):

@@ -1,11 +1,12 @@
-"""Peers in the same table: NVIDIA's kvpress presses as recipes of a sweep, on identical inputs.
+"""Peers in the same table: kvpress presses (the repository NVIDIA/kvpress) as sweep recipes, on identical inputs.
 
 A press is named ``kvpress:PRESS[:key=value,...]`` (``kvpress:SnapKVPress:compression_ratio=0.5``)
 or, in a recipe file, ``{"kvpress": "SnapKVPress", "params": {...}}``; a sweep's budget ``f`` sets
 ``compression_ratio = 1 - f``. kvpress pins another transformers than attnkit, so its presses run in
-their own environment through ``scripts/kvpress_worker.py`` (the worker of ``scripts/compare_kvpress.py``):
-the interpreter is ``$ATTNKIT_KVPRESS_PYTHON``, else ``.venv-kvpress/bin/python`` of this checkout (or
-of the current directory), else this interpreter when it can import kvpress. The worker loads the same
+their own environment through :mod:`attnkit.bench.kvpress_worker`, started by its file path inside the
+installed package (:data:`WORKER`; it imports no attnkit, so it runs in an environment without attnkit).
+The interpreter is ``$ATTNKIT_KVPRESS_PYTHON``, else ``.venv-kvpress/bin/python`` of the source checkout
+attnkit runs from (or of the current directory), else this interpreter when it can import kvpress. The worker loads the same
 model (the bundled model's directory, a local model directory, or a random model saved to a temporary
 directory) and answers one greedy generation per request: the same prompt token ids attnkit's methods
 get, stopped at the same stop strings (the worker stops at the tokens that contain one; the text is cut
@@ -27,10 +28,14 @@ from pathlib import Path
 import torch
 
 from attnkit.errors import AttnkitError
+from attnkit.model import BUNDLED, bundled_path
+from attnkit.runner import Generation, GenerationStats, encode_prompt
 
 PREFIX = "kvpress:"
-ROOT = Path(__file__).resolve().parents[3]  # the checkout (src/attnkit/bench/peers.py)
-WORKER = ROOT / "scripts" / "kvpress_worker.py"
+# the worker ships inside the package, so an installed wheel finds it beside this file
+WORKER = Path(__file__).resolve().with_name("kvpress_worker.py")
+# a source checkout (src/attnkit/bench/peers.py) keeps .venv-kvpress at its root
+CHECKOUT = Path(__file__).resolve().parents[3]
 ENV_VAR = "ATTNKIT_KVPRESS_PYTHON"
 
 
@@ -76,7 +81,7 @@ def kvpress_python() -> str | None:
     env = os.environ.get(ENV_VAR)
     if env:
         return env if Path(env).is_file() else None
-    for base in (ROOT, Path.cwd()):
+    for base in (CHECKOUT, Path.cwd()):
         candidate = base / ".venv-kvpress" / "bin" / "python"
         if candidate.is_file():
             return str(candidate)
@@ -92,13 +97,13 @@ def require_kvpress() -> str:
                            "(python -m venv .venv-kvpress; .venv-kvpress/bin/pip install torch==2.13.0 kvpress) or "
                            f"set {ENV_VAR} to a Python that imports kvpress")
     if not WORKER.is_file():
-        raise AttnkitError(f"the kvpress worker {WORKER} is missing: peers run from a source checkout of attnkit")
+        raise AttnkitError(f"the kvpress worker {WORKER} is missing from this attnkit installation; reinstall attnkit")
     return python
 
 
 class LineWorker:
     """A worker process that answers each JSON request line with one JSON line (the kvpress worker here,
-    both workers of scripts/compare_kvpress.py). It runs with `threads` intra-op threads; its stderr goes to
+    both workers of benchmarks/compare_kvpress.py). It runs with `threads` intra-op threads; its stderr goes to
     `log` (default: a temporary file whose tail is shown when the worker dies). The first line it writes
     is its description (:attr:`meta`); an answer with an ``error`` key is raised as an error."""
 
@@ -147,8 +152,6 @@ class KvpressRunner:
     """One kvpress worker process for `model`, answering generations until :meth:`close`."""
 
     def __init__(self, model, threads: int | None = None):
-        from attnkit.model import BUNDLED, bundled_path
-
         python = require_kvpress()
         self.model = model
         self._tmp = None
@@ -178,9 +181,7 @@ class KvpressRunner:
             self._stop_ids[key] = ids
         return self._stop_ids[key]
 
-    def generate(self, prompt, peer: tuple[str, dict], max_new_tokens: int, stop: str | None):
-        from attnkit.runner import Generation, GenerationStats, encode_prompt
-
+    def generate(self, prompt, peer: tuple[str, dict], max_new_tokens: int, stop: str | None) -> Generation:
         ids = encode_prompt(self.model, prompt).tolist()
         press, params = peer
         case = {"prompt": ids, "new_tokens": max_new_tokens, "stop_ids": self.stop_ids(stop),

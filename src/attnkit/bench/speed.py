@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from attnkit.errors import AttnkitError
 from attnkit.model import LoadedModel
 from attnkit.recipe import as_recipe
 from attnkit.runner import _sync, check_benchmark_tokens
@@ -76,10 +77,8 @@ def run_bench(model: LoadedModel, context: int, new_tokens: int, methods: list, 
     recipes = [as_recipe(m, "method") for m in methods]
     peers = [r.label for r in recipes if r.is_peer]
     if peers:
-        from attnkit.errors import AttnkitError
-
         raise AttnkitError(f"bench measures attnkit recipes; compare {', '.join(peers)} with "
-                           f"scripts/compare_kvpress.py or in a sweep")
+                           f"benchmarks/compare_kvpress.py or in a sweep")
     methods = [r.label for r in recipes]
     low = 3 if model.geometry.vocab_size > 3 else 0
     ids = torch.randint(low, model.geometry.vocab_size, (context,), generator=torch.Generator().manual_seed(seed))

@@ -1,4 +1,7 @@
-"""LongBench-format data (Bai et al., 2023): run the real benchmark, or your own data in its format.
+"""LongBench-format data: run the real benchmark, or your own data in its format.
+
+LongBench: "LongBench: A Bilingual, Multitask Benchmark for Long Context Understanding", Bai et al.
+2023, arXiv 2308.14508.
 
 A JSONL file, one item per line, with LongBench's fields::
 

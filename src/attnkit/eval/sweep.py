@@ -16,7 +16,7 @@ A sweep file (YAML or JSON)::
 
 Every recipe that leaves its budget open runs once per budget; one that sets its own (or takes none)
 runs once. ``full`` runs once per (task, length) as the reference, first. The cells run in order
-(tasks, lengths, recipes, budgets) through :func:`attnkit.eval.harness.run_cells`, each finished row
+(tasks, lengths, recipes, budgets) through :func:`attnkit.eval.cells.run_cells`, each finished row
 appended to ``DIR/results.jsonl`` at once (flushed and fsynced). Run it again after an interruption and
 the cells already in the results are skipped; the one that was interrupted is run again (a row cut off
 mid-write is removed first). The results file of an interrupted and resumed sweep holds the same rows as
@@ -31,8 +31,15 @@ from pathlib import Path
 
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
-from attnkit.eval import harness
+from attnkit.eval.cells import Group, run_cells
+from attnkit.eval.harness import check_lengths, check_peer_tasks, check_samples, check_tasks, depth_list
+from attnkit.eval.items import LONGBENCH_PREFIX, task_items
+from attnkit.eval.longbench import LongBenchData
+from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, read_results, repair_tail
+from attnkit.eval.table import format_table
+from attnkit.model import load_model_for_length
 from attnkit.recipe import Recipe, as_recipe, check_budget_value
+from attnkit.validate import is_whole, text, whole
 
 SWEEP_KEYS = ("model", "recipes", "budgets", "tasks", "lengths", "samples", "seed", "depths", "data", "name",
               "description")
@@ -76,10 +83,9 @@ class Sweep:
 
 
 def _int_list(value, what: str, source: str, minimum: int) -> list[int]:
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_whole(value):
         value = [value]
-    if not isinstance(value, list) or not value or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum
-                                                       for v in value):
+    if not isinstance(value, list) or not value or any(not is_whole(v) or v < minimum for v in value):
         raise AttnkitError(f"{source}: {what} must be a non-empty list of whole numbers >= {minimum}, got {value!r}")
     return value
 
@@ -115,14 +121,10 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
     if needs and not budgets:
         raise AttnkitError(f"{source}: {', '.join(needs)} take a KV budget; give budgets: [...] or set one in "
                            f"each recipe")
-    model = data.get("model", "tiny")
-    if not isinstance(model, str) or not model:
-        raise AttnkitError(f"{source}: model must be a model spec string, got {model!r}")
+    model = text(f"{source}: model (a model spec)", data.get("model", "tiny"))
     samples = data["samples"]
-    harness.check_samples(samples)
-    seed = data.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise AttnkitError(f"{source}: seed must be a whole number, got {seed!r}")
+    check_samples(samples)
+    seed = whole(f"{source}: seed", data.get("seed", 0), minimum=None)
     lengths = _int_list(data["lengths"], "lengths", source, 2)
     data_path = data.get("data")
     lb = None
@@ -133,8 +135,6 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
         if not path.is_absolute() and base_dir is not None and not path.exists():
             path = base_dir / path
         data_path = str(path)
-        from attnkit.eval.longbench import LongBenchData
-
         lb = LongBenchData.load(data_path)
     tasks = data.get("tasks") or ["longbench"]
     if isinstance(tasks, str):
@@ -146,18 +146,18 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
         if t == "longbench":
             if lb is None:
                 raise AttnkitError(f"{source}: task 'longbench' needs data: FILE (LongBench-format JSONL)")
-            expanded.extend(harness.LONGBENCH_PREFIX + d for d in lb.datasets())
+            expanded.extend(LONGBENCH_PREFIX + d for d in lb.datasets())
         else:
             expanded.append(t)
-    harness.check_tasks(expanded, lb)
-    harness.check_lengths(None, lengths)
-    harness.check_peer_tasks(recipes, expanded)
+    check_tasks(expanded, lb)
+    check_lengths(None, lengths)
+    check_peer_tasks(recipes, expanded)
     depths = data.get("depths")
     if depths is not None:
-        harness.depth_list(samples, depths)
+        depth_list(samples, depths)
     for key in ("name", "description"):
-        if data.get(key) is not None and not isinstance(data[key], str):
-            raise AttnkitError(f"{source}: {key} must be a string")
+        if data.get(key) is not None:
+            text(f"{source}: {key}", data[key], empty=True)
     sweep = Sweep(recipes, expanded, lengths, samples, model, budgets, seed, depths, data_path, data.get("name"),
                   data.get("description"), source)
     for n in lengths:  # budgets that do not fit a recipe fail now, not an hour in
@@ -173,37 +173,31 @@ def load_sweep(path: str | Path) -> Sweep:
 def _done_rows(results: Path) -> dict[str, dict]:
     if not results.is_file():
         return {}
-    harness.repair_tail(results)
-    return {row["cell"]: row for row in harness.read_results(results) if row.get("cell")}
+    repair_tail(results)
+    return {row["cell"]: row for row in read_results(results) if row.get("cell")}
 
 
 def run_sweep(sweep: Sweep | str | Path, out_dir: str | Path, *, model=None, progress: bool = True) -> list[dict]:
     """Run every cell of `sweep` not yet in ``out_dir/results.jsonl``; returns the sweep's rows (done
     before and now) in cell order and writes ``out_dir/table.txt``. `model` overrides the sweep's."""
-    from attnkit.model import load_model_for_length
-
     if not isinstance(sweep, Sweep):
         sweep = load_sweep(sweep)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = out_dir / harness.RESULTS_FILE
+    results = out_dir / RESULTS_FILE
     done = _done_rows(results)
-    data = None
-    if sweep.data is not None:
-        from attnkit.eval.longbench import LongBenchData
-
-        data = LongBenchData.load(sweep.data)
+    data = LongBenchData.load(sweep.data) if sweep.data is not None else None
     if model is None:
         model = load_model_for_length(sweep.model, max(sweep.lengths) + 512)
-    harness.check_lengths(model, sweep.lengths)
-    depths = harness.depth_list(sweep.samples, sweep.depths)
+    check_lengths(model, sweep.lengths)
+    depths = depth_list(sweep.samples, sweep.depths)
     groups = []
     for task in sweep.tasks:
         for length in sweep.lengths:
-            items = harness.task_items(model, task, length, sweep.seed, sweep.samples, depths, data)
-            groups.append(harness.Group(task, length, items, sweep.entries(length)))
+            items = task_items(model, task, length, sweep.seed, sweep.samples, depths, data)
+            groups.append(Group(task, length, items, sweep.entries(length)))
     (out_dir / SWEEP_FILE).write_text(json.dumps(sweep.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
-    rows = harness.run_cells(model, groups, seed=sweep.seed, out_path=results, progress=progress, done=done,
+    rows = run_cells(model, groups, seed=sweep.seed, out_path=results, progress=progress, done=done,
                              desc="sweep")
-    (out_dir / harness.TABLE_FILE).write_text(harness.format_table(rows) + "\n", encoding="utf-8")
+    (out_dir / TABLE_FILE).write_text(format_table(rows) + "\n", encoding="utf-8")
     return rows

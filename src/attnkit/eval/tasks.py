@@ -1,4 +1,8 @@
-"""Seeded long-context tasks in the style of RULER (Hsieh et al., 2024) and LongBench's lcc.
+"""Seeded long-context tasks in the style of RULER and LongBench's lcc.
+
+RULER: "RULER: What's the Real Context Size of Your Long-Context Language Models?", Hsieh et al. 2024,
+arXiv 2404.06654. LongBench: "LongBench: A Bilingual, Multitask Benchmark for Long Context
+Understanding", Bai et al. 2023, arXiv 2308.14508.
 
 Each task makes a :class:`Sample` (prompt, reference answers) of a requested token length with its
 needle at a requested depth, from a seed. Samples for evaluation (`split="eval"`) and for training
@@ -8,7 +12,7 @@ evaluation sample is never a training sample.
 Retrieval tasks (`passkey`, `niah_multikey`, `niah_multivalue`, `kv_retrieval`, `variable_tracking`)
 are scored by the fraction of reference strings found in the first line of the prediction (RULER's
 string match). `code_completion` is scored by edit similarity of the first predicted line
-(LongBench lcc). `perplexity` is not generated: see :mod:`attnkit.eval.harness`.
+(LongBench lcc). `perplexity` is not generated: see :mod:`attnkit.eval.items`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
-"""Train attnkit's bundled model (`tiny`) or its draft sibling (`tiny-draft`) on this CPU.
+"""Train attnkit's bundled model (`tiny`) or its draft sibling (`tiny-draft`) on a CPU.
 
-    python scripts/train_tiny.py --model tiny            # full curriculum, resumes from runs/<model>/ckpt.pt
-    python scripts/train_tiny.py --model tiny-draft
+    python training/train_tiny.py --model tiny            # full curriculum, resumes from runs/<model>/ckpt.pt
+    python training/train_tiny.py --model tiny-draft
 
 What the data is: Python standard-library source (the training split of attnkit.eval.corpus; the
 held-out files are never read) and the synthetic tasks of attnkit.eval.tasks (split="train", a random
-stream disjoint from evaluation), plus a copy task. Why the curriculum: a first probe on this machine
-showed that retrieval does not form from a plain mixture; the copying (induction) mechanism has to form
-first on many cheap short sequences, with the loss weighted on answer tokens and the learning rate held
-up, before the context is lengthened to 4096 (see shared/notes/training-probe.md).
+stream disjoint from evaluation), plus a copy task. Why the curriculum: retrieval does not form from a
+plain mixture; the copying (induction) mechanism has to form first on many cheap short sequences, with
+the loss weighted on answer tokens and the learning rate held up, before the context is lengthened to 4096.
 
 Every `--save-every` steps it writes a checkpoint (model, optimizer, step) under runs/<model>/ and
 exports the model and tokenizer to src/attnkit/assets/<model>/, so the newest export is always usable
@@ -23,7 +22,6 @@ import dataclasses
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +30,11 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from attnkit.eval import corpus
+from attnkit.eval.tasks import TASKS
+from attnkit.tokenizer import build_byte_tokenizer
 
-from attnkit.eval import corpus  # noqa: E402
-from attnkit.eval.tasks import TASKS  # noqa: E402
-from attnkit.tokenizer import build_byte_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: runs/ and src/attnkit/assets/ are under it
 
 BOS, EOS, PAD = 0, 1, 2
 
@@ -302,7 +299,7 @@ def main() -> None:
                                 "phase": phases[min(phase_idx, len(phases) - 1)].name,
                                 "phase_idx": phase_idx, "phase_start": phase_start,
                                 "phases": [dataclasses.asdict(p) for p in phases],
-                                "command": f"python scripts/train_tiny.py --model {args.model}"})
+                                "command": f"python training/train_tiny.py --model {args.model}"})
 
     while phase_idx < len(phases):
         t0 = time.time()

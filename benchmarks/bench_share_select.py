@@ -1,6 +1,6 @@
-"""Share-Attention and Select-Attention (seed 000) against full attention: attention-op time and generation speed.
+"""Share-Attention and Select-Attention against full attention: attention-op time and generation speed.
 
-    python scripts/bench_share_select.py --model tiny --context 2048 --new-tokens 32 \
+    python benchmarks/bench_share_select.py --model tiny --context 2048 --new-tokens 32 \
         --share-config share.json --out results/bench_share_select.json
 
 Two measurements, each interleaved (every variant once per repeat, in turn) and reported as medians:

@@ -1,14 +1,14 @@
-"""attnkit's StreamingLLM and SnapKV side by side with NVIDIA's kvpress: same model, prompts, parameters.
+"""attnkit's StreamingLLM and SnapKV side by side with kvpress (NVIDIA/kvpress): same model, prompts, parameters.
 
-    python scripts/compare_kvpress.py --prompt-lens 2048,4096 --new-tokens 32 --repeats 3 \
+    python benchmarks/compare_kvpress.py --prompt-lens 2048,4096 --new-tokens 32 --repeats 3 \
         --out results/compare_kvpress.json
 
 kvpress pins an older transformers, so it lives in its own virtual environment (``--kvpress-python``,
 default ``.venv-kvpress/bin/python``; ``pip install torch==2.13.0`` there first, then ``pip install
 kvpress``). This script (attnkit's environment) builds the model, saves it with ``save_pretrained``
 to a temporary directory, and starts two kinds of worker process on it: ``--worker attnkit`` (this
-file, in this environment) and ``scripts/kvpress_worker.py`` (kvpress's environment; it never imports
-attnkit). Both read the same token-id prompts from a JSON request and write JSON results.
+file, in this environment) and :mod:`attnkit.bench.kvpress_worker` (kvpress's environment, run by its
+file path; it never imports attnkit). Both read the same token-id prompts from a JSON request and write JSON results.
 
 Both workers stay alive for the whole run (one JSON request per line on stdin, one answer line on
 stdout), each after one untimed warm-up generation. Every case runs first in "trace" mode (which
@@ -38,7 +38,7 @@ Parameter mapping (kvpress -> attnkit), exact:
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
 
 Kept positions: attnkit's are ``LayerKV.positions``; kvpress's are recovered from its cache contents by
-forward hooks that match every kept key row to the full cache's rows (see ``scripts/kvpress_worker.py``).
+forward hooks that match every kept key row to the full cache's rows (see :mod:`attnkit.bench.kvpress_worker`).
 "attended" compares, at every decode step, layer and kv head, the set of positions the new token
 attended to.
 """
@@ -57,9 +57,9 @@ from pathlib import Path
 
 import torch
 
-from attnkit.bench.peers import LineWorker
+from attnkit.bench.peers import WORKER, LineWorker
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: .venv-kvpress and results/
 
 
 # ---- the attnkit worker ------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: 
 
 
 def attnkit_worker(setup_json: str) -> int:
-    """The attnkit side: the same line protocol as scripts/kvpress_worker.py."""
+    """The attnkit side: the same line protocol as attnkit.bench.kvpress_worker."""
     import transformers
 
     from attnkit.model import load_model
@@ -233,7 +233,7 @@ def start_worker(side: str, args, model_dir: str, warmup: list[int], log) -> Lin
     if side == "attnkit":
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "attnkit", setup]
     else:
-        cmd = [args.kvpress_python, str(ROOT / "scripts" / "kvpress_worker.py"), setup]
+        cmd = [args.kvpress_python, str(WORKER), setup]
     return LineWorker(cmd, args.threads, side, log)
 
 

@@ -1,6 +1,6 @@
 """Decode speed and KV memory of the eviction methods against full attention, at several prompt lengths.
 
-    python scripts/bench_eviction.py --contexts 16384,32768 --budget-tokens 2048 --new-tokens 128 \
+    python benchmarks/bench_eviction.py --contexts 16384,32768 --budget-tokens 2048 --new-tokens 128 \
         --out results/bench_eviction.json
 
 For each context it runs `attnkit.bench.speed.run_bench` (every method once per repeat, interleaved,
@@ -14,10 +14,9 @@ below. `full`'s time at the context divided by it bounds every method's decode s
 On a 2-layer model of a few MB on a CPU that bound is low; a Llama-family attention geometry (head_dim
 128, 4 query heads per kv head) makes the KV cache, not this fixed cost, dominate as in real models:
 
-    python scripts/bench_eviction.py --model random:llama:head_dim=128 --contexts 16384,32768 ...
+    python benchmarks/bench_eviction.py --model random:llama:head_dim=128 --contexts 16384,32768 ...
 
-The recorded results (results/bench_eviction.txt and results/bench_eviction_hd128.txt, the JSON rows
-beside them) were taken on a quiet machine, one run at a time, with OMP_NUM_THREADS=1 and
+For figures worth keeping, run it on a quiet machine, one run at a time, with OMP_NUM_THREADS=1 and
 ``--threads 1 --repeats 3 --budget-tokens 2048 --new-tokens 128 --contexts 16384,32768``.
 """
 

@@ -4,7 +4,7 @@
     attnkit calibrate patterns --model "random:llama:layers=2,hidden=512,heads=8,kv_heads=2,head_dim=64,intermediate=1024,context=66000" \
         --length 8192 --flops-budget 0.15 --out results/patterns_bench.json --threads 1
     # 2. prefill time, interleaved with full attention, medians of --repeats
-    python scripts/bench_prefill.py --config results/patterns_bench.json --lengths 8192,16384,32768,65536 \
+    python benchmarks/bench_prefill.py --config results/patterns_bench.json --lengths 8192,16384,32768,65536 \
         --threads 1 --repeats 3 --out results/bench_prefill.json
 
 For every length: one random prompt; every method runs once untimed (FlexAttention compiles for the

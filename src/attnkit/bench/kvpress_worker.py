@@ -1,9 +1,13 @@
-"""The kvpress side of ``scripts/compare_kvpress.py``; runs in the kvpress virtual environment.
+"""The kvpress side of attnkit's peers (:mod:`attnkit.bench.peers`) and of ``benchmarks/compare_kvpress.py``.
 
-    .venv-kvpress/bin/python scripts/kvpress_worker.py '{"model_dir": ..., "threads": 1, "new_tokens": 32,
-                                                         "warmup": [token ids]}'
+kvpress (the repository NVIDIA/kvpress) pins another transformers than attnkit, so this file runs in
+kvpress's own virtual environment, started by its file path (``attnkit.bench.peers.WORKER``)::
 
-It imports only torch, transformers and kvpress (never attnkit). It loads the saved model, runs one
+    .venv-kvpress/bin/python .../attnkit/bench/kvpress_worker.py '{"model_dir": ..., "threads": 1,
+                                                                   "new_tokens": 32, "warmup": [token ids]}'
+
+It imports only the standard library, torch, transformers and kvpress, never attnkit (whose package
+``__init__`` would import attnkit's transformers-dependent modules in the wrong environment). It loads the saved model, runs one
 untimed warm-up generation, prints one JSON line of versions, then answers one JSON request per stdin
 line (``{"case": {"prompt": [ids], "press": {...}}, "mode": ...}``; optional ``new_tokens`` and
 ``stop_ids``, the tokens after which to stop) with one JSON line on stdout (``{"error": ...}`` for a bad
@@ -31,6 +35,7 @@ import contextlib
 import json
 import sys
 import time
+from importlib.metadata import version
 
 import kvpress
 import torch
@@ -234,8 +239,6 @@ def main() -> int:
             "kvpress": getattr(kvpress, "__version__", None), "threads": torch.get_num_threads(),
             "attn_implementation": model.config._attn_implementation}
     if meta["kvpress"] is None:
-        from importlib.metadata import version
-
         meta["kvpress"] = version("kvpress")
     protocol.write(json.dumps(meta) + "\n")
     protocol.flush()

@@ -3,17 +3,17 @@ transformers' plain ``generate`` vs transformers' own assisted generation, on th
 
     # prompt lookup on code completion (transformers: prompt_lookup_num_tokens), proposals sized from
     # the match length (results/bench_spec_prompt_lookup.txt)
-    python scripts/bench_speculative.py prompt_lookup --model tiny --context 2048 --new-tokens 128 \
+    python benchmarks/bench_speculative.py prompt_lookup --model tiny --context 2048 --new-tokens 128 \
         --gamma 4 --adaptive-gamma --max-gamma 16
     # a draft model (transformers: assistant_model)
-    python scripts/bench_speculative.py draft_model --model tiny --draft tiny-draft --context 2048
+    python benchmarks/bench_speculative.py draft_model --model tiny --draft tiny-draft --context 2048
     # self-speculation with a compressed draft cache at long context (transformers has no equivalent:
     # its plain decoding is the reference); --gamma 4, 8, 16 at 16k and 16 at 32k in results/
-    python scripts/bench_speculative.py self --model random:llama:layers=6,hidden=256,heads=8,kv_heads=2,\
+    python benchmarks/bench_speculative.py self --model random:llama:layers=6,hidden=256,heads=8,kv_heads=2,\
 head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --context 16384 --new-tokens 64 \
         --gamma 16 --no-hf
     # the same with a trained model: tiny with its RoPE extended by YaRN to 32k (results/*_yarn_*)
-    python scripts/bench_speculative.py self --model tiny:yarn=8 --draft snapkv:budget_tokens=512 \
+    python benchmarks/bench_speculative.py self --model tiny:yarn=8 --draft snapkv:budget_tokens=512 \
         --context 32000 --new-tokens 64 --gamma 8 --no-hf --prompts 2 --repeats 2 --threads 2
     # ... and with the draft verifying prompt-lookup guesses (add --draft-lookup; results/*_yarn_lookup_*)
     # ... and stopping a round after a token the draft is unsure of (results/*_yarn_lookup_conf_*:
@@ -21,14 +21,8 @@ head_dim=32,intermediate=768 --draft streaming:budget_tokens=512,sinks=4 --conte
     # ... and drafting with int8 copies of the weights (results/*_yarn_lookup_conf_int8_*: add
     # --draft-weights int8)
 
-Results in results/bench_spec_*.txt were taken on an Intel Xeon (2 cores) with OMP_NUM_THREADS=1 ...
---threads 1 --repeats 2 (prompt lookup: --repeats 3 --prompts 64); results/bench_spec_prompt_lookup_
-2threads.txt with OMP_NUM_THREADS=2 ... --threads 2 --repeats 3 --prompts 64 (both cores of the
-machine, torch's default there). The *_epyc.txt and *_yarn_*.txt results on an AMD EPYC (2 cores; the
-header line now names the CPU) with OMP_NUM_THREADS=2 ... --threads 2 --repeats 2 (--prompts 64 for
-prompt lookup, --prompts 2 for self). Prompt lookup's speed-up depends strongly on the prompt (1.1-5.8x
-per prompt on held-out code), so it is measured over 64 prompts: the four disjoint sets of 16 among them
-give per-prompt medians of 1.76, 2.33, 1.65 and 2.28 (Xeon, 1 thread) against 1.92 for all 64.
+Each result's header line names the CPU and the settings it ran with. Prompt lookup's speed-up depends
+strongly on the prompt, so it is measured over many prompts (``--prompts 64``), not a handful.
 
 Greedy decoding throughout. Every decoder runs on every prompt in every repeat, in turn (interleaved,
 so machine drifts hit all alike); figures are medians over prompts x repeats, and a last line gives the
@@ -52,15 +46,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-import attnkit  # noqa: E402
-from attnkit.eval.harness import cpu_name  # noqa: E402
-from attnkit.runner import check_benchmark_tokens  # noqa: E402
-from attnkit.speculative import make_draft, speculative_generate  # noqa: E402
-from attnkit.speculative.bench import code_prompt, format_time_per_round, time_per_round  # noqa: E402
-from attnkit.speculative.int8_weights import DRAFT_WEIGHTS  # noqa: E402
+import attnkit
+from attnkit.eval.provenance import cpu_name
+from attnkit.runner import check_benchmark_tokens
+from attnkit.speculative import make_draft, speculative_generate
+from attnkit.speculative.bench import code_prompt, format_time_per_round, time_per_round
+from attnkit.speculative.int8_weights import DRAFT_WEIGHTS
 
 
 class _Clock:
