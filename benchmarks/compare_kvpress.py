@@ -7,7 +7,7 @@ kvpress pins an older transformers, so it lives in its own virtual environment (
 default ``.venv-kvpress/bin/python``; ``pip install torch==2.13.0`` there first, then ``pip install
 kvpress``). This script (attnkit's environment) builds the model, saves it with ``save_pretrained``
 to a temporary directory, and starts two kinds of worker process on it: ``--worker attnkit`` (this
-file, in this environment) and :mod:`attnkit.bench.kvpress_worker` (kvpress's environment, run by its
+file, in this environment) and :mod:`attnkit.eval.kvpress_worker` (kvpress's environment, run by its
 file path; it never imports attnkit). Both read the same token-id prompts from a JSON request and write JSON results.
 
 Both workers stay alive for the whole run (one JSON request per line on stdin, one answer line on
@@ -38,7 +38,7 @@ Parameter mapping (kvpress -> attnkit), exact:
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
 
 Kept positions: attnkit's are ``LayerKV.positions``; kvpress's are recovered from its cache contents by
-forward hooks that match every kept key row to the full cache's rows (see :mod:`attnkit.bench.kvpress_worker`).
+forward hooks that match every kept key row to the full cache's rows (see :mod:`attnkit.eval.kvpress_worker`).
 "attended" compares, at every decode step, layer and kv head, the set of positions the new token
 attended to.
 """
@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from attnkit.bench.peers import WORKER, LineWorker
+from attnkit.eval.peers import WORKER, LineWorker
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: .venv-kvpress and results/
 
@@ -122,7 +122,7 @@ def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: 
 
 
 def attnkit_worker(setup_json: str) -> int:
-    """The attnkit side: the same line protocol as attnkit.bench.kvpress_worker."""
+    """The attnkit side: the same line protocol as attnkit.eval.kvpress_worker."""
     import transformers
 
     from attnkit.model import load_model

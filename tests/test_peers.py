@@ -1,4 +1,4 @@
-"""The kvpress peer's worker ships inside the package (attnkit.bench.peers, attnkit.bench.kvpress_worker)."""
+"""The kvpress peer's worker ships inside the package (attnkit.eval.peers, attnkit.eval.kvpress_worker)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 
 import attnkit
 from attnkit import AttnkitError
-from attnkit.bench import peers
+from attnkit.eval import peers
 
 
 def test_the_worker_is_part_of_the_package():
     package = Path(attnkit.__file__).resolve().parent
-    assert peers.WORKER.is_file() and peers.WORKER.parent == package / "bench"
+    assert peers.WORKER.is_file() and peers.WORKER.parent == package / "eval"
 
 
 def test_the_worker_imports_no_attnkit():

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from attnkit.bench.peers import KvpressRunner
 from attnkit.eval import provenance
 from attnkit.eval.items import PERPLEXITY, bits_per_byte, score_prediction
+from attnkit.eval.peers import KvpressRunner
 from attnkit.eval.results import SCHEMA, append_row, cell_key
 from attnkit.eval.table import column_label
 from attnkit.eval.tasks import NEEDLE_TASKS

@@ -11,11 +11,12 @@ import functools
 import os
 import platform
 import subprocess
-from importlib import metadata
 from pathlib import Path
 
 import torch
 import transformers
+
+from attnkit.version import __version__
 
 HERE = Path(__file__).resolve()
 
@@ -25,18 +26,10 @@ def now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
-def attnkit_version() -> str | None:
-    """The installed distribution's version of attnkit (None when attnkit runs from sources not installed)."""
-    try:
-        return metadata.version("attnkit")
-    except metadata.PackageNotFoundError:
-        return None
-
-
 @functools.lru_cache(maxsize=1)
 def versions() -> dict:
     """Versions of attnkit, torch, transformers and Python."""
-    return {"attnkit": attnkit_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+    return {"attnkit": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
 
 

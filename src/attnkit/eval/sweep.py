@@ -11,7 +11,7 @@ A sweep file (YAML or JSON)::
     recipes:
       - snapkv                          # a method spec
       - {name: sparse+snap, prefill: minference, cache: snapkv}
-      - kvpress:SnapKVPress             # a peer (needs kvpress, see attnkit.bench.peers)
+      - kvpress:SnapKVPress             # a peer (needs kvpress, see attnkit.eval.peers)
     data: longbench.jsonl               # optional: LongBench-format items; task "longbench" = all its datasets
 
 Every recipe that leaves its budget open runs once per budget; one that sets its own (or takes none)

@@ -241,7 +241,7 @@ class Recipe:
     def _build(self) -> Method:
         if self.peer is not None:
             raise AttnkitError(f"recipe {self.label!r} is a kvpress press; it runs in kvpress's environment "
-                               f"(attnkit.bench.peers), not as an attnkit method")
+                               f"(attnkit.eval.peers), not as an attnkit method")
         if not self.parts:
             return make_method("full")
         if set(self.parts) == {"prefill", "cache"}:

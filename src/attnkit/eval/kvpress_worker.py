@@ -1,9 +1,9 @@
-"""The kvpress side of attnkit's peers (:mod:`attnkit.bench.peers`) and of ``benchmarks/compare_kvpress.py``.
+"""The kvpress side of attnkit's peers (:mod:`attnkit.eval.peers`) and of ``benchmarks/compare_kvpress.py``.
 
 kvpress (the repository NVIDIA/kvpress) pins another transformers than attnkit, so this file runs in
-kvpress's own virtual environment, started by its file path (``attnkit.bench.peers.WORKER``)::
+kvpress's own virtual environment, started by its file path (``attnkit.eval.peers.WORKER``)::
 
-    .venv-kvpress/bin/python .../attnkit/bench/kvpress_worker.py '{"model_dir": ..., "threads": 1,
+    .venv-kvpress/bin/python .../attnkit/eval/kvpress_worker.py '{"model_dir": ..., "threads": 1,
                                                                    "new_tokens": 32, "warmup": [token ids]}'
 
 It imports only the standard library, torch, transformers and kvpress, never attnkit (whose package

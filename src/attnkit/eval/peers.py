@@ -1,12 +1,9 @@
 """Peers in the same table: kvpress presses (the repository NVIDIA/kvpress) as sweep recipes, on identical inputs.
 
-A press is named ``kvpress:PRESS[:key=value,...]`` (``kvpress:SnapKVPress:compression_ratio=0.5``)
-or, in a recipe file, ``{"kvpress": "SnapKVPress", "params": {...}}``; a sweep's budget ``f`` sets
-``compression_ratio = 1 - f``. kvpress pins another transformers than attnkit, so its presses run in
-their own environment through :mod:`attnkit.bench.kvpress_worker`, started by its file path inside the
-installed package (:data:`WORKER`; it imports no attnkit, so it runs in an environment without attnkit).
-The interpreter is ``$ATTNKIT_KVPRESS_PYTHON``, else ``.venv-kvpress/bin/python`` of the source checkout
-attnkit runs from (or of the current directory), else this interpreter when it can import kvpress. The worker loads the same
+How a press is named, and which interpreter runs it, is :mod:`attnkit.recipe.peer`'s; a sweep's budget
+``f`` sets ``compression_ratio = 1 - f``. kvpress pins another transformers than attnkit, so its presses
+run in their own environment through :mod:`attnkit.eval.kvpress_worker`, started by its file path inside
+the installed package (:data:`WORKER`; it imports no attnkit, so it runs without attnkit). The worker loads the same
 model (the bundled model's directory, a local model directory, or a random model saved to a temporary
 directory) and answers one greedy generation per request: the same prompt token ids attnkit's methods
 get, stopped at the same stop strings (the worker stops at the tokens that contain one; the text is cut
@@ -16,12 +13,9 @@ observable from outside, so peak KV is left empty for peers.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -29,73 +23,17 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.model import BUNDLED, bundled_path
+from attnkit.recipe.peer import ENV_VAR, PREFIX, check_press_name, kvpress_python, parse_peer_spec  # noqa: F401
+from attnkit.recipe.peer import require_kvpress as require_interpreter
 from attnkit.runner import Generation, GenerationStats, encode_prompt
 
-PREFIX = "kvpress:"
 # the worker ships inside the package, so an installed wheel finds it beside this file
 WORKER = Path(__file__).resolve().with_name("kvpress_worker.py")
-# a source checkout (src/attnkit/bench/peers.py) keeps .venv-kvpress at its root
-CHECKOUT = Path(__file__).resolve().parents[3]
-ENV_VAR = "ATTNKIT_KVPRESS_PYTHON"
-
-
-def check_press_name(name, source: str = "kvpress") -> str:
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*Press", name):
-        raise AttnkitError(f"{source}: a kvpress press is named by its class, e.g. 'SnapKVPress' or "
-                           f"'StreamingLLMPress', got {name!r}")
-    return name
-
-
-def _value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_peer_spec(spec: str) -> tuple[str, dict]:
-    """``"kvpress:SnapKVPress:compression_ratio=0.5,window_size=64"`` -> ``("SnapKVPress", {...})``."""
-    if not isinstance(spec, str) or not spec.startswith(PREFIX):
-        raise AttnkitError(f"a peer spec starts with {PREFIX!r}, e.g. 'kvpress:SnapKVPress:compression_ratio=0.5', "
-                           f"got {spec!r}")
-    name, _, rest = spec[len(PREFIX):].partition(":")
-    press = check_press_name(name.strip(), f"peer spec {spec!r}")
-    params = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise AttnkitError(f"peer spec {spec!r}: expected key=value, got {item!r}")
-        params[key.strip()] = _value(value.strip())
-    return press, params
-
-
-def kvpress_python() -> str | None:
-    """The interpreter that runs kvpress, or None when kvpress is not installed (see the module docstring)."""
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return env if Path(env).is_file() else None
-    for base in (CHECKOUT, Path.cwd()):
-        candidate = base / ".venv-kvpress" / "bin" / "python"
-        if candidate.is_file():
-            return str(candidate)
-    if importlib.util.find_spec("kvpress") is not None:
-        return sys.executable
-    return None
 
 
 def require_kvpress() -> str:
-    python = kvpress_python()
-    if python is None:
-        raise AttnkitError("kvpress is not installed, so kvpress:... recipes cannot run: create .venv-kvpress "
-                           "(python -m venv .venv-kvpress; .venv-kvpress/bin/pip install torch==2.13.0 kvpress) or "
-                           f"set {ENV_VAR} to a Python that imports kvpress")
+    """The kvpress interpreter (:func:`attnkit.recipe.peer.require_kvpress`) and the worker it runs."""
+    python = require_interpreter()
     if not WORKER.is_file():
         raise AttnkitError(f"the kvpress worker {WORKER} is missing from this attnkit installation; reinstall attnkit")
     return python
