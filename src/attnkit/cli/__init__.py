@@ -13,6 +13,7 @@ import sys
 from attnkit.cli.options import add_dataclass_options, dataclass_from_options, int_list, name_list, split_methods
 from attnkit.cli.parser import build_parser
 from attnkit.errors import AttnkitError
+from attnkit.validate import whole
 
 USAGE_ERROR = 2
 RUNTIME_ERROR = 1
@@ -25,8 +26,7 @@ _split_methods = split_methods  # the old name, for importers not yet moved to s
 def _set_threads(threads: int | None) -> None:
     if threads is None:
         return
-    if isinstance(threads, bool) or threads < 1:
-        raise AttnkitError(f"--threads must be >= 1, got {threads}")
+    whole("--threads", threads, minimum=1)
     import torch
 
     torch.set_num_threads(threads)

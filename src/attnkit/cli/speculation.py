@@ -8,7 +8,7 @@ import argparse
 from attnkit.errors import AttnkitError
 from attnkit.speculative import DRAFT_KINDS
 from attnkit.speculative.int8_weights import DRAFT_WEIGHTS
-from attnkit.validate import whole
+from attnkit.validate import fraction, whole
 
 
 def add_speculation_options(parser: argparse.ArgumentParser) -> None:
@@ -35,8 +35,8 @@ def add_speculation_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_speculation_options(args: argparse.Namespace) -> None:
-    """The draft options mean nothing without --speculate: refuse them rather than ignore them."""
-    whole("--gamma", args.gamma, minimum=1)
+    """The draft options mean nothing without --speculate: refuse them rather than ignore them; the numbers
+    are checked before any model loads."""
     given = [flag for flag, value in (("--draft", args.draft is not None), ("--draft-lookup", args.draft_lookup),
                                       ("--draft-confidence", args.draft_confidence is not None),
                                       ("--draft-weights", args.draft_weights is not None)) if value]
@@ -44,3 +44,6 @@ def check_speculation_options(args: argparse.Namespace) -> None:
         what = "is an option" if len(given) == 1 else "are options"
         raise AttnkitError(f"{', '.join(given)} {what} of speculative decoding's draft; add --speculate "
                            f"{'|'.join(DRAFT_KINDS)}")
+    whole("--gamma", args.gamma, minimum=1)
+    if args.draft_confidence is not None:
+        fraction("--draft-confidence", args.draft_confidence, allow_one=False)
