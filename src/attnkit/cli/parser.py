@@ -6,11 +6,12 @@ from attnkit.cli.commands import cmd_bench, cmd_generate, cmd_methods
 from attnkit.cli.evaluate import cmd_calibrate, cmd_demo, cmd_eval, cmd_report
 from attnkit.cli.options import Parser
 from attnkit.cli.speculation import add_speculation_options
-from attnkit.eval.tasks import ALL_TASKS
+from attnkit.eval.tasks import ALL_TASKS, GENERATED_TASKS
 
 MODEL_HELP = "tiny, tiny-draft, random:<arch>[:k=v,..], a model directory or hub id, any of them with :yarn=F"
 METHOD_HELP = "method spec NAME[:k=v,...] or PREFILL+CACHE (e.g. snapkv:budget=0.3, minference+snapkv)"
 TASKS_HELP = f"comma-separated tasks from {', '.join(ALL_TASKS)}, or longbench:DATASET with --data"
+CALIBRATION_TASKS_HELP = f"comma-separated calibration tasks from {', '.join(GENERATED_TASKS)}"
 THREADS_HELP = "torch intra-op threads (default: torch's choice)"
 
 
@@ -103,7 +104,7 @@ def _calibrate_parsers(sub) -> None:
     c.add_argument("--flops-budget", type=float, required=True,
                    help="kernel FLOPs as a fraction of dense causal attention at --length (0 < f <= 1)")
     c.add_argument("--out", required=True, help="the JSON config to write")
-    c.add_argument("--tasks", default="passkey,kv_retrieval,code_completion", help=f"calibration {TASKS_HELP}")
+    c.add_argument("--tasks", default="passkey,kv_retrieval,code_completion", help=CALIBRATION_TASKS_HELP)
     c.add_argument("--samples", type=int, default=1, help="prompts per task")
     c.add_argument("--seed", type=int, default=0, help="seed of the calibration prompts")
     c.add_argument("--block-size", type=int, default=64, help="block size of the block-sparse patterns")
@@ -121,7 +122,7 @@ def _calibrate_parsers(sub) -> None:
     th.add_argument("--threshold-schedule", default=None, metavar="LOW,HIGH[,A:B]",
                     help="HIGH for layers A..B-1 (default: the middle-to-late band), LOW for the others")
     c.add_argument("--length", type=int, default=1024, help="calibration prompt length in tokens")
-    c.add_argument("--tasks", default="passkey,kv_retrieval,code_completion", help=f"calibration {TASKS_HELP}")
+    c.add_argument("--tasks", default="passkey,kv_retrieval,code_completion", help=CALIBRATION_TASKS_HELP)
     c.add_argument("--samples", type=int, default=1, help="prompts per task")
     c.add_argument("--seed", type=int, default=0, help="seed of the calibration prompts")
     c.add_argument("--split", choices=["calibration", "train"], default="calibration",
@@ -131,7 +132,7 @@ def _calibrate_parsers(sub) -> None:
 
     c = calibrations.add_parser("filter-layer", help="Select-Attention: sweep the filter layer on calibration tasks")
     c.add_argument("--model", default="tiny", help=MODEL_HELP)
-    c.add_argument("--tasks", default="passkey,kv_retrieval", help=f"calibration {TASKS_HELP} (scored by their metric)")
+    c.add_argument("--tasks", default="passkey,kv_retrieval", help=f"{CALIBRATION_TASKS_HELP} (scored by their metric)")
     c.add_argument("--length", type=int, default=1024, help="calibration prompt length in tokens")
     c.add_argument("--samples", type=int, default=2, help="samples per task")
     c.add_argument("--p", type=float, default=0.95, help="top-p mass kept while decoding (p_decode)")
