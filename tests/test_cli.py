@@ -1,8 +1,34 @@
-"""The attnkit command line: methods, generate --json, bench, one-line errors."""
+"""The attnkit command line: methods, generate --json, bench, one-line errors, help, pipes and Ctrl-C."""
 
+import argparse
+import dataclasses
 import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
 
-from attnkit.cli import main
+import pytest
+
+import attnkit
+import attnkit.cli.commands as commands_module
+import attnkit.cli.parser as parser_module
+from attnkit import AttnkitError
+from attnkit.cli import (
+    add_dataclass_options,
+    build_parser,
+    dataclass_from_options,
+    int_list,
+    main,
+    name_list,
+    split_methods,
+)
+from attnkit.cli.options import Parser
+from attnkit.eval.tasks import ALL_TASKS
 from helpers import SMALL
 
 MODEL = f"random:llama:{SMALL}"
@@ -57,3 +83,236 @@ def test_bench_reports_ratios(capsys):
         assert main(["bench", "--model", MODEL, "--context", "300", "--new-tokens", "1", *extra]) == 2
         err = capsys.readouterr().err
         assert "--new-tokens must be a whole number >= 2" in err and "got 1" in err
+
+
+# ---- first contact: every mistake is one line on stderr, before any model loads ----------------------------
+
+def _one_line_error(capsys, argv, *fragments, status=2):
+    assert main(argv) == status
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("attnkit: error:") and "\n" not in err and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["bench", "--repeats", "0"], ["--repeats must be a whole number >= 1", "got 0"]),
+    (["bench", "--context", "-1"], ["--context must be a whole number >= 1", "got -1"]),
+    (["bench", "--repeats", "x"], ["--repeats", "invalid int value: 'x'", "attnkit bench --help"]),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], ["--temperature must be a finite number > 0", "nan"]),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], ["--temperature", "inf"]),
+    (["generate", "--prompt", "hi", "--do-sample", "--temperature", "0"], ["--temperature must be", "got 0.0"]),
+    (["generate", "--prompt", "hi", "--do-sample", "--temperature", "-1"], ["--temperature must be", "got -1.0"]),
+    (["generate", "--prompt", "hi", "--top-p", "1.5"], ["--top-p must be a number with 0.0 < x <= 1.0", "1.5"]),
+    (["generate", "--prompt", "hi", "--top-p", "nan"], ["--top-p must be", "nan"]),
+    (["generate", "--prompt", "hi", "--top-k", "0"], ["--top-k must be a whole number >= 1", "got 0"]),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], ["--max-new-tokens must be a whole number >= 1"]),
+    (["generate", "--prompt", "hi", "--chunk-size", "0"], ["--chunk-size must be a whole number >= 1"]),
+    (["generate", "--prompt", "hi", "--speculate", "self", "--gamma", "0"], ["--gamma must be a whole number >= 1"]),
+    (["generate", "--prompt", "hi", "--speculate", "self", "--draft-confidence", "1"],
+     ["--draft-confidence must be a number with 0.0 < x < 1.0", "got 1.0"]),
+    (["bench", "--threads", "0"], ["--threads must be a whole number >= 1", "got 0"]),
+    (["generate", "--prompt", "hi", "--method", "nope"], ["unknown method 'nope'", "full"]),
+    (["generate", "--prompt", "hi", "--speculate", "later"], ["invalid choice: 'later'", "prompt_lookup"]),
+    (["eval", "--samples", "0"], ["--samples must be a whole number >= 1", "got 0"]),
+    (["eval", "--lengths", "1024,-5"], ["--lengths must hold whole numbers >= 1", "-5"]),
+    (["eval", "--lengths", "1k"], ["--lengths must be comma-separated integers", "'1k'"]),
+    (["eval", "--tasks", " , "], ["--tasks is empty"]),
+    (["frobnicate"], ["invalid choice: 'frobnicate'", "generate"]),
+    ([], ["required", "COMMAND"]),
+])
+def test_bad_options_are_one_line_before_loading(capsys, argv, fragments):
+    _one_line_error(capsys, argv, *fragments)
+
+
+def test_non_utf8_prompt_file(tmp_path, capsys):
+    prompt = tmp_path / "latin1.txt"
+    prompt.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    _one_line_error(capsys, ["generate", "--model", MODEL, "--prompt-file", str(prompt)],
+                    str(prompt), "not UTF-8 text", "0xe9", "offset 3")
+    _one_line_error(capsys, ["generate", "--model", MODEL, "--prompt-file", str(tmp_path / "missing.txt")],
+                    "does not exist")
+    _one_line_error(capsys, ["generate", "--model", MODEL, "--prompt-file", str(tmp_path)], "is not a file")
+
+
+def test_binary_results_file_for_report(tmp_path, capsys):
+    (tmp_path / "results.jsonl").write_bytes(bytes(range(256)) * 4)
+    _one_line_error(capsys, ["report", str(tmp_path)], str(tmp_path), "not UTF-8")
+
+
+def test_unwritable_output_is_a_runtime_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where a directory is wanted: the write fails with the system's reason
+    err = _one_line_error(capsys, ["eval", "--model", MODEL, "--lengths", "256", "--samples", "1", "--no-progress",
+                                   "--out", str(blocker / "out")], status=1)
+    assert str(blocker) in err
+
+
+# ---- generate --method: the spec grammar of eval/bench --methods ------------------------------------------
+
+PROMPT = "abcdefgh " * 12
+
+
+@pytest.mark.parametrize("argv,method", [
+    (["--method", "window:window=8"], "window(window=8)"),
+    (["--method", "window", "--param", "window=8"], "window(window=8)"),
+    (["--method", "snapkv:budget=0.5,window_size=4"], "snapkv(budget=0.5, "),
+    (["--method", "snapkv:budget=0.5", "--param", "window_size=4"], "window_size=4"),
+    (["--method", "minference+snapkv:budget_tokens=40"], "minference("),
+])
+def test_generate_method_spec_grammar(capsys, argv, method):
+    assert main(["generate", "--model", MODEL, "--prompt", PROMPT, "--max-new-tokens", "2", "--json", *argv]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert method in stats["method"]
+    if "+" in argv[1]:
+        assert "+snapkv(" in stats["method"]
+
+
+def test_generate_param_conflicts(capsys):
+    base = ["generate", "--model", MODEL, "--prompt", "hi"]
+    _one_line_error(capsys, [*base, "--method", "window:window=8", "--param", "window=4"],
+                    "window is given both in --method")
+    _one_line_error(capsys, [*base, "--method", "minference+snapkv", "--param", "budget=0.3"],
+                    "--param sets parameters of a single method")
+    _one_line_error(capsys, [*base, "--param", "budget"], "--param expects key=value, got 'budget'")
+    _one_line_error(capsys, [*base, "--method", "window:window"], "expected key=value")
+
+
+def test_spec_list_helpers_are_public():
+    assert split_methods("full,window:window=1024,a=1+snapkv:budget=0.3") == [
+        "full", "window:window=1024,a=1+snapkv:budget=0.3"]
+    assert name_list(" passkey, kv_retrieval ,", "--tasks") == ["passkey", "kv_retrieval"]
+    assert int_list("1024, 2048", "--lengths", minimum=1) == [1024, 2048]
+    with pytest.raises(AttnkitError, match="--methods is empty"):
+        split_methods(" , ")
+
+
+# ---- help: every option says what it does and its default ---------------------------------------------------
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield sub
+                yield from _subparsers(sub)
+
+
+def test_every_option_has_help_with_its_default():
+    parsers = list(_subparsers(build_parser()))
+    assert {p.prog for p in parsers} >= {"attnkit generate", "attnkit bench", "attnkit eval",
+                                         "attnkit calibrate heads", "attnkit demo"}
+    for p in parsers:
+        text = p.format_help()
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
+                continue
+            assert action.help, f"{p.prog} {action.option_strings[0]} has no help"
+            shown = action.default not in (None, False) and "default" not in action.help
+            if shown:
+                assert f"(default: {action.default})" in " ".join(text.split()), (p.prog, action.dest)
+    generate = build_parser().parse_args(["generate"])  # the defaults the help shows are the ones used
+    assert (generate.max_new_tokens, generate.method, generate.temperature) == (64, "full", 1.0)
+
+
+def test_tasks_help_lists_the_tasks(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for task in ALL_TASKS:
+        assert task in out
+    assert "longbench:DATASET" in out and "(default: 1024)" in out and "(default: 20)" in out
+
+
+# ---- options from a dataclass (the speculation options will come from SpeculativeConfig) ---------------------
+
+@dataclasses.dataclass
+class Toy:
+    size: int = dataclasses.field(metadata={"help": "how many"})
+    rate: float = dataclasses.field(default=0.5, metadata={"help": "how fast"})
+    mode: typing.Literal["a", "b"] = dataclasses.field(default="a", metadata={"help": "which"})
+    label: str | None = dataclasses.field(default=None, metadata={"help": "a name", "metavar": "NAME"})
+    cap: int | None = dataclasses.field(default=None, metadata={"help": "at most"})
+    loud: bool = dataclasses.field(default=False, metadata={"help": "say it"})
+    check: bool = dataclasses.field(default=True, metadata={"help": "check it"})
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise AttnkitError(f"size must be >= 1, got {self.size}")
+
+
+def test_dataclass_options():
+    parser = Parser(prog="toy")
+    add_dataclass_options(parser, Toy)
+    args = parser.parse_args(["--size", "3", "--mode", "b", "--label", "x", "--cap", "7", "--loud", "--no-check"])
+    assert dataclass_from_options(Toy, args) == Toy(3, 0.5, "b", "x", 7, True, False)
+    assert dataclass_from_options(Toy, parser.parse_args(["--size", "2"])) == Toy(2)
+    help_text = " ".join(parser.format_help().split())
+    assert "--rate RATE how fast (default: 0.5)" in help_text and "--label NAME a name" in help_text
+    with pytest.raises(AttnkitError, match="the following arguments are required: --size"):
+        parser.parse_args([])
+    with pytest.raises(AttnkitError, match="invalid choice: 'c'"):
+        parser.parse_args(["--size", "1", "--mode", "c"])
+    with pytest.raises(AttnkitError, match="size must be >= 1, got 0"):
+        dataclass_from_options(Toy, parser.parse_args(["--size", "0"]))
+    only = Parser(prog="toy")
+    add_dataclass_options(only, Toy, exclude=("label", "cap", "loud", "check"))
+    assert not hasattr(only.parse_args(["--size", "1"]), "label")
+
+    @dataclasses.dataclass
+    class Helpless:
+        n: int = 1
+
+    with pytest.raises(AttnkitError, match="Helpless.n has no metadata help"):
+        add_dataclass_options(Parser(prog="x"), Helpless)
+
+
+# ---- closed pipes and Ctrl-C -----------------------------------------------------------------------------------
+
+def _cli(*argv):
+    return [sys.executable, "-m", "attnkit.cli", *argv]
+
+
+def _env():
+    src = str(Path(attnkit.__file__).resolve().parents[1])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+
+
+@pytest.mark.parametrize("error,status,err", [(BrokenPipeError, 141, ""), (KeyboardInterrupt, 130,
+                                                                           "attnkit: interrupted\n")])
+def test_pipe_and_interrupt_in_process(monkeypatch, capsys, error, status, err):
+    def boom(_args):
+        raise error()
+
+    monkeypatch.setattr(commands_module, "cmd_methods", boom)
+    monkeypatch.setattr(parser_module, "cmd_methods", boom)
+    assert main(["methods"]) == status
+    assert capsys.readouterr().err == err
+
+
+def test_closed_pipe_ends_quietly():
+    head = subprocess.run(" ".join(shlex.quote(a) for a in _cli("methods")) + " | head -1", shell=True,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert head.returncode == 0 and head.stderr == "", head.stderr
+    assert len(head.stdout.splitlines()) == 1
+    proc = subprocess.Popen(_cli("methods"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 141 and err == b"", err.decode()
+
+
+def test_ctrl_c_is_one_line(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_cli("eval", "--model", MODEL, "--tasks", "passkey", "--lengths",
+                                 "256,320,384,448,512,576,640,704", "--samples", "4", "--out", str(out), "--no-progress"),
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    results = out / "results.jsonl"
+    deadline = time.time() + 240  # the subprocess imports torch and transformers first: slow on a busy machine
+    while time.time() < deadline and proc.poll() is None and not (results.is_file() and results.read_text()):
+        time.sleep(0.01)
+    assert proc.poll() is None, "eval finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()
+    assert err.decode().strip().splitlines()[-1] == "attnkit: interrupted" and b"Traceback" not in err

@@ -7,6 +7,7 @@ import torch
 
 import attnkit
 from attnkit import AttnkitError
+from attnkit.model import check_loaded_model, load_model_for_length, resolve_device
 from attnkit.recipe import load_recipe
 from helpers import SMALL, random_ids
 
@@ -107,3 +108,45 @@ def test_recipe_roundtrip(tmp_path):
 def test_bad_generation_options(small_llama, kwargs, match):
     with pytest.raises(AttnkitError, match=match):
         attnkit.generate(small_llama, "hello", **kwargs)
+
+
+@pytest.mark.parametrize("spec", [123, None, "", b"tiny", ["tiny"]])
+def test_model_spec_must_be_text(spec):
+    with pytest.raises(AttnkitError, match="model spec must be a non-empty string"):
+        attnkit.load_model(spec)
+    with pytest.raises(AttnkitError, match="model spec must be a non-empty string"):
+        load_model_for_length(spec, 256)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "float64x", "int8", torch.int8, 32, None])
+def test_bad_dtype(dtype):
+    with pytest.raises(AttnkitError, match="dtype must be a floating torch.dtype or one of float32, float16, bfloat16"):
+        attnkit.load_model(f"random:llama:{SMALL}", dtype=dtype)
+
+
+@pytest.mark.parametrize("name,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                        (torch.float16, torch.float16)])
+def test_dtype_by_name_or_dtype(name, dtype):
+    assert attnkit.load_model(f"random:llama:{SMALL}", dtype=name).dtype == dtype
+
+
+def test_bad_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:1", torch.device("cuda")):
+        with pytest.raises(AttnkitError, match="CUDA is not available"):
+            attnkit.load_model(f"random:llama:{SMALL}", device=device)
+    with pytest.raises(AttnkitError, match="unknown device 'gpu'; give one of cpu, cuda, cuda:N, mps"):
+        attnkit.load_model(f"random:llama:{SMALL}", device="gpu")
+    with pytest.raises(AttnkitError, match="device must be a string"):
+        attnkit.load_model(f"random:llama:{SMALL}", device=0.5)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_check_loaded_model(small_llama):
+    assert check_loaded_model(small_llama) is small_llama
+    with pytest.raises(AttnkitError, match=r"got the string 'tiny'; load it first: attnkit.load_model\('tiny'\)"):
+        check_loaded_model("tiny")
+    with pytest.raises(AttnkitError, match="got a transformers LlamaForCausalLM; wrap it with attnkit.prepare"):
+        check_loaded_model(small_llama.hf)
+    with pytest.raises(AttnkitError, match="must be a LoadedModel.*got int"):
+        check_loaded_model(3)

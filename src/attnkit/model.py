@@ -2,16 +2,18 @@
 
 ``load_model(spec)`` accepts:
 
-- ``"tiny"`` / ``"tiny-draft"``: the models bundled in ``attnkit/assets`` (trained by
-  ``scripts/train_tiny.py``), loaded offline;
+- ``"tiny"`` / ``"tiny-draft"``: the small models bundled in ``attnkit/assets``, loaded offline;
 - ``"random:<arch>[:key=value,...]"`` with arch in llama, mistral, qwen2, qwen3: a small random-weight
   model built in memory from a config (GQA, seedable), with the byte tokenizer so text prompts work.
   Keys: layers, hidden, heads, kv_heads, head_dim, intermediate, context, seed, sliding_window, rope_theta;
 - a local Hugging Face model directory, or a hub id (needs the network or a local hub cache);
-- any of the last two followed by ``:yarn=F`` (``tiny:yarn=8``): the model with its RoPE extended by
-  YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models", eq. 15-20
-  as transformers implements them) to F times its positions, without training (the bundled ``tiny``,
-  trained to 4096 positions, then runs at 32768; a long-context model for this machine's benchmarks).
+- any of the last two followed by ``:yarn=F`` (``tiny:yarn=8``): the model with its RoPE extended to F
+  times its trained positions without training, by YaRN (Peng, Quesnelle, Fan and Shippole 2023, "YaRN:
+  Efficient Context Window Extension of Large Language Models", arXiv:2309.00071, Sec. 3.4: "NTK-by-parts"
+  interpolation of the RoPE frequencies plus an attention temperature), as transformers implements it.
+
+``device`` is ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a :class:`torch.device`; ``dtype`` a floating
+:class:`torch.dtype` or its name (``"float32"``, ``"float16"``, ``"bfloat16"``).
 
 Supported architectures are the Llama-family decoders whose modules the runner drives directly.
 """
@@ -37,9 +39,14 @@ from transformers import (
 from attnkit.attention import ATTN_IMPLEMENTATION
 from attnkit.errors import AttnkitError
 from attnkit.tokenizer import build_byte_tokenizer
+from attnkit.validate import text
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 BUNDLED = ("tiny", "tiny-draft")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEVICE_KINDS = ("cpu", "cuda", "mps")
+TRAINING_SCRIPT = "training/train_tiny.py"  # builds the bundled models
 
 _RANDOM_CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 _RANDOM_DEFAULTS = dict(layers=2, hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512, context=4096,
@@ -111,6 +118,55 @@ def prepare(hf: PreTrainedModel, tokenizer, spec: str = "custom") -> LoadedModel
     hf.set_attn_implementation(ATTN_IMPLEMENTATION)
     hf.eval()
     return LoadedModel(hf, tokenizer, geometry, spec)
+
+
+def check_loaded_model(model, name: str = "model") -> LoadedModel:
+    """`model` if it is a :class:`LoadedModel`; a model spec string or a bare transformers model gets an
+    error saying how to make one."""
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, str):
+        raise AttnkitError(f"{name} must be a loaded model, got the string {model!r}; load it first: "
+                           f"attnkit.load_model({model!r})")
+    if isinstance(model, PreTrainedModel):
+        raise AttnkitError(f"{name} must be an attnkit LoadedModel, got a transformers "
+                           f"{type(model).__name__}; wrap it with attnkit.prepare(model, tokenizer)")
+    raise AttnkitError(f"{name} must be a LoadedModel (from attnkit.load_model or attnkit.prepare), "
+                       f"got {type(model).__name__}")
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """A floating torch dtype, or its name (``"float32"``, ``"float16"``, ``"bfloat16"``)."""
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise AttnkitError(f"dtype must be a floating torch.dtype or one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def resolve_device(device) -> torch.device:
+    """A device this machine has: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a :class:`torch.device`."""
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise AttnkitError(f"unknown device {device!r}; give one of cpu, cuda, cuda:N, mps") from None
+    if not isinstance(device, torch.device):
+        raise AttnkitError(f"device must be a string such as 'cpu' or 'cuda', or a torch.device, got {device!r}")
+    if device.type not in DEVICE_KINDS:
+        raise AttnkitError(f"device {str(device)!r} is not supported; give one of cpu, cuda, cuda:N, mps")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise AttnkitError(f"device {str(device)!r}: CUDA is not available on this machine (this torch "
+                               f"{'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}); "
+                               f"use device='cpu'")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise AttnkitError(f"device {str(device)!r}: this machine has {count} CUDA device(s), "
+                               f"cuda:0..cuda:{count - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise AttnkitError(f"device {str(device)!r}: MPS is not available on this machine; use device='cpu'")
+    return device
 
 
 def bundled_path(name: str) -> Path:
@@ -192,16 +248,17 @@ def random_model(arch: str, spec: str = "", **overrides) -> LoadedModel:
 def load_model_for_length(spec: str, positions: int) -> LoadedModel:
     """Like :func:`load_model`, but a ``random:`` spec without its own ``context=`` gets `positions`
     positions (benchmarks and calibration at lengths beyond the default 4096)."""
+    text("model spec", spec)
     if spec.startswith("random:") and "context=" not in spec:
         return load_model(spec, context=positions)
     return load_model(spec)
 
 
-def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
                **random_options) -> LoadedModel:
     """Load a model by spec (see the module docstring)."""
-    if not isinstance(spec, str) or not spec:
-        raise AttnkitError(f"model spec must be a non-empty string, got {spec!r}")
+    text("model spec", spec)
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
     if spec.startswith("random:"):
         arch, _, opts = spec[len("random:"):].partition(":")
         options = _parse_options(spec, opts)
@@ -214,7 +271,7 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
         path = bundled_path(base)
         if not (path / "config.json").is_file():
             raise AttnkitError(f"the bundled model {spec!r} is missing at {path}; train it with "
-                               f"`python scripts/train_tiny.py --model {spec}`")
+                               f"`python {TRAINING_SCRIPT} --model {base}`")
     else:
         path = Path(base)
     source = str(path) if path.is_dir() else base
@@ -224,7 +281,8 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
         hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", **extra)
     except (OSError, ValueError) as exc:
         if path.is_dir():
-            raise AttnkitError(f"could not load the model directory {spec!r}: {exc}") from None
+            raise AttnkitError(f"could not load the model directory {spec!r}: {type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
         raise AttnkitError(
             f"model spec {spec!r} is not 'tiny', 'tiny-draft', 'random:<arch>' or a local model directory, "
             f"and loading it as a hub id failed ({type(exc).__name__}: {str(exc).splitlines()[0]})"

@@ -1,0 +1,111 @@
+"""``attnkit eval``, ``report``, ``demo`` and ``calibrate``: task scores of methods against full attention,
+the HTML report of a results directory, and the offline calibration tools."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+from attnkit.cli.commands import load, recipe_files
+from attnkit.cli.options import int_list, name_list, split_methods
+from attnkit.errors import AttnkitError
+from attnkit.validate import whole
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from attnkit.eval.harness import LONGBENCH_PREFIX, format_table, run_eval
+
+    whole("--samples", args.samples, minimum=1)
+    if args.sweep:
+        return eval_sweep(args)
+    lengths = int_list(args.lengths, "--lengths", minimum=1)
+    tasks = None if args.tasks is None else name_list(args.tasks, "--tasks")
+    methods = (split_methods(args.methods or "full") if args.methods or not args.recipe else [])
+    methods += recipe_files(args.recipe)
+    model = load(args.model or "tiny")
+    data = None
+    if args.data:
+        from attnkit.eval.longbench import LongBenchData
+
+        data = LongBenchData.load(args.data)
+    if tasks is None:
+        tasks = [LONGBENCH_PREFIX + d for d in data.datasets()] if data is not None else ["passkey"]
+    rows = run_eval(model, tasks, lengths, methods, args.samples, seed=args.seed,
+                    out_dir=Path(args.out) if args.out else None, progress=not args.no_progress, data=data)
+    print(format_table(rows))
+    if args.out:
+        print(f"results: {Path(args.out) / 'results.jsonl'}", file=sys.stderr)
+    return 0
+
+
+def eval_sweep(args: argparse.Namespace) -> int:
+    """``eval --sweep FILE``: the sweep file sets tasks, recipes and data; resumable from ``--out``."""
+    from attnkit.eval.harness import format_table
+    from attnkit.eval.sweep import load_sweep, run_sweep
+
+    given = [f"--{n}" for n in ("tasks", "methods", "recipe", "data") if getattr(args, n)]
+    if given:
+        raise AttnkitError(f"--sweep FILE sets the tasks, recipes and data; drop {', '.join(given)}")
+    if not args.out:
+        raise AttnkitError("--sweep needs --out DIR (where results.jsonl is written and resumed from)")
+    sweep = load_sweep(args.sweep)
+    if args.model:
+        sweep.model = args.model
+    print(f"sweep {args.sweep}: {sweep.cell_count()} cells on {sweep.model} ({len(sweep.tasks)} tasks x "
+          f"{len(sweep.lengths)} lengths x recipes/budgets, {sweep.samples} samples each) -> {args.out}",
+          file=sys.stderr)
+    rows = run_sweep(sweep, args.out, progress=not args.no_progress)
+    print(format_table(rows))
+    print(f"results: {Path(args.out) / 'results.jsonl'}; report: attnkit report {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from attnkit.eval.report import write_report
+
+    try:
+        page = write_report(args.dir, out=args.out)
+    except UnicodeDecodeError as exc:  # the results reader decodes UTF-8 without naming the file
+        raise AttnkitError(f"{args.dir}: the results file is not UTF-8 JSON lines ({exc.reason} at byte "
+                           f"{exc.start}); give the directory `attnkit eval --out` wrote") from None
+    print(f"report: {page}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A short evaluation of the bundled model: full attention vs a small sliding window."""
+    from attnkit.eval.harness import format_table, run_eval
+    from attnkit.model import BUNDLED, bundled_path
+
+    whole("--samples", args.samples, minimum=1)
+    spec = args.model
+    if spec in BUNDLED and not (bundled_path(spec) / "config.json").is_file():
+        spec = "random:llama"
+        print(f"the bundled model {args.model!r} is not built yet (training/train_tiny.py makes it): running the "
+              f"demo on {spec}, a random-weight model, whose scores mean nothing")
+    model = load(spec)
+    print(f"attnkit demo: {model.spec} ({model.geometry.n_layers} layers, {model.geometry.n_q_heads} query / "
+          f"{model.geometry.n_kv_heads} kv heads), retrieval at 1k and 2k tokens, full vs window:window=256")
+    t0 = time.time()
+    rows = run_eval(model, ["passkey", "kv_retrieval", "code_completion"], [1024, 2048],
+                    ["full", "window:window=256"], args.samples, seed=0,
+                    out_dir=Path(args.out) if args.out else None, progress=True)
+    print(format_table(rows))
+    if args.out:
+        from attnkit.eval.report import write_report
+
+        print(f"report: {write_report(args.out)}")
+    print(f"demo finished in {time.time() - t0:.0f} s")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``attnkit calibrate patterns|heads|filter-layer``: the list arguments parsed here, then the tool's
+    ``main`` (module ``attnkit.calibrate.<args.calibration>``)."""
+    args.tasks = name_list(args.tasks, "--tasks")
+    if getattr(args, "layers", None) is not None:
+        args.layers = int_list(args.layers, "--layers")
+    return importlib.import_module(f"attnkit.calibrate.{args.calibration}").main(args)

@@ -1,0 +1,147 @@
+"""The ``attnkit`` argument parser: every subcommand, every option with its help and default."""
+
+from __future__ import annotations
+
+from attnkit.cli.commands import cmd_bench, cmd_generate, cmd_methods
+from attnkit.cli.evaluate import cmd_calibrate, cmd_demo, cmd_eval, cmd_report
+from attnkit.cli.options import Parser
+from attnkit.cli.speculation import add_speculation_options
+from attnkit.eval.tasks import ALL_TASKS, GENERATED_TASKS
+
+MODEL_HELP = "tiny, tiny-draft, random:<arch>[:k=v,..], a model directory or hub id, any of them with :yarn=F"
+METHOD_HELP = "method spec NAME[:k=v,...] or PREFILL+CACHE (e.g. snapkv:budget=0.3, minference+snapkv)"
+TASKS_HELP = f"comma-separated tasks from {', '.join(ALL_TASKS)}, or longbench:DATASET with --data"
+CALIBRATION_TASKS_HELP = f"comma-separated calibration tasks from {', '.join(GENERATED_TASKS)}"
+THREADS_HELP = "torch intra-op threads (default: torch's choice)"
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="attnkit", description="Faster, lighter long-context inference.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("methods", help="list the registered methods and their parameters")
+    p.set_defaults(func=cmd_methods)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    _eval_parser(sub)
+    _calibrate_parsers(sub)
+
+    p = sub.add_parser("report", help="an HTML page (tables, plots) and PNGs from a results directory")
+    p.add_argument("dir", help="a directory holding results.jsonl (from eval --out or eval --sweep)")
+    p.add_argument("--out", default=None, help="the HTML file to write (default DIR/report.html)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("demo", help="the main job: a short evaluation of the bundled model")
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+    p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
+    p.add_argument("--out", default="attnkit-results/demo", help="directory for results.jsonl and the report")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with a method")
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+    p.add_argument("--prompt", help="the prompt text (or --prompt-file)")
+    p.add_argument("--prompt-file", metavar="FILE", help="a UTF-8 text file holding the prompt (or --prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (>= 1)")
+    p.add_argument("--method", default="full", metavar="SPEC", help=METHOD_HELP)
+    p.add_argument("--param", action="append", metavar="KEY=VALUE",
+                   help="a parameter of a single --method (repeatable)")
+    p.add_argument("--recipe", metavar="FILE", help="JSON/YAML recipe file (instead of --method/--param)")
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill the prompt in chunks of N tokens")
+    p.add_argument("--do-sample", action="store_true", help="sample the next token (default: greedy)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (a finite number > 0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the K most likely tokens only")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens with mass P "
+                                                               "(0 < P <= 1; nucleus sampling)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    add_speculation_options(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="prefill/decode time and KV memory of methods vs full, interleaved")
+    p.add_argument("--model", default="random:llama", help=MODEL_HELP)
+    p.add_argument("--context", type=int, default=4096, help="prompt tokens (>= 1)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (>= 2)")
+    p.add_argument("--methods", default="full,window:window=1024", help="comma-separated method specs")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every method (>= 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    p.add_argument("--recipe", action="append", metavar="FILE", help="a recipe file to bench too (repeatable)")
+    p.add_argument("--bandwidth-mib", type=int, default=256,
+                   help="tensor size for the memory-bandwidth measurement behind the decode floor (0: skip)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    add_speculation_options(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="task scores of methods relative to full")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: tiny, or the sweep's)")
+    p.add_argument("--tasks", default=None,
+                   help=f"{TASKS_HELP} (default: passkey, or every dataset of --data)")
+    p.add_argument("--lengths", default="1024", help="comma-separated prompt lengths in tokens")
+    p.add_argument("--methods", default=None, help="comma-separated method specs (default: full)")
+    p.add_argument("--recipe", action="append", metavar="FILE", help="a recipe file to evaluate too (repeatable)")
+    p.add_argument("--sweep", metavar="FILE", help="a sweep file (recipes x budgets x tasks x lengths); resumable")
+    p.add_argument("--data", metavar="FILE.jsonl", help="LongBench-format items: tasks longbench:DATASET")
+    p.add_argument("--samples", type=int, default=20, help="prompts per task and length (>= 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+    p.add_argument("--out", default=None, help="directory for results.jsonl and table.txt")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
+
+
+def _calibrate_parsers(sub) -> None:
+    p = sub.add_parser("calibrate", help="offline calibration tools that write JSON configs")
+    calibrations = p.add_subparsers(dest="calibration", required=True, metavar="TOOL")
+    c = calibrations.add_parser("patterns", help="MInference: search a sparse pattern per head (Alg. 1, Table 7)")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--length", type=int, required=True, help="calibration prompt length in tokens")
+    c.add_argument("--flops-budget", type=float, required=True,
+                   help="kernel FLOPs as a fraction of dense causal attention at --length (0 < f <= 1)")
+    c.add_argument("--out", required=True, help="the JSON config to write")
+    c.add_argument("--tasks", default="passkey,kv_retrieval,code_completion", help=CALIBRATION_TASKS_HELP)
+    c.add_argument("--samples", type=int, default=1, help="prompts per task")
+    c.add_argument("--seed", type=int, default=0, help="seed of the calibration prompts")
+    c.add_argument("--block-size", type=int, default=64, help="block size of the block-sparse patterns")
+    c.add_argument("--last-q", type=int, default=64, help="queries that estimate vertical/slash lines (Alg. 2)")
+    c.add_argument("--static", action="store_true", help="also store the first prompt's indices (minference_static)")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="patterns")
+
+    c = calibrations.add_parser("heads", help="Share-Attention: cluster heads by the eq. 9 distance (Sec. 4.1)")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--out", required=True, help="the JSON share config to write")
+    th = c.add_mutually_exclusive_group()
+    th.add_argument("--threshold", type=float, default=None, help="one threshold for every layer (default 0.18)")
+    th.add_argument("--thresholds", default=None, metavar="FILE", help="one threshold per layer (JSON list or numbers)")
+    th.add_argument("--threshold-schedule", default=None, metavar="LOW,HIGH[,A:B]",
+                    help="HIGH for layers A..B-1 (default: the middle-to-late band), LOW for the others")
+    c.add_argument("--length", type=int, default=1024, help="calibration prompt length in tokens")
+    c.add_argument("--tasks", default="passkey,kv_retrieval,code_completion", help=CALIBRATION_TASKS_HELP)
+    c.add_argument("--samples", type=int, default=1, help="prompts per task")
+    c.add_argument("--seed", type=int, default=0, help="seed of the calibration prompts")
+    c.add_argument("--split", choices=["calibration", "train"], default="calibration",
+                   help="calibration: held-out text, seeds apart from eval; train: the training stream (slower)")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="heads")
+
+    c = calibrations.add_parser("filter-layer", help="Select-Attention: sweep the filter layer on calibration tasks")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--tasks", default="passkey,kv_retrieval", help=f"{CALIBRATION_TASKS_HELP} (scored by their metric)")
+    c.add_argument("--length", type=int, default=1024, help="calibration prompt length in tokens")
+    c.add_argument("--samples", type=int, default=2, help="samples per task")
+    c.add_argument("--p", type=float, default=0.95, help="top-p mass kept while decoding (p_decode)")
+    c.add_argument("--layers", default=None, help="comma-separated candidate layers (default: all but the last)")
+    c.add_argument("--prefill-select", action="store_true", help="also select at prefill (p_prefill = --p)")
+    c.add_argument("--value-weighted", action="store_true", help="weight attention by value norms")
+    c.add_argument("--seed", type=int, default=0, help="seed of the calibration prompts")
+    c.add_argument("--split", choices=["calibration", "train"], default="calibration",
+                   help="calibration: held-out text; train: the training stream")
+    c.add_argument("--out", default=None, help="optional JSON file with the table")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="filter_layer")
