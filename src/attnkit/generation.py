@@ -38,13 +38,8 @@ class GenerationConfig:
 
     def __post_init__(self):
         validate.whole("max_new_tokens", self.max_new_tokens, 1)
-        validate.flag("do_sample", self.do_sample)
+        self.sampling  # noqa: B018  (SamplingConfig checks the sampling fields)
         validate.flag("stop_at_eos", self.stop_at_eos)
-        validate.number("temperature", self.temperature, 0, low_open=True, what=" (finite)")
-        validate.optional_whole("top_k", self.top_k, 1)
-        if self.top_p is not None:
-            validate.fraction("top_p", self.top_p)
-        validate.optional_whole("seed", self.seed, 0)
         validate.optional_whole("chunk_size", self.chunk_size, 1)
         stop = self.stop
         if stop is None:
@@ -78,17 +73,6 @@ class GenerationConfig:
     def eos(self, tokenizer) -> int | None:
         """The token id that ends generation, or None."""
         return getattr(tokenizer, "eos_token_id", None) if self.stop_at_eos else None
-
-
-def check_loaded_model(model) -> LoadedModel:
-    """`model` if it is a :class:`LoadedModel`; a one-line error for a spec string or anything else."""
-    if isinstance(model, LoadedModel):
-        return model
-    if isinstance(model, str):
-        raise AttnkitError(f"model must be a loaded model, got the string {model!r}: load it first with "
-                           f"attnkit.load_model({model!r})")
-    raise AttnkitError(f"model must be an attnkit LoadedModel (attnkit.load_model or attnkit.prepare), "
-                       f"got {type(model).__name__}")
 
 
 def encode_prompt(model: LoadedModel, prompt) -> torch.Tensor:

@@ -18,12 +18,11 @@ from attnkit.generation import (
     GenerationConfig,
     TokenEmitter,
     check_length,
-    check_loaded_model,
     encode_prompt,
     sync,
 )
 from attnkit.methods.base import Method, resolve_method
-from attnkit.model import LoadedModel
+from attnkit.model import LoadedModel, check_loaded_model
 from attnkit.sampling import choose_token
 from attnkit.session import Step, new_session
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.errors import AttnkitError
+from attnkit import validate
 
 
 @dataclass(frozen=True)
@@ -22,12 +22,12 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature <= 0:
-            raise AttnkitError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise AttnkitError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise AttnkitError(f"top_p must be in (0, 1], got {self.top_p}")
+        validate.flag("do_sample", self.do_sample)
+        validate.number("temperature", self.temperature, 0, low_open=True, what=" (finite)")
+        validate.optional_whole("top_k", self.top_k, 1)
+        if self.top_p is not None:
+            validate.fraction("top_p", self.top_p)
+        validate.optional_whole("seed", self.seed, 0)
 
     def generator(self, device) -> torch.Generator | None:
         if self.seed is None:
