@@ -13,9 +13,10 @@ import torch
 import attnkit
 from attnkit import AttnkitError
 from attnkit.cache import KVCache
-from attnkit.methods import eviction
+from attnkit.methods import scoring
 from attnkit.methods.base import LayerContext, Session, Step
-from attnkit.methods.keyformer import DecodeNoise, keyformer_noise, keyformer_tau
+from attnkit.methods.keyformer import keyformer_tau
+from attnkit.methods.keyformer_noise import DecodeNoise, keyformer_noise
 from attnkit.rope import Rope
 from attnkit.runner import forward, new_session, prefill
 from helpers import SMALL, random_ids
@@ -322,9 +323,9 @@ def test_keyformer_shared_vs_per_layer_scores(small_llama):
 # ---- snapkv --------------------------------------------------------------------------------------------
 def test_pooling():
     x = torch.tensor([0.0, 0.0, 9.0, 0.0, 0.0, 3.0])
-    assert eviction.avg_or_max_pool(x, 3, "max").tolist() == [0.0, 9.0, 9.0, 9.0, 3.0, 3.0]
-    assert eviction.avg_or_max_pool(x, 3, "avg").tolist() == pytest.approx([0.0, 3.0, 3.0, 3.0, 1.0, 1.0])  # edge: padding counts
-    assert torch.equal(eviction.avg_or_max_pool(x, 1, "avg"), x)
+    assert scoring.avg_or_max_pool(x, 3, "max").tolist() == [0.0, 9.0, 9.0, 9.0, 3.0, 3.0]
+    assert scoring.avg_or_max_pool(x, 3, "avg").tolist() == pytest.approx([0.0, 3.0, 3.0, 3.0, 1.0, 1.0])  # edge: padding counts
+    assert torch.equal(scoring.avg_or_max_pool(x, 1, "avg"), x)
 
 
 @pytest.mark.parametrize("pooling", ["max", "avg"])
@@ -355,7 +356,7 @@ def test_attention_statistics_gqa_reduction():
     q = torch.zeros(1, 2, 1, 4)
     q[0, 0, 0, 0] = 10.0
     for reduce, expected in (("mean", [0.625, 0.125, 0.125, 0.125]), ("max", [1.0, 0.25, 0.25, 0.25])):
-        got = eviction.attention_statistics(q, keys, 1.0, torch.tensor([3]), torch.arange(4), reduce=reduce)
+        got = scoring.attention_statistics(q, keys, 1.0, torch.tensor([3]), torch.arange(4), reduce=reduce)
         assert got[0, 0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
@@ -372,8 +373,8 @@ def test_attention_statistics_blocks_equal_dense_and_stay_small():
         return torch.softmax(logits, -1)
 
     limit = 20_000
-    got = eviction.attention_statistics(q, k, 0.3, torch.arange(n), torch.arange(n), weights=spy,
-                                        block_elements=limit)
+    got = scoring.attention_statistics(q, k, 0.3, torch.arange(n), torch.arange(n), weights=spy,
+                                       block_elements=limit)
     assert torch.allclose(got, dense, atol=1e-4)
     assert len(sizes) > 50 and max(sizes) <= limit  # never the whole n x n matrix
 

@@ -16,7 +16,7 @@ With GQA the two may sit in different kv groups (the seed, end of section 3.1, f
 group): the logits use the essential head's kv head, the values the shared head's kv head. Keys and values
 are cached as usual (kv heads only, never expanded); sharing saves computation, not memory.
 
-The prompt is attended in query chunks of at most :data:`attnkit.methods.eviction.SCORE_BLOCK_ELEMENTS`
+The prompt is attended in query chunks of at most :data:`attnkit.methods.scoring.SCORE_BLOCK_ELEMENTS`
 (head x query x key) probabilities, and a chunk only reads the keys its queries can see, so no N x N matrix
 exists. A layer in which no head is shared keeps the fused dense kernel (it is exactly ``full``). The
 fraction of QK^T + softmax head-operations avoided is :meth:`Share.skipped_fraction` (one minus the mean
@@ -45,7 +45,7 @@ from attnkit.attention import attend, position_mask, sdpa
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, register
-from attnkit.methods.eviction import SCORE_BLOCK_ELEMENTS
+from attnkit.methods.scoring import SCORE_BLOCK_ELEMENTS
 
 CONFIG_FORMAT = "attnkit-share-heads/1"
 
