@@ -114,7 +114,8 @@ class Keyformer(RecentWindowEviction):
         """This generation's :class:`DecodeNoise` (one for all layers)."""
         key = f"{self.name}.noise"
         if key not in ctx.session.shared:
-            ctx.session.shared[key] = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads, ctx.kv.keys.device)
+            ctx.session.shared[key] = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads,
+                                                  ctx.kv.keys.device)
         return ctx.session.shared[key]
 
     def _shared(self, ctx: LayerContext) -> dict:

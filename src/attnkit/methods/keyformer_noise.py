@@ -171,7 +171,8 @@ class DecodeNoise:
     def _new_step(self, q: int) -> None:
         if q >= self.keys.shape[0]:
             self.keys = key_hashes(torch.arange(max(q + 1, 2 * self.keys.shape[0]), device=self.device))
-        self.rows = {second: torch.tensor([row_hash_ints(layer, q) for layer in table], dtype=torch.int32).to(self.device)
+        self.rows = {second: torch.tensor([row_hash_ints(layer, q) for layer in table],
+                                          dtype=torch.int32).to(self.device)
                      for second, table in self.heads.items()}
 
     def __call__(self, ctx: LayerContext, k_pos: torch.Tensor) -> torch.Tensor:
