@@ -30,10 +30,10 @@ retention rate of the paper's Fig. 7).
 
 A whole prompt in one chunk (``fused_prefill=true``, default) instead goes through the fused SDPA kernel,
 one call per (essential head's kv head, shared head's kv head) pair (:func:`shared_prefill_fused`): the
-explicit path must materialise the probabilities, which on a CPU costs more than the sharing saves; the
-fused one skips every shared head within its essential head's kv group but recomputes the softmax of a head
-shared across groups (the paper's section 5 notes the same limit: FlashAttention would need a kernel that
-applies one softmax to several V).
+explicit path must write every probability to memory and read it back, a quadratic memory traffic the fused
+kernel never pays; the fused one skips every shared head within its essential head's kv group but
+recomputes the softmax of a head shared across groups (the paper's section 5 notes the same limit:
+FlashAttention would need a kernel that applies one softmax to several V).
 
 Parameters: ``config`` is the calibrated JSON file (or a dict of the same shape); ``config=none`` means no
 sharing at all (every head essential: the threshold-0 setting of the paper's Fig. 6), which is ``full``.
