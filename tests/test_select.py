@@ -1,4 +1,4 @@
-"""Select-Attention (seed 000, section 4.2), the GemFilter baseline, and the filter-layer sweep."""
+"""Select-Attention (Taniguchi et al., section 4.2), the GemFilter baseline, and the filter-layer sweep."""
 
 import json
 
@@ -138,7 +138,7 @@ def test_bad_parameters_name_value_and_range(llama4):
         attnkit.AttnkitCache(llama4, "select", max_new_tokens=4)
 
 
-# ---- select + share (seed Fig. 8) ---------------------------------------------------------------------------
+# ---- select + share (Fig. 8 of the paper) ------------------------------------------------------------------
 def test_select_composes_with_share(llama4):
     ids = random_ids(150, seed=9)
     ref = gen(llama4, ids, "full")

@@ -1,4 +1,4 @@
-"""Share-Attention (seed 000, section 4.1): eq. 9, clustering, the config file, and the `share` method."""
+"""Share-Attention (Taniguchi et al., section 4.1): eq. 9, clustering, the config file, and the `share` method."""
 
 import json
 

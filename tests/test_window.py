@@ -1,4 +1,4 @@
-"""`window` (seed 004): the seed's mask in prefill, decode over the last `window` entries, rolling cache."""
+"""`window` (Mistral 7B's sliding window): its mask in prefill, decode over the last `window` entries, rolling cache."""
 
 import pytest
 import torch
@@ -8,14 +8,14 @@ from helpers import SMALL, random_ids
 
 
 def seed_mask(n: int, window: int) -> torch.Tensor:
-    """The seed's construction: masked where triu(1) (future) or tril(-window) (too far back)."""
+    """The sliding-window mask: masked where triu(1) (future) or tril(-window) (too far back)."""
     ones = torch.ones(n, n)
     masked = (ones.triu(1) + ones.tril(-window)) > 0
     return torch.zeros(n, n).masked_fill(masked, float("-inf"))[None, None]
 
 
 def dense_reference(model, ids, window, new_tokens):
-    """Greedy decoding recomputing the whole sequence each step under the seed's mask (no cache)."""
+    """Greedy decoding recomputing the whole sequence each step under the sliding-window mask (no cache)."""
     seq = ids.tolist()
     tokens, logits = [], []
     with torch.no_grad():

@@ -1,9 +1,10 @@
 """``compose``: the prefill outputs of one method with the KV-cache policy of another.
 
-MInference's Table 5 runs its sparse prefill with SnapKV compressing the cache for decoding; the recipe
-is ``compose(prefill="minference:config=p.json", cache="snapkv:budget=0.3")``, on the command line
-``minference:config=p.json+snapkv:budget=0.3`` (two method specs joined by ``+``; parameters after a
-spec belong to it), in a recipe file::
+MInference (Jiang et al., 2024, "MInference 1.0: Accelerating Pre-filling for Long-Context LLMs via Dynamic
+Sparse Attention", arXiv 2407.02490) runs its sparse prefill with SnapKV compressing the cache for decoding
+in its Table 5; the recipe is ``compose(prefill="minference:config=p.json", cache="snapkv:budget=0.3")``, on
+the command line ``minference:config=p.json+snapkv:budget=0.3`` (two method specs joined by ``+``;
+parameters after a spec belong to it), in a recipe file::
 
     {"method": "compose", "params": {"prefill": "minference:config=p.json", "cache": "snapkv:budget=0.3"}}
 
@@ -26,6 +27,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, register
+from attnkit.methods.eviction import EvictionMethod
 
 _ROUTED = "compose:routed"
 
@@ -50,15 +52,15 @@ def _as_method(value, role: str) -> Method:
     elif isinstance(value, dict):
         method = recipe_from_dict(value, f"compose {role}")
     else:
-        raise ValueError(f"{role} must be a method spec ('snapkv:budget=0.3'), a recipe dict or a Method, "
+        raise AttnkitError(f"{role} must be a method spec ('snapkv:budget=0.3'), a recipe dict or a Method, "
                          f"got {type(value).__name__}")
     if isinstance(method, Composed):
-        raise ValueError(f"the {role} method of compose cannot itself be a composition")
+        raise AttnkitError(f"the {role} method of compose cannot itself be a composition")
     if method.run_layers is not None:
-        raise ValueError(f"{method.name!r} runs the decoder layers itself (a model-level hook) and cannot be "
+        raise AttnkitError(f"{method.name!r} runs the decoder layers itself (a model-level hook) and cannot be "
                          f"composed; use its own parameters (select takes share_config=FILE)")
     if role == "prefill" and not _supplies_prefill_output(method):
-        raise ValueError(f"prefill method {method.name!r} computes its prefill outputs inside prefill_attention, "
+        raise AttnkitError(f"prefill method {method.name!r} computes its prefill outputs inside prefill_attention, "
                          f"not in prefill_output, so compose cannot take them from it")
     return method
 
@@ -67,8 +69,6 @@ def _supplies_prefill_output(method: Method) -> bool:
     """Whether `method`'s prefill outputs are what its ``prefill_output`` returns: it overrides that hook
     (sparse prefill), or its prefill is the base store-then-attend, or it is an eviction method (which
     stores, observes and attends densely)."""
-    from attnkit.methods.eviction import EvictionMethod
-
     cls = type(method)
     return (cls.prefill_output is not Method.prefill_output or cls.prefill_attention is Method.prefill_attention
             or isinstance(method, EvictionMethod))

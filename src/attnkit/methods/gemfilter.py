@@ -1,7 +1,9 @@
-"""``gemfilter``: the GemFilter baseline (Shi et al., 2024, "Discovering the Gems in Early Layers"; seed 000's
-ref. [16], the comparison of its Table 2 and Fig. 8).
+"""``gemfilter``: GemFilter (Shi, Ming, Nguyen, Liang and Joty, 2024, "Discovering the Gems in Early Layers:
+Accelerating Long-Context LLMs with 1000x Input Token Reduction", arXiv 2409.17422), the baseline that
+Select-Attention is compared with (Taniguchi et al., "Attention スコアの分布類似性を用いた大規模言語モデルの
+動作効率化および省メモリ化", ref. [16], Table 2 and Fig. 8).
 
-Seed 000 (sections 2.3 and 4.2) describes GemFilter as choosing the important tokens ONCE, at prefill, with
+That paper (sections 2.3 and 4.2) describes GemFilter as choosing the important tokens ONCE, at prefill, with
 top-k at an early filter layer, then generating from those tokens only. Here:
 
 1. the prompt runs through layers ``0 .. L`` (``filter_layer``; chunked if the runner chunks), with a
@@ -16,8 +18,8 @@ top-k at an early filter layer, then generating from those tokens only. Here:
 Positions (``positions``): GemFilter's reference implementation gathers the selected input ids and generates
 from them as a new, shorter prompt, so the selected tokens get new consecutive positions ``0 .. k-1``
 (``reindexed``, the default here, faithful to GemFilter); ``original`` keeps each token's original position
-(RoPE at the position it had in the prompt, generated tokens continue after the prompt). The seed does not
-say which; both are offered.
+(RoPE at the position it had in the prompt, generated tokens continue after the prompt). The Select-Attention
+paper does not say which positions its GemFilter runs used; both are offered.
 
 ``k`` is a token count (an integer >= 1) or a fraction of the prompt (0 < k < 1). ``k`` at or above the
 prompt length keeps every token, and the output equals ``full``'s. ``filter_layer`` defaults to
@@ -34,7 +36,8 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, Step, register
 from attnkit.methods.select import check_filter_layer, check_filter_layer_param
-from attnkit.methods.share import _shared_positions
+from attnkit.methods.share import shared_positions
+from attnkit.validate import choice, is_number
 
 _STATE = "gemfilter"
 
@@ -42,8 +45,8 @@ _STATE = "gemfilter"
 @register
 @dataclass
 class GemFilter(Method):
-    """GemFilter (seed 000 ref. [16]; Table 2 and Fig. 8 baseline): top-k prompt tokens chosen once at an early
-    layer, then the whole model prefills and decodes on those tokens only."""
+    """GemFilter (Shi et al., 2024, arXiv 2409.17422): top-k prompt tokens chosen once at an early layer, then
+    the whole model prefills and decodes on those tokens only."""
 
     filter_layer: int | None = None
     k: int | float = 1024
@@ -51,19 +54,16 @@ class GemFilter(Method):
     positions: str = "reindexed"
 
     name = "gemfilter"
-    summary = "GemFilter baseline: top-k prompt tokens from an early layer, then prefill+decode on them (seed 000 [16])"
+    summary = "GemFilter: top-k prompt tokens from an early layer, then prefill+decode on them (Shi et al. 2024)"
 
     def __post_init__(self):
         check_filter_layer_param(self.filter_layer)
         k = self.k
-        if isinstance(k, bool) or not isinstance(k, (int, float)) or k <= 0 or (isinstance(k, float) and k >= 1
-                                                                                 and not k.is_integer()):
-            raise ValueError(f"k={k!r} must be a token count (a whole number >= 1) or a fraction of the prompt "
+        if not is_number(k) or k <= 0 or (isinstance(k, float) and k >= 1 and not k.is_integer()):
+            raise AttnkitError(f"k={k!r} must be a token count (a whole number >= 1) or a fraction of the prompt "
                              f"(0 < k < 1)")
-        if self.score not in ("logits", "probs"):
-            raise ValueError(f"score must be one of logits, probs; got {self.score!r}")
-        if self.positions not in ("reindexed", "original"):
-            raise ValueError(f"positions must be one of reindexed, original; got {self.positions!r}")
+        choice("score", self.score, ("logits", "probs"))
+        choice("positions", self.positions, ("reindexed", "original"))
 
     def kept_tokens(self, prompt_len: int) -> int:
         if isinstance(self.k, float) and self.k < 1:
@@ -113,7 +113,7 @@ class GemFilter(Method):
 
     def _choose(self, ctx: LayerContext, q) -> torch.Tensor:
         keys, _, positions = ctx.kv.view()
-        k_pos = _shared_positions(positions)
+        k_pos = shared_positions(positions)
         b, hq, _, d = q.shape
         kv = keys.shape[1]
         logits = torch.matmul(q.view(b, kv, hq // kv, d), keys.transpose(-1, -2)).float()  # [b, kv, g, n]

@@ -1,5 +1,5 @@
-"""``h2o``: heavy hitters + recent window (H2O; Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for
-Efficient Generative Inference of Large Language Models").
+"""``h2o``: heavy hitters + recent window (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient
+Generative Inference of Large Language Models", NeurIPS 2023, arXiv 2306.14048).
 
 Every cached entry carries its accumulated attention: the attention probabilities it received from
 every prompt query and from every generated token's query (H2O's accumulated attention score),
@@ -7,11 +7,12 @@ reduced over the query heads of its kv group (``gqa_reduce``). The cache keeps a
 ``recent`` x budget tokens (or ``recent_tokens``) and fills the rest of the budget with the entries of
 highest accumulated attention, per kv head: after prefill the prompt is compressed to that shape, and
 at each decode step the lowest-scored entry outside the recent window leaves and the new token takes
-its slot. H2O's default splits the budget half heavy hitters, half recent tokens (``recent=0.5``).
+its slot (the greedy one-out-per-step eviction of the paper's Algorithm 1). H2O's default splits the
+budget half heavy hitters, half recent tokens (``recent=0.5``).
 
 Prompt scores are computed in blocks of queries beside SDPA's attention output, so any attention
 backend works and no N x N matrix is materialised; decode computes its one row of probabilities
-itself (:func:`attnkit.methods.eviction.attend_with_logits`).
+itself (:func:`attnkit.methods.scoring.attend_with_logits`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.methods.base import LayerContext, register
-from attnkit.methods.eviction import (
-    RecentWindowEviction,
-    attend_with_logits,
-    attention_statistics,
-    reduce_heads,
-)
+from attnkit.methods.eviction import RecentWindowEviction
+from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
 
 
 @register

@@ -1,25 +1,25 @@
-"""``keyformer``: key tokens chosen by a Gumbel-regularised, temperature-scheduled score (Keyformer;
-Adnan et al., MLSys 2024, "Keyformer: KV Cache Reduction through Key Tokens Selection for Efficient
-Generative Inference" -- the seed paper; equation numbers below are the seed's).
+"""``keyformer``: key tokens chosen by a Gumbel-regularised, temperature-scheduled score (Adnan et al.,
+MLSys 2024, "Keyformer: KV Cache Reduction through Key Tokens Selection for Efficient Generative
+Inference", arXiv 2403.09054; equation and section numbers below are the paper's).
 
 The budget ``k`` is a fraction of the prompt (``budget``) or a token count (``budget_tokens``); a recent
-window of ``w`` tokens (``recent`` x budget, default 20 %; the seed finds 20-30 % best, section 4.6.4)
+window of ``w`` tokens (``recent`` x budget, default 20 %; the paper finds 20-30 % best, section 4.6.4)
 is always kept and the other ``k - w`` slots hold the *key tokens*: the entries with the highest
 accumulated Keyformer score (section 3.3.2, Figure 6)
 
     f(x_i) = exp((x_i + zeta_i) / tau) / sum_j exp((x_j + zeta_j) / tau)      (eq. 9)
 
 where ``x_i = q . k_i / sqrt(d)`` are the unnormalised logits of a query (eq. 4), ``zeta_i`` the
-regularising noise added to them (eq. 4-6: Gumbel by default) and ``tau`` the temperature, which is
-``tau_init`` during the prompt and rises by ``(tau_end - tau_init) / T`` with every generated token,
-``T`` being the generation length (eq. 10; ``tau = tau_init + t * delta_tau``, t = 1 for the first
-generated token fed back). f is accumulated over every prompt query and every decode step. The
-attention output itself is ordinary softmax attention; the noise only steers which tokens stay.
+regularising noise added to them (eq. 4-6: Gumbel by default; :mod:`attnkit.methods.keyformer_noise`) and
+``tau`` the temperature, which is ``tau_init`` during the prompt and rises by ``(tau_end - tau_init) / T``
+with every generated token, ``T`` being the generation length (eq. 10; ``tau = tau_init + t * delta_tau``,
+t = 1 for the first generated token fed back). f is accumulated over every prompt query and every decode
+step. The attention output itself is ordinary softmax attention; the noise only steers which tokens stay.
 
-As in the seed's Figure 6 the prompt is reduced to ``k`` after prefill ("n - k tokens dropped from
+As in the paper's Figure 6 the prompt is reduced to ``k`` after prefill ("n - k tokens dropped from
 the n - w window") and every decode step drops one token so the cache stays at ``k``. In attnkit's
-terms (see :mod:`attnkit.methods.eviction`) ``B`` slots hold the ``k`` kept entries plus the incoming
-one, so the seed's ``k`` is ``B - 1``.
+terms (see :mod:`attnkit.methods.budget`) ``B`` slots hold the ``k`` kept entries plus the incoming
+one, so the paper's ``k`` is ``B - 1``.
 
 Ablations (section 4.6): ``noise`` gumbel | gaussian (mu = 0.5772, sigma = 1.2825: the Gumbel's mean
 and standard deviation, eq. 11-12) | constant (c = 0.5772; a constant leaves the softmax unchanged,
@@ -35,30 +35,17 @@ layer, head, query position, key position), so results do not depend on prompt c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, register
-from attnkit.methods.eviction import (
-    RecentWindowEviction,
-    attend_with_logits,
-    attention_statistics,
-    check_choice,
-    counter_uniforms,
-    head_hashes,
-    key_hashes,
-    reduce_heads,
-    resolve_budget,
-    row_hash_ints,
-    uniforms_from_hashes,
-)
-
-NOISES = ("gumbel", "gaussian", "constant", "none")
-EULER_GAMMA = 0.5772  # mean of the standard Gumbel distribution (seed, section 4.6.3)
-GUMBEL_STD = 1.2825   # its standard deviation, pi / sqrt(6)
+from attnkit.methods.budget import resolve_budget
+from attnkit.methods.eviction import RecentWindowEviction
+from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, keyformer_noise
+from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
+from attnkit.validate import choice, number, whole
 
 
 def keyformer_tau(t: int, T: int, tau_init: float = 1.0, tau_end: float = 2.0) -> float:
@@ -66,86 +53,6 @@ def keyformer_tau(t: int, T: int, tau_init: float = 1.0, tau_end: float = 2.0) -
     if T <= 0:
         return tau_init
     return tau_init + t * (tau_end - tau_init) / T
-
-
-def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
-                    k_pos: torch.Tensor) -> torch.Tensor | float:
-    """The noise zeta added to the logits (eq. 4), broadcastable to ``[b, kv, g, queries, keys]``.
-
-    `q_pos` is ``[queries]``; `k_pos` is ``[keys]`` or per kv head ``[b, kv, keys]``. Gumbel draws are
-    ``-log(-log(u))`` (density eq. 5), Gaussian ones ``N(0.5772, 1.2825^2)`` (eq. 11, Box-Muller), with
-    ``u`` hashed from (seed, layer, head, query position, key position).
-    """
-    if kind == "none":
-        return 0.0
-    if kind == "constant":
-        return EULER_GAMMA
-    device = q_pos.device
-    heads = torch.arange(kv_heads * groups, device=device).view(1, kv_heads, groups, 1, 1)
-    qp = q_pos.view(1, 1, 1, -1, 1)
-    kp = k_pos.view(1, 1, 1, 1, -1) if k_pos.dim() == 1 else k_pos[:, :, None, None, :]
-    u = counter_uniforms(seed, layer, heads, qp, kp)
-    if kind == "gumbel":
-        return gumbel_from_uniforms(u)
-    return gaussian_from_uniforms(u, counter_uniforms(seed, layer, heads, qp, kp, second=True))
-
-
-def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel draws ``-log(-log(u))`` (density eq. 5), computed in place in `u`."""
-    return u.log_().neg_().log_().neg_()
-
-
-def gaussian_from_uniforms(u: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
-    """``N(0.5772, 1.2825^2)`` draws (eq. 11) from two uniforms by Box-Muller, computed in place in `u`."""
-    return u.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2 * math.pi).cos_()).mul_(GUMBEL_STD).add_(EULER_GAMMA)
-
-
-class DecodeNoise:
-    """:func:`keyformer_noise` for decode steps, bit for bit, at a fraction of its cost.
-
-    A decode step needs fresh noise for each (layer, head, held key) and the step's one query. Of the
-    hashes behind the draws (:func:`attnkit.methods.eviction.counter_uniforms`), the (layer, head) part
-    is computed once per generation, the query position is mixed in once per step for all layers
-    together (on Python ints: a few small tensor operations would cost more), and the key-position
-    hashes are looked up in a table over positions (grown on demand); each layer then only combines
-    them at full size, in buffers reused from step to step.
-    """
-
-    def __init__(self, kind: str, seed: int, n_layers: int, heads: int, device: torch.device):
-        self.kind = kind
-        self.device = device
-        self.n_heads = heads
-        h = torch.arange(heads)
-        draws = (False,) if kind == "gumbel" else (False, True)
-        self.heads = {second: [head_hashes(seed, layer, h, second).tolist() for layer in range(n_layers)]
-                      for second in draws}
-        self.keys = key_hashes(torch.arange(0, device=device))
-        self.step = None
-        self.rows: dict[bool, torch.Tensor] = {}
-        self.buffers = [torch.empty(0, dtype=torch.int32, device=device)] * 3
-
-    def _new_step(self, q: int) -> None:
-        if q >= self.keys.shape[0]:
-            self.keys = key_hashes(torch.arange(max(q + 1, 2 * self.keys.shape[0]), device=self.device))
-        self.rows = {second: torch.tensor([row_hash_ints(layer, q) for layer in table], dtype=torch.int32).to(self.device)
-                     for second, table in self.heads.items()}
-
-    def __call__(self, ctx: LayerContext, k_pos: torch.Tensor) -> torch.Tensor:
-        """Noise ``[b, kv, g, 1, keys]`` for the held keys at `k_pos` ``[b, kv, keys]`` of layer ``ctx.index``;
-        valid until the next call (it lives in a buffer reused by every call of the same shape)."""
-        if self.step is not ctx.step:  # first layer of a new step
-            self.step = ctx.step
-            self._new_step(int(ctx.q_pos[-1]))
-        b, kv_heads, n = k_pos.shape
-        groups = self.n_heads // kv_heads
-        shape = (b, kv_heads, groups, 1, n)
-        if self.buffers[0].shape != shape:
-            self.buffers = [torch.empty(shape, dtype=torch.int32, device=k_pos.device) for _ in range(3)]
-        x, first, second = self.buffers
-        cols = self.keys.take(k_pos)[:, :, None, None, :]
-        u = [uniforms_from_hashes(rows[ctx.index].view(1, kv_heads, groups, 1, 1), cols, (x, out))
-             for rows, out in zip(self.rows.values(), (first, second))]
-        return gumbel_from_uniforms(*u) if self.kind == "gumbel" else gaussian_from_uniforms(*u)
 
 
 @register
@@ -161,20 +68,17 @@ class Keyformer(RecentWindowEviction):
     seed: int = 0
 
     name = "keyformer"
-    summary = "key tokens by Gumbel-softmax score + recent window (Keyformer, seed 001)"
+    summary = "key tokens by Gumbel-softmax score + recent window (Keyformer, Adnan et al. 2024)"
     default_recent = 0.2
 
     def __post_init__(self):
         super().__post_init__()
         for name in ("tau_init", "tau_end"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a temperature > 0, got {value!r}")
-        check_choice("noise", self.noise, NOISES)
-        check_choice("score", self.score, ("per_layer", "shared"))
-        check_choice("positions", self.positions, ("original", "new"))
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ValueError(f"seed must be a whole number >= 0, got {self.seed!r}")
+            number(name, getattr(self, name), 0, low_open=True, what=" (a temperature)")
+        choice("noise", self.noise, NOISES)
+        choice("score", self.score, ("per_layer", "shared"))
+        choice("positions", self.positions, ("original", "new"))
+        whole("seed", self.seed, 0)
 
     # ---- parameters per layer ------------------------------------------------------------------------
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
@@ -210,7 +114,8 @@ class Keyformer(RecentWindowEviction):
         """This generation's :class:`DecodeNoise` (one for all layers)."""
         key = f"{self.name}.noise"
         if key not in ctx.session.shared:
-            ctx.session.shared[key] = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads, ctx.kv.keys.device)
+            ctx.session.shared[key] = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads,
+                                                  ctx.kv.keys.device)
         return ctx.session.shared[key]
 
     def _shared(self, ctx: LayerContext) -> dict:

@@ -1,13 +1,17 @@
-"""``select``: Select-Attention, a filter layer picks the tokens the later layers see (seed 000, section 4.2).
+"""``select``: Select-Attention, a filter layer picks the tokens the later layers see (section 4.2 of
+Taniguchi, Xiao, Dong, Oyamada and Onizuka (谷口 令, 肖 川, 董 于洋, 小山田 昌史, 鬼塚 真), "Attention
+スコアの分布類似性を用いた大規模言語モデルの動作効率化および省メモリ化"; "the paper" below).
 
-Seed 000 (section 3.2, Fig. 3) finds that the head-mean attention of a middle layer already marks the tokens
+The paper (section 3.2, Fig. 3) finds that the head-mean attention of a middle layer already marks the tokens
 the later layers attend to, and (Fig. 4) that which tokens matter changes at every step. Select-Attention
 (section 4.2, Fig. 5) therefore picks tokens afresh at every generated token:
 
 - layers ``0 .. L`` (``filter_layer``) run as usual with a KV cache (eq. 6-8);
 - at layer ``L``, the attention of the current (last) query, averaged over the heads, optionally weighted by
-  the values' norms (``value_weighted``; the seed's ref. [6], also used for its Fig. 3), ranks the tokens; the
-  smallest set whose mass reaches ``p`` is kept (top-p instead of GemFilter's top-k, section 4.2);
+  the values' norms (``value_weighted``; the paper's ref. [6]: Guo, Kamigaito and Watanabe, "Attention
+  Score is not All You Need for Token Importance Indicator in KV Cache Reduction: Value Also Matters",
+  EMNLP 2024; also used for the paper's Fig. 3), ranks the tokens; the smallest set whose mass reaches ``p``
+  is kept (top-p instead of GemFilter's top-k, section 4.2);
 - layers ``L+1 ..`` see only the kept tokens plus the current one, at their ORIGINAL positions (RoPE is
   applied at those positions), causally among themselves. Their outputs change with the selection at every
   step, so they keep **no KV cache** (section 4.2: "後半レイヤはキャッシュを持たない"): what is kept instead is the
@@ -18,17 +22,17 @@ Memory per token is therefore ``2 (L + 1) kv_heads head_dim`` K/V elements plus 
 hidden states, instead of ``2 n_layers kv_heads head_dim``: both are counted in ``session.cache`` (the K/V
 bytes of layers after ``L`` are zero; the hidden states are in :meth:`KVCache.extra_bytes`).
 
-The prompt (Table 3 of the seed): with ``prefill_select=false`` (default; Table 3's "無", which keeps QA
+The prompt (Table 3 of the paper): with ``prefill_select=false`` (default; Table 3's "無", which keeps QA
 accuracy) the later layers see the whole prompt, so the first token equals ``full``'s; with
 ``prefill_select=true`` the last prompt query's attention at layer ``L`` selects with ``p_prefill`` (faster
 prefill, Fig. 9). ``p_decode`` is the decode-time ``p`` (Tables 2-3 sweep 0.99 .. 0.91). A chunked prefill
 runs layers ``0 .. L`` chunk by chunk and the later layers once, on the selected prompt tokens, at the end.
 
-``filter_layer`` defaults to ``n_layers // 2 - 1`` (layer 15 of Llama3's 32, the seed's choice;
+``filter_layer`` defaults to ``n_layers // 2 - 1`` (layer 15 of Llama3's 32, the paper's choice;
 ``attnkit calibrate filter-layer`` sweeps it). With ``L`` = the last layer nothing is filtered (= ``full``);
 with ``p = 1`` every token is kept and the output equals ``full``'s up to rounding.
 
-Share-Attention composes with it (seed Fig. 8): ``share_config=FILE`` makes every layer (cached or not)
+Share-Attention composes with it (the paper's Fig. 8): ``share_config=FILE`` makes every layer (cached or not)
 compute only its essential heads' softmax (:mod:`attnkit.methods.share`). Select-Attention cannot be put
 inside ``compose`` (it runs the layers itself).
 """
@@ -45,25 +49,27 @@ from attnkit.methods.base import LayerContext, Method, Step, register
 from attnkit.methods.share import (
     LayerPlan,
     ShareConfig,
-    _shared_positions,
     attend_shared,
     essential_probabilities,
     layer_plan,
+    shared_positions,
     shared_prefill_fused,
 )
+from attnkit.validate import flag, is_number, whole
 
 HIDDEN = "select:hidden"
 
 
 def check_p(name: str, p) -> None:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-        raise ValueError(f"{name}={p!r} is outside the allowed range 0 < p <= 1 (top-p mass of the tokens kept)")
+    """A top-p mass: ``0 < p <= 1``."""
+    if not is_number(p) or not 0 < p <= 1:
+        raise AttnkitError(f"{name}={p!r} is outside the allowed range 0 < p <= 1 (top-p mass of the tokens kept)")
 
 
 def check_filter_layer_param(layer) -> None:
     """The ``filter_layer`` parameter before a model is known: a layer index >= 0, or None (the middle)."""
-    if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
-        raise ValueError(f"filter_layer={layer!r} must be a layer index >= 0 (or none for the middle)")
+    if layer is not None:
+        whole("filter_layer", layer, 0, what=" (a layer index; none for the middle layer)")
 
 
 def check_filter_layer(method: str, layer, n_layers: int) -> int:
@@ -104,19 +110,10 @@ def head_mean_scores(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return per_head.mean(dim=(0, 1))
 
 
-def _load_share(config):
-    if config is None:
-        return None
-    try:
-        return ShareConfig.load(config)
-    except AttnkitError as exc:
-        raise ValueError(str(exc)) from None
-
-
 @register
 @dataclass
 class Select(Method):
-    """Select-Attention (seed 000, section 4.2, Fig. 5; top-p of Tables 2-3; prefill on/off of Table 3):
+    """Select-Attention (Taniguchi et al., section 4.2, Fig. 5; top-p of Tables 2-3; prefill on/off of Table 3):
     layers after ``filter_layer`` see only the top-p tokens of its head-mean attention and keep no KV cache."""
 
     filter_layer: int | None = None
@@ -130,13 +127,15 @@ class Select(Method):
                             repr=False, compare=False)
 
     name = "select"
-    summary = "Select-Attention: top-p tokens of a filter layer feed cache-free later layers (seed 000)"
+    summary = "Select-Attention: top-p tokens of a filter layer feed cache-free later layers (Taniguchi et al.)"
 
     def __post_init__(self):
         check_filter_layer_param(self.filter_layer)
         check_p("p_decode", self.p_decode)
         check_p("p_prefill", self.p_prefill)
-        self._share = _load_share(self.share_config)
+        flag("prefill_select", self.prefill_select)
+        flag("value_weighted", self.value_weighted)
+        self._share = None if self.share_config is None else ShareConfig.load(self.share_config)
 
     def layer_index(self, n_layers: int) -> int:
         return check_filter_layer(self.name, self.filter_layer, n_layers)
@@ -233,7 +232,7 @@ class Select(Method):
 
     def _choose(self, ctx: LayerContext, q, q_pos, p: float) -> None:
         keys, values, positions = ctx.kv.view()
-        k_pos = _shared_positions(positions)
+        k_pos = shared_positions(positions)
         scores = head_mean_scores(q, keys, values, ctx.scaling, q_pos, k_pos, ctx.native_window,
                                   self._plan(ctx, q, keys), self.value_weighted)
         ctx.session.shared["select:chosen"] = k_pos[top_p(scores, p)]

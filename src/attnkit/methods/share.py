@@ -1,10 +1,16 @@
-"""``share``: Share-Attention, heads of a layer that attend alike share one softmax (seed 000, section 4.1).
+"""``share``: Share-Attention, heads of a layer that attend alike share one softmax (section 4.1 of
+Taniguchi, Xiao, Dong, Oyamada and Onizuka (谷口 令, 肖 川, 董 于洋, 小山田 昌史, 鬼塚 真), "Attention
+スコアの分布類似性を用いた大規模言語モデルの動作効率化および省メモリ化" -- making LLM inference faster and
+smaller with the similarity of attention score distributions; "the paper" below).
 
-Seed 000 (Attention スコアの分布類似性を用いた大規模言語モデルの動作効率化および省メモリ化) observes (section
-3.1, Fig. 1-2) that within a layer several heads produce nearly the same attention matrix. An offline
-calibration (:mod:`attnkit.calibrate.heads`, the seed's three steps of section 4.1) measures the distance of
-eq. 9 between every pair of heads, clusters heads closer than a per-layer threshold and writes a JSON
-config: per layer ``{"essential_heads": [...], "share_to": {"head": essential_head}}``.
+The paper observes (section 3.1, Fig. 1-2) that within a layer several heads produce nearly the same
+attention matrix. An offline calibration (:mod:`attnkit.calibrate.heads`, the paper's three steps of
+section 4.1) measures the distance of eq. 9,
+
+    distance(A, A') = sqrt(sum (A - A')^2) / sqrt(N)      (eq. 9; N the input length)
+
+between every pair of heads, clusters heads closer than a per-layer threshold and writes a JSON config: per
+layer ``{"essential_heads": [...], "share_to": {"head": essential_head}}``.
 
 At inference only the *essential* heads compute ``softmax(q K^T / sqrt(d))`` (eq. 5 at prefill, eq. 8 at
 decode); every shared head ``h`` takes the probabilities of its essential head ``e`` and multiplies them by
@@ -12,25 +18,25 @@ its OWN values::
 
     out_h = softmax(q_e K_{kv(e)}^T / sqrt(d)) V_{kv(h)}
 
-With GQA the two may sit in different kv groups (the seed, end of section 3.1, finds no regularity by
+With GQA the two may sit in different kv groups (the paper, end of section 3.1, finds no regularity by
 group): the logits use the essential head's kv head, the values the shared head's kv head. Keys and values
 are cached as usual (kv heads only, never expanded); sharing saves computation, not memory.
 
-The prompt is attended in query chunks of at most :data:`attnkit.methods.eviction.SCORE_BLOCK_ELEMENTS`
+The prompt is attended in query chunks of at most :data:`attnkit.methods.scoring.SCORE_BLOCK_ELEMENTS`
 (head x query x key) probabilities, and a chunk only reads the keys its queries can see, so no N x N matrix
 exists. A layer in which no head is shared keeps the fused dense kernel (it is exactly ``full``). The
 fraction of QK^T + softmax head-operations avoided is :meth:`Share.skipped_fraction` (one minus the mean
-retention rate of the seed's Fig. 7).
+retention rate of the paper's Fig. 7).
 
 A whole prompt in one chunk (``fused_prefill=true``, default) instead goes through the fused SDPA kernel,
 one call per (essential head's kv head, shared head's kv head) pair (:func:`shared_prefill_fused`): the
-explicit path must materialise the probabilities, which on a CPU costs more than the sharing saves; the
-fused one skips every shared head within its essential head's kv group but recomputes the softmax of a head
-shared across groups (the seed's section 5 notes the same limit: FlashAttention would need a kernel that
-applies one softmax to several V).
+explicit path must write every probability to memory and read it back, a quadratic memory traffic the fused
+kernel never pays; the fused one skips every shared head within its essential head's kv group but
+recomputes the softmax of a head shared across groups (the paper's section 5 notes the same limit:
+FlashAttention would need a kernel that applies one softmax to several V).
 
 Parameters: ``config`` is the calibrated JSON file (or a dict of the same shape); ``config=none`` means no
-sharing at all (every head essential: the threshold-0 setting of the seed's Fig. 6), which is ``full``.
+sharing at all (every head essential: the threshold-0 setting of the paper's Fig. 6), which is ``full``.
 A config whose layer, head or kv-head counts differ from the model's is refused with an
 :class:`~attnkit.errors.AttnkitError` naming both.
 """
@@ -45,7 +51,8 @@ from attnkit.attention import attend, position_mask, sdpa
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, register
-from attnkit.methods.eviction import SCORE_BLOCK_ELEMENTS
+from attnkit.methods.scoring import SCORE_BLOCK_ELEMENTS
+from attnkit.validate import flag, is_whole
 
 CONFIG_FORMAT = "attnkit-share-heads/1"
 
@@ -95,7 +102,7 @@ class LayerPlan:
         return {key: sorted(m.items()) for key, m in sorted(out.items())}
 
 
-def _shared_positions(k_pos: torch.Tensor) -> torch.Tensor:
+def shared_positions(k_pos: torch.Tensor) -> torch.Tensor:
     if k_pos.dim() == 1:
         return k_pos
     if bool((k_pos == k_pos[:1, :1]).all()):
@@ -129,12 +136,12 @@ def shared_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      k_pos: torch.Tensor, window: int | None, plan: LayerPlan,
                      block_elements: int | None = None) -> torch.Tensor:
     """Attention output ``[b, q_heads, c, d]`` where head h uses the probabilities of ``essential[source[h]]``
-    and the values of its own kv head (section 4.1 of the seed). Queries are taken in chunks of at most
+    and the values of its own kv head (section 4.1 of the paper). Queries are taken in chunks of at most
     `block_elements` (head x query x key) entries; a chunk reads only the keys before its last query."""
     b, hq, c, _ = q.shape
     kv = keys.shape[1]
     g = hq // kv
-    k_pos = _shared_positions(k_pos)
+    k_pos = shared_positions(k_pos)
     n = keys.shape[2]
     if block_elements is None:
         block_elements = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
@@ -189,7 +196,7 @@ def parse_share_config(data: dict, what: str = "the share config") -> list[dict[
     if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
         raise AttnkitError(f"{what}: expected a JSON object with a 'layers' list (from `attnkit calibrate heads`)")
     n_heads = data.get("n_heads")
-    if not isinstance(n_heads, int) or n_heads < 1:
+    if not is_whole(n_heads) or n_heads < 1:
         raise AttnkitError(f"{what}: 'n_heads' (query heads per layer) must be a positive integer, got {n_heads!r}")
     if data.get("n_layers", len(data["layers"])) != len(data["layers"]):
         raise AttnkitError(f"{what}: 'n_layers' is {data.get('n_layers')} but 'layers' lists {len(data['layers'])}")
@@ -246,7 +253,7 @@ class ShareConfig:
         return self._plans[layer]
 
     def retention(self) -> list[float]:
-        """Per layer, computed heads / heads (the seed's retention rate of Fig. 7, as a fraction)."""
+        """Per layer, computed heads / heads (the paper's retention rate of Fig. 7, as a fraction)."""
         return [(self.n_heads - len(m)) / self.n_heads for m in self.share_to]
 
 
@@ -277,7 +284,7 @@ def attend_shared(plan: LayerPlan | None, q, keys, values, scaling, q_pos, k_pos
     for a plain causal prompt when `fused`, or the explicit :func:`shared_attention`."""
     if plan is None or not plan.shares:
         return attend(q, keys, values, scaling, q_pos, k_pos, window)
-    if fused and _plain_causal(q_pos, _shared_positions(k_pos), window):
+    if fused and _plain_causal(q_pos, shared_positions(k_pos), window):
         return shared_prefill_fused(q, keys, values, scaling, plan)
     return shared_attention(q, keys, values, scaling, q_pos, k_pos, window, plan)
 
@@ -285,23 +292,21 @@ def attend_shared(plan: LayerPlan | None, q, keys, values, scaling, q_pos, k_pos
 @register
 @dataclass
 class Share(Method):
-    """Share-Attention (seed 000, section 4.1; distance of eq. 9, clusters of Fig. 2, retention of Fig. 7):
-    only essential heads compute eq. 5 / eq. 8's softmax, shared heads reuse it with their own V."""
+    """Share-Attention (Taniguchi et al., section 4.1; distance of eq. 9, clusters of Fig. 2, retention of
+    Fig. 7): only essential heads compute eq. 5 / eq. 8's softmax, shared heads reuse it with their own V."""
 
     config: str | dict | None = None
     fused_prefill: bool = True
 
     name = "share"
-    summary = "Share-Attention: heads share an essential head's softmax (seed 000, eq. 9 clusters)"
+    summary = "Share-Attention: heads share an essential head's softmax (Taniguchi et al., eq. 9 clusters)"
 
     def __post_init__(self):
         if self.config is not None and not isinstance(self.config, (str, dict)):
-            raise ValueError(f"config must be a share config file (from `attnkit calibrate heads`), a dict, or none "
+            raise AttnkitError(f"config must be a share config file (from `attnkit calibrate heads`), a dict, or none "
                              f"for no sharing; got {type(self.config).__name__}")
-        try:
-            self._config = None if self.config is None else ShareConfig.load(self.config)
-        except AttnkitError as exc:
-            raise ValueError(str(exc)) from None
+        flag("fused_prefill", self.fused_prefill)
+        self._config = None if self.config is None else ShareConfig.load(self.config)
 
     def skipped_fraction(self, n_kv: int | None = None) -> float:
         """Fraction of the QK^T + softmax head-operations that sharing avoids (all layers, every query) on the

@@ -1,5 +1,5 @@
-"""``snapkv``: prompt compression voted by an observation window (SnapKV; Li et al., 2024, "SnapKV: LLM
-Knows What You are Looking for Before Generation").
+"""``snapkv``: prompt compression voted by an observation window (Li et al., 2024, "SnapKV: LLM Knows What
+You are Looking for Before Generation", arXiv 2404.14469).
 
 After prefill, the last ``window_size`` prompt queries (the observation window) vote for the prompt
 keys before them: their attention probabilities are summed over the window's queries, reduced over
@@ -22,13 +22,10 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, register
-from attnkit.methods.eviction import (
-    GQA_REDUCTIONS,
-    EvictionMethod,
-    attention_statistics,
-    avg_or_max_pool,
-    check_choice,
-)
+from attnkit.methods.budget import smallest_tokens
+from attnkit.methods.eviction import EvictionMethod
+from attnkit.methods.scoring import GQA_REDUCTIONS, attention_statistics, avg_or_max_pool
+from attnkit.validate import choice, whole
 
 
 @register
@@ -47,22 +44,18 @@ class SnapKV(EvictionMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("window_size", "kernel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        whole("window_size", self.window_size, 1)
+        whole("kernel_size", self.kernel_size, 1)
         if self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd so the pooling is centred, got {self.kernel_size}")
-        check_choice("pooling", self.pooling, ("avg", "max"))
-        check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
-        if self.decode_budget is not None and (not isinstance(self.decode_budget, int)
-                                               or isinstance(self.decode_budget, bool) or self.decode_budget < 1):
-            raise ValueError(f"decode_budget must be a positive number of generated tokens, got {self.decode_budget!r}")
-        if self.budget_tokens is not None:
-            smallest = min(self.budget_tokens) if isinstance(self.budget_tokens, list) else self.budget_tokens
-            if self.window_size > smallest:
-                raise ValueError(f"window_size={self.window_size} is larger than budget_tokens={self.budget_tokens!r}; "
-                                 f"the observation window is always kept, so it must fit in the budget")
+            raise AttnkitError(f"kernel_size must be odd so the pooling is centred, got {self.kernel_size}")
+        choice("pooling", self.pooling, ("avg", "max"))
+        choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
+        if self.decode_budget is not None:
+            whole("decode_budget", self.decode_budget, 1, what=" (generated tokens kept)")
+        smallest = smallest_tokens(self.budget_tokens)
+        if smallest is not None and self.window_size > smallest:
+            raise AttnkitError(f"window_size={self.window_size} is larger than budget_tokens={self.budget_tokens!r}; "
+                               f"the observation window is always kept, so it must fit in the budget")
 
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
         n = ctx.session.prompt_len

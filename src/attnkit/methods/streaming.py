@@ -1,11 +1,11 @@
-"""``streaming``: attention sinks + a recent window (StreamingLLM; Xiao et al., 2023, "Efficient
-Streaming Language Models with Attention Sinks").
+"""``streaming``: attention sinks + a recent window (StreamingLLM: Xiao et al., 2023, "Efficient Streaming
+Language Models with Attention Sinks", ICLR 2024, arXiv 2309.17453).
 
 The cache holds the first ``sinks`` tokens of the sequence (the attention sinks) and the most recent
-``B - sinks`` tokens, the incoming one included, ``B`` being the budget: exactly StreamingLLM's
-rolling KV cache of size ``start_size + recent_size``. When the layer is full the oldest non-sink entry
-is evicted and the new token written into its slot; the prompt is compressed to the same shape after
-prefill.
+``B - sinks`` tokens, the incoming one included, ``B`` being the budget: exactly StreamingLLM's rolling
+KV cache of size ``start_size + recent_size`` (section 3.2, "Rolling KV Cache with Attention Sinks").
+When the layer is full the oldest non-sink entry is evicted and the new token written into its slot;
+the prompt is compressed to the same shape after prefill.
 
 Positions: by default every key keeps its original position (``positions="original"``). With
 ``positions="reindex"`` keys are placed at their positions *inside the cache* (sinks at 0..s-1, then
@@ -25,7 +25,9 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, register
-from attnkit.methods.eviction import EvictionMethod, check_choice
+from attnkit.methods.budget import smallest_tokens
+from attnkit.methods.eviction import EvictionMethod
+from attnkit.validate import choice, whole
 
 
 @register
@@ -41,14 +43,12 @@ class StreamingLLM(EvictionMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
-            raise ValueError(f"sinks must be a whole number of tokens >= 0, got {self.sinks!r}")
-        check_choice("positions", self.positions, ("original", "reindex"))
-        if self.budget_tokens is not None:
-            smallest = min(self.budget_tokens) if isinstance(self.budget_tokens, list) else self.budget_tokens
-            if self.sinks >= smallest:
-                raise ValueError(f"sinks={self.sinks} leaves no room for the recent window in "
-                                 f"budget_tokens={self.budget_tokens!r}; sinks must be smaller than the budget")
+        whole("sinks", self.sinks, 0, what=" (tokens)")
+        choice("positions", self.positions, ("original", "reindex"))
+        smallest = smallest_tokens(self.budget_tokens)
+        if smallest is not None and self.sinks >= smallest:
+            raise AttnkitError(f"sinks={self.sinks} leaves no room for the recent window in "
+                               f"budget_tokens={self.budget_tokens!r}; sinks must be smaller than the budget")
 
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
         if self.sinks >= budget and budget < ctx.session.prompt_len + ctx.session.max_new_tokens:

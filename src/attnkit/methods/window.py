@@ -1,11 +1,12 @@
-"""``window``: sliding-window attention with a rolling KV cache (Mistral 7B, seed 004).
+"""``window``: sliding-window attention with a rolling KV cache (Jiang et al., 2023, "Mistral 7B",
+arXiv 2310.06825, section 2).
 
-Each token attends to itself and the ``window - 1`` tokens before it: the seed's mask
-``triu(1) + tril(-window)`` (Jiang et al., 2023, section 2 "Sliding Window Attention"). Prefill
-applies that mask (computed band by band, so its cost grows with ``window``, not with the square of the
-prompt); decoding reads only the last ``window`` entries; the rolling buffer cache (section 2
-"Rolling Buffer Cache") stores position ``i`` in slot ``i mod window``, overwriting the oldest entry, so
-the cache never grows past ``window`` slots per layer. Keys keep their original RoPE positions.
+Each token attends to itself and the ``window - 1`` tokens before it (section 2, "Sliding Window
+Attention"; as a boolean mask, ``triu(1) | tril(-window)`` marks the hidden keys). Prefill applies that
+mask (computed band by band, so its cost grows with ``window``, not with the square of the prompt);
+decoding reads only the last ``window`` entries; the "Rolling Buffer Cache" stores position ``i`` in slot
+``i mod window``, overwriting the oldest entry, so the cache never grows past ``window`` slots per layer.
+Keys keep their original RoPE positions.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.attention import attend
+from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, register
+from attnkit.validate import is_whole
 
 
 @register
@@ -26,11 +29,11 @@ class SlidingWindow(Method):
     window: int = 1024
 
     name = "window"
-    summary = "sliding window + rolling cache (Mistral, seed 004)"
+    summary = "sliding window + rolling cache (Mistral 7B, Jiang et al. 2023)"
 
     def __post_init__(self):
-        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window <= 0:
-            raise ValueError(f"window must be a positive integer number of tokens, got {self.window!r}")
+        if not is_whole(self.window) or self.window <= 0:
+            raise AttnkitError(f"window must be a positive integer number of tokens, got {self.window!r}")
 
     def _window(self, ctx: LayerContext) -> int:
         return self.window if ctx.native_window is None else min(self.window, ctx.native_window)

@@ -1,0 +1,160 @@
+"""The scoring pass the score-based eviction methods share: attention statistics per key, decode attention
+that also returns its logits, and the choice of which entries stay.
+
+H2O's accumulated attention (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative
+Inference of Large Language Models", arXiv 2306.14048), Keyformer's accumulated Gumbel-softmax score (Adnan
+et al., MLSys 2024, arXiv 2403.09054, eq. 9) and SnapKV's observation-window votes (Li et al., 2024,
+arXiv 2404.14469) are all a per-key sum, over some queries, of a function of the scaled logits
+``q . k / sqrt(d)``. :func:`attention_statistics` computes that sum in blocks of queries, never more than
+:data:`SCORE_BLOCK_ELEMENTS` query x key entries at once, so no N x N matrix exists even for a 32k-token
+prompt. With GQA the cache holds kv heads only: the query heads of a group are reduced per query
+(:data:`GQA_REDUCTIONS`: mean or max over the group) before they are accumulated, so a choice is per kv head
+and does not depend on how queries were chunked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# Largest number of (query head x query x key) entries one block of the score computation holds, by
+# device type. Each entry costs a few 4-byte temporaries (logits, weights; hashed noise). On a CPU small
+# blocks stay in its caches, so a few MiB per block is fastest; a GPU wants fewer, larger blocks to fill
+# its cores.
+SCORE_BLOCK_ELEMENTS = {"cpu": 1 << 20, "default": 1 << 24}
+
+GQA_REDUCTIONS = ("mean", "max")
+
+
+# ---- statistics ------------------------------------------------------------------------------------
+def reduce_heads(x: torch.Tensor, how: str, dim: int = 2) -> torch.Tensor:
+    """Reduce the query heads of each kv group (axis `dim`) to the kv head: mean or max."""
+    return x.mean(dim) if how == "mean" else x.amax(dim)
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and optional window) visibility by original positions, shaped to broadcast against
+    logits ``[b, kv, g, c, l]``: ``k_pos`` 1-D -> ``[c, l]``; per head ``[b, kv, l]`` -> ``[b, kv, 1, c, l]``."""
+    if k_pos.dim() == 1:
+        diff = q_pos[:, None] - k_pos[None, :]
+    else:
+        diff = q_pos[None, None, None, :, None] - k_pos[:, :, None, None, :]
+    ok = diff >= 0
+    if window is not None:
+        ok &= diff < window
+    return ok
+
+
+def softmax_weights(logits: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """The ordinary attention probabilities (eq. 1 of Keyformer; H2O's accumulated attention)."""
+    return torch.softmax(logits, dim=-1)
+
+
+def attention_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos: torch.Tensor,
+                         k_pos: torch.Tensor, *, reduce: str = "mean",
+                         weights: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                         window: int | None = None, block_elements: int | None = None) -> torch.Tensor:
+    """Attention each key receives, summed over the queries: ``[b, kv_heads, keys]`` (float32).
+
+    For every query ``i`` (at ``q_pos[i]``) the per-key weights are ``weights(logits, q_pos, k_pos)`` of
+    the scaled logits ``q_i . k_j * scaling`` (a fresh ``[b, kv, g, queries, keys]`` float32 tensor the
+    function may overwrite; keys at later positions, or outside `window`, are ``-inf``); the default
+    is the softmax, i.e. the attention probabilities. The query heads of a kv
+    group are reduced per query with `reduce` (mean/max), then summed over queries. Queries are taken
+    in blocks of at most `block_elements` (query head x query x key) entries, and with 1-D ascending
+    `k_pos` a block only reads the keys it can see, so neither memory nor time is quadratic in a
+    single allocation. `k_pos` is ``[keys]`` (ascending) or per kv head ``[b, kv_heads, keys]``.
+    """
+    b, hq, n, d = q.shape
+    kv, n_keys = keys.shape[1], keys.shape[2]
+    if hq % kv:
+        raise ValueError(f"{hq} query heads are not a multiple of {kv} kv heads")
+    g = hq // kv
+    weights = weights or softmax_weights
+    out = torch.zeros(b, kv, n_keys, dtype=torch.float32, device=q.device)
+    if block_elements is None:
+        block_elements = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
+    block = max(1, block_elements // max(1, b * hq * n_keys))
+    grouped = q.reshape(b, kv, g, n, d)
+    shared = k_pos.dim() == 1
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        qp = q_pos[s:e]
+        if shared:  # keys ascending: this block sees keys [:lim], and only keys [first_hidden:] hide from some query
+            bounds = torch.searchsorted(k_pos, qp[[0, -1]], right=True).tolist()
+            first_hidden, lim = bounds
+            if lim == 0:
+                continue
+            kp = k_pos[:lim]
+        else:
+            first_hidden, lim, kp = 0, n_keys, k_pos
+        qb = grouped[:, :, :, s:e].reshape(b, kv, g * (e - s), d)
+        logits = torch.matmul(qb, keys[:, :, :lim].transpose(-1, -2)).float().mul_(scaling)
+        logits = logits.view(b, kv, g, e - s, lim)
+        if window is not None:
+            logits.masked_fill_(~visible(qp, kp, window), float("-inf"))
+        elif first_hidden < lim:
+            tail = kp[first_hidden:] if shared else kp[:, :, first_hidden:]
+            logits[..., first_hidden:].masked_fill_(~visible(qp, tail, None), float("-inf"))
+        w = weights(logits, qp, kp)
+        if reduce == "mean":
+            out[:, :, :lim] += w.sum(dim=(2, 3)).div_(g)
+        else:
+            out[:, :, :lim] += w.amax(dim=2).sum(dim=2)
+    return out
+
+
+def attend_with_logits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                       visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of decode queries that also returns what a scoring method needs.
+
+    q ``[b, hq, n, d]`` (n small), keys/values ``[b, kv, L, d]`` (never expanded to the query heads),
+    `visible` a boolean mask broadcastable to ``[b, kv, g, n, L]`` or None. Returns the output
+    ``[b, hq, n, d]``, the float32 logits and the probabilities, both ``[b, kv, g, n, L]``.
+    """
+    b, hq, n, d = q.shape
+    kv, n_keys = keys.shape[1], keys.shape[2]
+    g = hq // kv
+    qg = q.reshape(b, kv, g * n, d)
+    logits = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scaling).view(b, kv, g, n, n_keys)
+    if visible is not None:
+        logits = logits.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs.view(b, kv, g * n, n_keys).to(values.dtype), values)
+    return out.view(b, hq, n, d), logits, probs
+
+
+# ---- selection -------------------------------------------------------------------------------------
+def keep_top(rank: torch.Tensor, protect: torch.Tensor | None, count: int) -> torch.Tensor:
+    """Slot indices ``[b, kv, count]`` (ascending) of the protected entries plus the highest-ranked others,
+    chosen per kv head. `rank` ``[b, kv, L]``: higher is kept first."""
+    r = rank.float()
+    if protect is not None:
+        r = r.masked_fill(protect, float("inf"))
+    return r.topk(count, dim=-1).indices.sort(dim=-1).values
+
+
+def lowest(rank: torch.Tensor, protect: torch.Tensor | None) -> torch.Tensor:
+    """Slot ``[b, kv, 1]`` of the lowest-ranked unprotected entry per kv head (the one to evict)."""
+    r = rank.float()
+    if protect is not None:
+        r = r.masked_fill(protect, float("inf"))
+    return r.argmin(dim=-1, keepdim=True)
+
+
+def avg_or_max_pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
+    """Pool ``[..., L]`` along the last axis with an odd `kernel`, stride 1, same length (SnapKV's
+    clustering by pooling, arXiv 2404.14469). At the edges average pooling divides by the full kernel,
+    the zero padding counted, as the SnapKV authors' code does (``avg_pool1d`` defaults), so the same
+    positions are kept as there."""
+    if kernel <= 1:
+        return x
+    shape = x.shape
+    flat = x.reshape(-1, 1, shape[-1])
+    pad = kernel // 2
+    if how == "max":
+        pooled = torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=pad)
+    else:
+        pooled = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=pad, count_include_pad=True)
+    return pooled.reshape(shape)
