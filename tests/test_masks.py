@@ -32,7 +32,7 @@ RULES = {"causal": masks.causal, "window": masks.sliding_window(7), "streaming":
 
 def flex_grid(rule, q_pos, k_pos, heads=1, groups=1, batch=1, q_len=None, k_len=None):
     """The mask_mod evaluated by FlexAttention's own create_mask -> [batch, heads, q, L]."""
-    mod = masks.mask_mod(rule, q_pos, k_pos, groups)
+    mod = masks.flex_mask_mod(rule, q_pos, k_pos, groups)
     q_len = q_pos.shape[0] if q_len is None else q_len
     k_len = k_pos.shape[-1] if k_len is None else k_len
     return create_mask(mod, batch, heads, q_len, k_len, device="cpu")

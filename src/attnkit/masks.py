@@ -21,7 +21,7 @@ The vocabulary:
 A per-head parameter is a tensor ``[heads]`` (read as ``param[h]``); a plain int applies to every head.
 
 From one rule: :func:`boolean_mask` (True = attend, the dense reference), :func:`additive_bias` (0 / -inf,
-for SDPA) and :func:`mask_mod` (FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``). Keys come either as one
+for SDPA) and :func:`flex_mask_mod` (FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``). Keys come either as one
 position list ``[L]`` shared by every head, or per kv head ``[batch, kv_heads, L]`` (a cache whose heads
 keep different tokens).
 """
@@ -167,7 +167,7 @@ def _position(table, idx: torch.Tensor) -> torch.Tensor:
     return idx + table
 
 
-def mask_mod(rule: Rule, q_pos=0, k_pos=0, groups: int = 1):
+def flex_mask_mod(rule: Rule, q_pos=0, k_pos=0, groups: int = 1):
     """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` of the rule. `q_pos`/`k_pos` map indices to
     positions: an offset (position = index + offset) or a position list ``[L]``; keys may also be per kv
     head ``[b, kv, L]`` (query head ``h`` reads kv head ``h // groups``). Indices past a list's end (padding)
