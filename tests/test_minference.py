@@ -1,5 +1,5 @@
-"""MInference sparse prefill (MInference 1.0, Jiang et al. 2024, arXiv 2407.02490): patterns, index building, kernels, the pattern search, the methods
-and their composition with a cache method.
+"""MInference sparse prefill (MInference 1.0, Jiang et al. 2024, arXiv 2407.02490): patterns, index building,
+kernels, the pattern search, the methods and their composition with a cache method.
 
 Kernels are held to the dense-mask reference built from the same layout; the layouts to the plain
 definitions of the three patterns; the methods to `full` where the pattern keeps everything.

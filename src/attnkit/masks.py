@@ -10,8 +10,8 @@ The vocabulary:
 
 - :data:`causal`: ``k <= q``.
 - :func:`window`: ``q - k < w``, the band of a sliding window (Mistral 7B, Jiang et al. 2023, arXiv
-  2310.06825, section 2: a token attends to at most ``W`` positions, itself included). :func:`sliding_window`
-  is ``causal & window(w)``; it masks exactly the pairs of Mistral's ``triu(1) + tril(-W)``.
+  2310.06825, section 2, sliding window attention). :func:`sliding_window` is ``causal & window(w)``: ``w``
+  positions, the query's own included; it masks exactly the pairs of Mistral's mask ``triu(1) + tril(-w)``.
 - :func:`sinks`: ``k < n``, the first ``n`` tokens (the attention sinks of StreamingLLM, Xiao et al. 2023,
   arXiv 2309.17453; the "initial tokens" of MInference's A-shape, Jiang et al. 2024, arXiv 2407.02490,
   section 3.2). :func:`a_shape` is ``causal & (sinks(n) | window(w))``: StreamingLLM's rule as well.
@@ -21,8 +21,8 @@ The vocabulary:
 A per-head parameter is a tensor ``[heads]`` (read as ``param[h]``); a plain int applies to every head.
 
 From one rule: :func:`boolean_mask` (True = attend, the dense reference), :func:`additive_bias` (0 / -inf,
-for SDPA) and :func:`flex_mask_mod` (FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``). Keys come either as one
-position list ``[L]`` shared by every head, or per kv head ``[batch, kv_heads, L]`` (a cache whose heads
+for SDPA) and :func:`flex_mask_mod` (FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``). Keys come either as
+one position list ``[L]`` shared by every head, or per kv head ``[batch, kv_heads, L]`` (a cache whose heads
 keep different tokens).
 """
 

@@ -269,7 +269,8 @@ def layout_for_patterns(patterns: Sequence[HeadPattern], q: torch.Tensor, k: tor
         if dyn:
             heads = None if len(dyn) == hq else torch.tensor(dyn, device=dev)
             probs = estimate_block_sparse(q, k, scaling, block, heads)
-            tiles[torch.tensor(dyn, device=dev)] = top_k_mask(probs, torch.tensor([patterns[h].k_b for h in dyn], device=dev))
+            k_b = torch.tensor([patterns[h].k_b for h in dyn], device=dev)
+            tiles[torch.tensor(dyn, device=dev)] = top_k_mask(probs, k_b)
         for h in bs:
             if patterns[h].is_static:
                 tiles[h] = static_block_rows(patterns[h].blocks, q_start // block, rows, nb, dev)

@@ -104,7 +104,8 @@ class HeadPattern:
                                    f"{', '.join(sorted(allowed)) or 'nothing (a_shape is static already)'}")
             try:
                 if pattern == "vertical_slash":
-                    kwargs["vertical"] = tuple(sorted(_count("vertical index", int(x), where) for x in static["vertical"]))
+                    kwargs["vertical"] = tuple(sorted(_count("vertical index", int(x), where)
+                                                      for x in static["vertical"]))
                     kwargs["slash"] = tuple(sorted(_count("slash offset", int(x), where) for x in static["slash"]))
                 else:
                     kwargs["blocks"] = tuple(tuple(sorted(_count("block index", int(x), where) for x in row))
