@@ -1,5 +1,5 @@
-"""MInference sparse prefill (seed 002): patterns, index building, kernels, the pattern search, the methods
-and their composition with a cache method.
+"""MInference sparse prefill (MInference 1.0, Jiang et al. 2024, arXiv 2407.02490): patterns, index building,
+kernels, the pattern search, the methods and their composition with a cache method.
 
 Kernels are held to the dense-mask reference built from the same layout; the layouts to the plain
 definitions of the three patterns; the methods to `full` where the pattern keeps everything.
@@ -12,13 +12,13 @@ import torch
 
 import attnkit
 from attnkit import AttnkitError
-from attnkit import sparse_attention as sa
-from attnkit.calibrate import patterns as search
+from attnkit import sparse as sa
+from attnkit.calibrate import pattern_stats as search
 from attnkit.cli import _split_methods, main
 from attnkit.methods.base import parse_method_spec
 from attnkit.recipe import recipe_from_dict, recipe_to_dict
 from attnkit.runner import generate
-from attnkit.sparse_attention import HeadPattern as HP
+from attnkit.sparse.patterns import HeadPattern as HP
 from helpers import SMALL, random_ids
 
 torch.set_num_threads(1)
@@ -158,7 +158,7 @@ def test_static_patterns_use_the_stored_indices():
     assert torch.equal(layouts[0].main, layouts[1].main) and torch.equal(layouts[0].columns, layouts[1].columns)
     lay = layouts[0]
     assert lay.columns[0, :2].tolist() == [40, 77]  # key 5 lies in tile 0, which is always kept
-    i, j = lay._grid()
+    i, j = lay.grid()
     want_vs = (j <= i) & ((j == 0) | (i - j <= 2))  # offsets 0 and 20 cross block diagonals 0, 1 and 2
     assert torch.equal(lay.main[0], want_vs)
     stored = torch.tensor([[1, 0, 0], [1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)
@@ -249,7 +249,7 @@ def test_recall_is_the_dense_mass_inside_the_layout():
     logits = q[0] @ k[0].repeat_interleave(2, 0).transpose(-1, -2) * 0.25
     probs = torch.softmax(logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1)
     a = sa.build_layout(["a_shape"] * 4, n, 0, B, init=torch.full((4,), 7), local=torch.full((4,), 20))
-    stats = search._dense_stats(q, k, 0.25, B, a)
+    stats = search.dense_stats(q, k, 0.25, B, a)
     torch.testing.assert_close(stats.a_shape.float() / n, (probs * sa.dense_mask(a)).sum((1, 2)) / n)
     for pats in ([HP("vertical_slash", k_v=11, k_s=5)] * 4, [HP("block_sparse", k_b=3)] * 4):
         layout = sa.layout_for_patterns(pats, q, k, 0.25, block=B, last_q=16)
@@ -282,7 +282,7 @@ def test_search_writes_a_valid_config_reproducibly(small, tmp_path):
 def test_fit_to_budget_scales_each_candidate():
     n = 256
     q, k, _ = qkv(n)
-    ranks = [search._estimate(q, k, 0.25, B, 16)]
+    ranks = [search.estimate_ranks(q, k, 0.25, B, 16)]
     for cand in search.candidates():
         params = search.fit_to_budget(cand, ranks, 0.3, B, 4)
         density = search.candidate_layout(cand.pattern, params, ranks[0], B).density

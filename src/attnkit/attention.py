@@ -24,11 +24,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attnkit.errors import AttnkitError
+from attnkit.masks import additive_bias, boolean_mask, sliding_window
 
 ATTN_IMPLEMENTATION = "attnkit"
 
 # A windowed prefill over more than _BANDED_MIN^2 query x key pairs is computed in query blocks of
-# _BANDED_BLOCK (each block costs block x (window + block); 256 was fastest on a 2-core CPU at 16k).
+# _BANDED_BLOCK queries (each block costs block x (window + block) pairs instead of q_len x k_len).
 _BANDED_MIN = 1024
 _BANDED_BLOCK = 256
 
@@ -48,9 +49,7 @@ def folded_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, groups: int, window: i
     """Additive mask ``[groups * n, L]`` (0 = attend, -inf = masked) of `n` queries at `q_pos` over keys
     at `k_pos` ``[L]``, causal by position and within `window`, tiled over the query heads of a group
     in the row order of :func:`folded_attention`."""
-    allowed = position_mask(q_pos, k_pos, window)  # [n, L]
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
-    return bias.repeat(groups, 1)
+    return additive_bias(sliding_window(window), q_pos, k_pos, dtype).repeat(groups, 1)
 
 
 def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
@@ -67,19 +66,14 @@ def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Boolean mask (True = attend): causal by original position, optionally within `window`.
+    """Boolean mask (True = attend): causal by original position, optionally within `window`
+    (:func:`attnkit.masks.sliding_window`; the mask ``triu(1) + tril(-window)`` of Mistral 7B, Jiang et al.
+    2023, arXiv 2310.06825, masks exactly the pairs this leaves False).
 
-    `q_pos` is ``[q_len]``; `k_pos` is ``[k_len]`` or per kv head ``[batch, kv_heads, k_len]``.
-    The seed 004 mask ``triu(1) + tril(-window)`` masks exactly the pairs this leaves False.
+    `q_pos` is ``[q_len]``; `k_pos` is ``[k_len]`` (-> ``[q_len, k_len]``) or per kv head
+    ``[batch, kv_heads, k_len]`` (-> ``[batch, kv_heads, q_len, k_len]``).
     """
-    if k_pos.dim() == 1:
-        diff = q_pos[:, None] - k_pos[None, :]
-    else:
-        diff = q_pos[None, None, :, None] - k_pos[:, :, None, :]
-    allowed = diff >= 0
-    if window is not None:
-        allowed &= diff < window
-    return allowed
+    return boolean_mask(sliding_window(window), q_pos, k_pos)
 
 
 def expand_kv_mask(mask: torch.Tensor, q_heads: int) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""``a_shape``: every head A-shaped during prefill, dense decoding over the full cache (MInference 1.0,
-Jiang et al., 2024, seed 002, section 3.2; the "Ours w/ only A-shape" / StreamingLLM-style prefill
-baseline of Tables 2-4).
+"""``a_shape``: every head A-shaped during prefill, dense decoding over the full cache (MInference 1.0:
+Accelerating Pre-filling for Long-Context LLMs via Dynamic Sparse Attention, Jiang et al. 2024, arXiv
+2407.02490, section 3.2; the "Ours w/ only A-shape" / StreamingLLM-style prefill baseline of Tables 2-4).
 
 Query ``i`` attends to key ``j <= i`` iff ``j < n_init`` (initial tokens) or ``i - j < n_local`` (local
-window), plus key block 0 and its own block of ``block_size`` tokens, which every MInference pattern
+window; :func:`attnkit.masks.a_shape`), plus key block 0 and its own block of ``block_size`` tokens, which every MInference pattern
 keeps. Unlike the ``streaming`` eviction method, nothing leaves the cache: only the prompt's attention
 is sparse, and generated tokens see the whole prompt. The defaults are the A-shape setting of the
 paper's search space (Table 7: 1024 initial tokens, a 4096-token window).
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnkit import sparse_attention as sa
 from attnkit.methods.base import LayerContext, register
 from attnkit.methods.minference import SparsePrefill
+from attnkit.sparse.patterns import DEFAULT_BLOCK, HeadPattern, check_block
+from attnkit.validate import whole
 
 
 @register
@@ -25,7 +26,7 @@ class AShape(SparsePrefill):
 
     n_init: int = 1024
     n_local: int = 4096
-    block_size: int = sa.DEFAULT_BLOCK
+    block_size: int = DEFAULT_BLOCK
     compile: bool = True
 
     name = "a_shape"
@@ -33,13 +34,11 @@ class AShape(SparsePrefill):
 
     def __post_init__(self):
         for name in ("n_init", "n_local"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a whole number of tokens >= 0, got {value!r}")
-        sa.check_block(self.block_size)
+            whole(name, getattr(self, name), 0)
+        check_block(self.block_size)
 
     def block(self) -> int:
         return self.block_size
 
-    def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[sa.HeadPattern]:
-        return [sa.HeadPattern("a_shape", n_init=self.n_init, n_local=self.n_local)] * n_heads
+    def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[HeadPattern]:
+        return [HeadPattern("a_shape", n_init=self.n_init, n_local=self.n_local)] * n_heads

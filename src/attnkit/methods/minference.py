@@ -1,10 +1,11 @@
-"""``minference`` / ``minference_static``: dynamic sparse prefill with a pattern per head (MInference 1.0,
-Jiang et al., 2024, seed 002).
+"""``minference`` / ``minference_static``: dynamic sparse prefill with a pattern per head (MInference 1.0:
+Accelerating Pre-filling for Long-Context LLMs via Dynamic Sparse Attention, Jiang et al. 2024, arXiv
+2407.02490).
 
 Every query head has one of three patterns (section 3.2): ``a_shape``, ``vertical_slash`` (Alg. 2) or
 ``block_sparse`` (Alg. 3). At each prompt the dynamic heads estimate their indices from the prompt
 itself (the last 64 queries for vertical-slash, mean-pooled blocks for block-sparse) and the layer's
-attention runs as one sparse kernel (:mod:`attnkit.sparse_attention`). Only the *prefill outputs* are
+attention runs as one sparse kernel (:mod:`attnkit.sparse`). Only the *prefill outputs* are
 sparse: the KV cache keeps every prompt token and decoding attends densely to all of it (the paper's
 setting: "all baselines perform sparse computation only during pre-filling").
 
@@ -36,14 +37,18 @@ from pathlib import Path
 
 import torch
 
-from attnkit import sparse_attention as sa
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import LayerContext, Method, register
+from attnkit.sparse.kernels import sparse_attention
+from attnkit.sparse.layout import layout_for_patterns
+from attnkit.sparse.patterns import DEFAULT_BLOCK, DEFAULT_LAST_Q, PATTERN_PARAMS, HeadPattern, check_block
+from attnkit.sparse.profile import record_call, timed
+from attnkit.validate import whole
 
 CONFIG_FORMAT = "attnkit.minference-patterns/1"
-DEFAULT_UNIFORM = {"vertical_slash": sa.HeadPattern("vertical_slash", k_v=500, k_s=1500),
-                   "block_sparse": sa.HeadPattern("block_sparse", k_b=100)}
+DEFAULT_UNIFORM = {"vertical_slash": HeadPattern("vertical_slash", k_v=500, k_s=1500),
+                   "block_sparse": HeadPattern("block_sparse", k_b=100)}
 
 
 # ---- the config file ---------------------------------------------------------------------------------
@@ -51,9 +56,9 @@ DEFAULT_UNIFORM = {"vertical_slash": sa.HeadPattern("vertical_slash", k_v=500, k
 class PatternConfig:
     """Per-layer, per-head patterns plus the metadata the search wrote (model, length, FLOPs budget...)."""
 
-    layers: list[list[sa.HeadPattern]]
-    block_size: int = sa.DEFAULT_BLOCK
-    last_q: int = sa.DEFAULT_LAST_Q
+    layers: list[list[HeadPattern]]
+    block_size: int = DEFAULT_BLOCK
+    last_q: int = DEFAULT_LAST_Q
     meta: dict = field(default_factory=dict)
     source: str = "pattern config"
 
@@ -86,13 +91,11 @@ def pattern_config_from_dict(data, source: str = "pattern config") -> PatternCon
     if not isinstance(layers, list) or not layers or not all(isinstance(x, list) and x for x in layers):
         raise AttnkitError(f"{source}: 'layers' must be a non-empty list of non-empty lists of head patterns")
     try:
-        block = sa.check_block(data.get("block_size", sa.DEFAULT_BLOCK))
+        block = check_block(data.get("block_size", DEFAULT_BLOCK))
     except AttnkitError as exc:
         raise AttnkitError(f"{source}: {exc}") from None
-    last_q = data.get("last_q", sa.DEFAULT_LAST_Q)
-    if not isinstance(last_q, int) or isinstance(last_q, bool) or last_q < 1:
-        raise AttnkitError(f"{source}: last_q must be a positive whole number, got {last_q!r}")
-    parsed = [[sa.HeadPattern.from_dict(p, f"{source}, layer {i}, head {h}") for h, p in enumerate(layer)]
+    last_q = whole(f"{source}: last_q", data.get("last_q", DEFAULT_LAST_Q), 1)
+    parsed = [[HeadPattern.from_dict(p, f"{source}, layer {i}, head {h}") for h, p in enumerate(layer)]
               for i, layer in enumerate(layers)]
     for key in ("n_layers", "n_heads"):
         if key in data and data[key] != (len(parsed) if key == "n_layers" else len(parsed[0])):
@@ -111,38 +114,38 @@ def load_pattern_config(path: str | Path) -> PatternConfig:
 # ---- the methods ------------------------------------------------------------------------------------------
 class SparsePrefill(Method):
     """Shared machinery: the cache keeps every token (base behaviour), decoding is dense, and the prompt's
-    attention outputs come from :meth:`layer_patterns` through :func:`attnkit.sparse_attention.sparse_attention`.
+    attention outputs come from :meth:`layer_patterns` through :func:`attnkit.sparse.kernels.sparse_attention`.
     Subclasses give the patterns, ``block`` and ``last_q``."""
 
     compile: bool = True
 
-    def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[sa.HeadPattern]:
+    def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[HeadPattern]:
         raise NotImplementedError
 
     def block(self) -> int:
-        return sa.DEFAULT_BLOCK
+        return DEFAULT_BLOCK
 
     def estimate_rows(self) -> int:
-        return sa.DEFAULT_LAST_Q
+        return DEFAULT_LAST_Q
 
-    def column_width(self, patterns: list[sa.HeadPattern], n: int) -> int:
+    def column_width(self, patterns: list[HeadPattern], n: int) -> int:
         """Width of the gathered vertical columns: fixed per method and length, so that every layer (and
         every prompt of this padded length) reuses one compiled kernel."""
         return 0
 
     def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
         if not self._sparse_applies(ctx, q, keys, positions):
-            sa.record_call(None)
+            record_call(None)
             return super().prefill_output(ctx, q, keys, values, positions)
         patterns = self.layer_patterns(ctx, q.shape[1])
         n = keys.shape[2]
-        with sa.timed("index"):
-            layout = sa.layout_for_patterns(patterns, q, keys, ctx.scaling, block=self.block(),
-                                            last_q=self.estimate_rows(), width=self.column_width(patterns, n) or None)
-        sa.record_call(layout)
+        with timed("index"):
+            layout = layout_for_patterns(patterns, q, keys, ctx.scaling, block=self.block(),
+                                         last_q=self.estimate_rows(), width=self.column_width(patterns, n) or None)
+        record_call(layout)
         if layout.dense:  # every causal pair kept: exactly what `full` computes
             return super().prefill_output(ctx, q, keys, values, positions)
-        return sa.sparse_attention(q, keys, values, layout, ctx.scaling, compiled=self.compile).to(q.dtype)
+        return sparse_attention(q, keys, values, layout, ctx.scaling, compiled=self.compile).to(q.dtype)
 
     @staticmethod
     def _sparse_applies(ctx: LayerContext, q, keys, positions) -> bool:
@@ -161,11 +164,6 @@ class SparsePrefill(Method):
                     and torch.equal(first, torch.arange(n, device=first.device)))
 
 
-def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive whole number, got {value!r}")
-
-
 @register
 @dataclass
 class MInference(SparsePrefill):
@@ -182,64 +180,63 @@ class MInference(SparsePrefill):
     _config: PatternConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     name = "minference"
-    summary = "dynamic sparse prefill, A-shape/vertical-slash/block-sparse per head (MInference, seed 002)"
+    summary = "dynamic sparse prefill, A-shape/vertical-slash/block-sparse per head (MInference)"
     static = False
 
     def __post_init__(self):
         given = [n for n in ("pattern", "k_v", "k_s", "k_b") if getattr(self, n) is not None]
         if self.config is not None:
             if given:
-                raise ValueError(f"config fixes the pattern of every head; drop {', '.join(given)} (or drop config "
+                raise AttnkitError(f"config fixes the pattern of every head; drop {', '.join(given)} (or drop config "
                                  f"for a uniform pattern)")
             self._config = load_pattern_config(self.config)
             if self.block_size is not None and self.block_size != self._config.block_size:
-                raise ValueError(f"block_size={self.block_size} differs from the config's {self._config.block_size}")
+                raise AttnkitError(f"block_size={self.block_size} differs from the config's {self._config.block_size}")
             if self.static:
                 self._check_static()
         else:
             if self.static:
-                raise ValueError("minference_static needs config=FILE written by `attnkit calibrate patterns --static`")
+                raise AttnkitError("minference_static needs config=FILE written by `attnkit calibrate patterns --static`")
             pattern = self.pattern or "vertical_slash"
             if pattern not in DEFAULT_UNIFORM:
-                raise ValueError(f"pattern must be vertical_slash or block_sparse (use the a_shape method for A-shape), "
+                raise AttnkitError(f"pattern must be vertical_slash or block_sparse (use the a_shape method for A-shape), "
                                  f"got {pattern!r}")
             wrong = [n for n in ("k_v", "k_s", "k_b") if getattr(self, n) is not None
-                     and n not in sa.PATTERN_PARAMS[pattern]]
+                     and n not in PATTERN_PARAMS[pattern]]
             if wrong:
-                raise ValueError(f"{', '.join(wrong)} is not a parameter of pattern {pattern}")
-            for n in sa.PATTERN_PARAMS[pattern]:
-                value = getattr(self, n)
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                    raise ValueError(f"{n} must be a whole number >= 0, got {value!r}")
+                raise AttnkitError(f"{', '.join(wrong)} is not a parameter of pattern {pattern}")
+            for n in PATTERN_PARAMS[pattern]:
+                if getattr(self, n) is not None:
+                    whole(n, getattr(self, n), 0)
         if self.block_size is not None:
-            sa.check_block(self.block_size)
+            check_block(self.block_size)
         if self.last_q is not None:
-            _positive("last_q", self.last_q)
+            whole("last_q", self.last_q, 1)
 
     def _check_static(self) -> None:
         for i, layer in enumerate(self._config.layers):
             for h, p in enumerate(layer):
                 if p.pattern != "a_shape" and not p.is_static:
-                    raise ValueError(f"{self._config.source} has no static indices (layer {i}, head {h}); write it "
+                    raise AttnkitError(f"{self._config.source} has no static indices (layer {i}, head {h}); write it "
                                      f"with `attnkit calibrate patterns --static`")
 
-    def uniform_pattern(self) -> sa.HeadPattern:
+    def uniform_pattern(self) -> HeadPattern:
         base = DEFAULT_UNIFORM[self.pattern or "vertical_slash"]
         params = {n: getattr(self, n) if getattr(self, n) is not None else getattr(base, n)
-                  for n in sa.PATTERN_PARAMS[base.pattern]}
-        return sa.HeadPattern(base.pattern, **params)
+                  for n in PATTERN_PARAMS[base.pattern]}
+        return HeadPattern(base.pattern, **params)
 
     def block(self) -> int:
         if self._config is not None:
             return self._config.block_size
-        return self.block_size or sa.DEFAULT_BLOCK
+        return self.block_size or DEFAULT_BLOCK
 
     def estimate_rows(self) -> int:
         if self.last_q is not None:
             return self.last_q
-        return self._config.last_q if self._config is not None else sa.DEFAULT_LAST_Q
+        return self._config.last_q if self._config is not None else DEFAULT_LAST_Q
 
-    def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[sa.HeadPattern]:
+    def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[HeadPattern]:
         if self._config is None:
             return [self.uniform_pattern()] * n_heads
         if "minference_checked" not in ctx.session.shared:
@@ -248,7 +245,7 @@ class MInference(SparsePrefill):
         layer = self._config.layers[ctx.index]
         return layer if self.static else [p.dynamic() for p in layer]
 
-    def column_width(self, patterns: list[sa.HeadPattern], n: int) -> int:
+    def column_width(self, patterns: list[HeadPattern], n: int) -> int:
         if self._config is None:
             most = max((p.k_v for p in patterns if p.pattern == "vertical_slash"), default=0)
         elif self.static:
