@@ -33,7 +33,7 @@ import torch
 
 import attnkit
 from attnkit.bench.speed import format_bench, run_bench
-from attnkit.cli import _split_methods
+from attnkit.methods.spec import split_spec_list
 from attnkit.model import load_model
 
 OVERHEAD_PROMPT = 16  # prompt tokens of the no-context decode step
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    methods = _split_methods(args.methods) if args.methods else default_methods(args.budget_tokens)
+    methods = split_spec_list(args.methods) if args.methods else default_methods(args.budget_tokens)
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     rows = []
     for context in contexts:

@@ -36,8 +36,7 @@ from pathlib import Path
 import torch
 
 from attnkit import sparse_attention as sa
-from attnkit.cli import _split_methods
-from attnkit.methods.base import parse_method_spec
+from attnkit.methods.spec import parse_method_spec, split_spec_list
 from attnkit.model import load_model
 from attnkit.runner import generate
 
@@ -182,7 +181,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.methods:
-        specs = _split_methods(args.methods)
+        specs = split_spec_list(args.methods)
     elif args.config:
         specs = [f"minference:config={args.config}"]
     else:

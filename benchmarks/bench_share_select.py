@@ -36,10 +36,10 @@ import torch
 
 from attnkit.attention import attend
 from attnkit.bench.speed import format_bench, run_bench
-from attnkit.cli import _split_methods
+from attnkit.generation import sync
 from attnkit.methods.share import LayerPlan, ShareConfig, shared_attention, shared_prefill_fused
+from attnkit.methods.spec import split_spec_list
 from attnkit.model import load_model, load_model_for_length
-from attnkit.runner import _sync
 
 
 def synthetic_config(n_layers: int, n_heads: int, n_kv: int, retention: float) -> dict:
@@ -59,10 +59,10 @@ def synthetic_config(n_layers: int, n_heads: int, n_kv: int, retention: float) -
 
 
 def _time(fn, device) -> float:
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0
 
 
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     gen_rows = []
     if not args.skip_generation:
         fl = "" if args.filter_layer is None else f"filter_layer={args.filter_layer},"
-        methods = _split_methods(args.methods) if args.methods else [
+        methods = split_spec_list(args.methods) if args.methods else [
             "full", "share:config=none", f"share:config={config_path}",
             f"select:{fl}p_decode={args.p_decode}", f"select:{fl}p_decode={args.p_decode},share_config={config_path}",
             f"gemfilter:{fl}k=0.1"]

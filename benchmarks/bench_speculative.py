@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 
 import attnkit
+from attnkit.bench.speed import check_benchmark_tokens
 from attnkit.eval.provenance import cpu_name
-from attnkit.runner import check_benchmark_tokens
 from attnkit.speculative import make_draft, speculative_generate
 from attnkit.speculative.bench import code_prompt, format_time_per_round, time_per_round
 from attnkit.speculative.int8_weights import DRAFT_WEIGHTS

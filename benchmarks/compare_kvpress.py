@@ -94,8 +94,10 @@ def _held(session) -> dict[str, list[list[int]]]:
 
 
 def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: bool) -> dict:
-    from attnkit.methods.base import Step, make_method
-    from attnkit.runner import forward, generate, logits_of, new_session, prefill
+    from attnkit.forward import forward, logits_of, prefill
+    from attnkit.methods.spec import make_method
+    from attnkit.runner import generate
+    from attnkit.session import Step, new_session
 
     method = make_method(case["method"], **case["params"])
     patch = pad_counting_pool() if case.get("pad_counting_pool") else contextlib.nullcontext()

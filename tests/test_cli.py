@@ -18,17 +18,10 @@ import attnkit
 import attnkit.cli.commands as commands_module
 import attnkit.cli.parser as parser_module
 from attnkit import AttnkitError
-from attnkit.cli import (
-    add_dataclass_options,
-    build_parser,
-    dataclass_from_options,
-    int_list,
-    main,
-    name_list,
-    split_methods,
-)
+from attnkit.cli import add_dataclass_options, build_parser, dataclass_from_options, int_list, main, name_list
 from attnkit.cli.options import Parser
 from attnkit.eval.tasks import ALL_TASKS
+from attnkit.methods.spec import split_spec_list
 from helpers import SMALL
 
 MODEL = f"random:llama:{SMALL}"
@@ -181,12 +174,12 @@ def test_generate_param_conflicts(capsys):
 
 
 def test_spec_list_helpers_are_public():
-    assert split_methods("full,window:window=1024,a=1+snapkv:budget=0.3") == [
+    assert split_spec_list("full,window:window=1024,a=1+snapkv:budget=0.3") == [
         "full", "window:window=1024,a=1+snapkv:budget=0.3"]
     assert name_list(" passkey, kv_retrieval ,", "--tasks") == ["passkey", "kv_retrieval"]
     assert int_list("1024, 2048", "--lengths", minimum=1) == [1024, 2048]
     with pytest.raises(AttnkitError, match="--methods is empty"):
-        split_methods(" , ")
+        split_spec_list(" , ")
 
 
 # ---- help: every option says what it does and its default ---------------------------------------------------

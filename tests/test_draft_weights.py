@@ -11,10 +11,11 @@ from torch import nn
 
 import attnkit
 from attnkit.cli import main
-from attnkit.methods.base import Step
+from attnkit.forward import forward, logits_of, prefill
+from attnkit.methods.base import resolve_method
 from attnkit.recipe import as_recipe
-from attnkit.runner import forward, logits_of, new_session, prefill, resolve_method
 from attnkit.sampling import SamplingConfig, next_token_distribution
+from attnkit.session import Step, new_session
 from attnkit.speculative import make_draft, speculative_generate
 from attnkit.speculative.int8_weights import Int8WeightLinear, int8_bytes, int8_weight_view
 from helpers import SMALL, random_ids

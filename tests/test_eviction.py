@@ -13,11 +13,11 @@ import torch
 import attnkit
 from attnkit import AttnkitError
 from attnkit.cache import KVCache
-from attnkit.methods.base import Session, Step
+from attnkit.forward import forward, prefill
 from attnkit.methods.keyformer import keyformer_tau
 from attnkit.methods.keyformer_noise import keyformer_noise
 from attnkit.rope import Rope
-from attnkit.runner import forward, new_session, prefill
+from attnkit.session import Session, Step, new_session
 from helpers import SMALL, random_ids
 
 torch.set_num_threads(1)
@@ -466,9 +466,9 @@ def test_cli_specs_parse():
     m = attnkit.parse_method_spec("keyformer:budget_tokens=2048,noise=gaussian,score=shared,recent=0.3")
     assert (m.budget_tokens, m.noise, m.score, m.recent) == (2048, "gaussian", "shared", 0.3)
     assert attnkit.parse_method_spec("h2o:budget=0.25/0.5").budget == [0.25, 0.5]
-    from attnkit.cli import _split_methods
+    from attnkit.methods.spec import split_spec_list
 
-    specs = _split_methods("full,h2o:budget_tokens=2048,keyformer:budget_tokens=2048,noise=none,streaming:"
+    specs = split_spec_list("full,h2o:budget_tokens=2048,keyformer:budget_tokens=2048,noise=none,streaming:"
                            "budget_tokens=2048,sinks=4,snapkv:budget_tokens=2048")
     assert [attnkit.parse_method_spec(s).name for s in specs] == ["full", "h2o", "keyformer", "streaming", "snapkv"]
     assert math.isclose(attnkit.parse_method_spec(specs[2]).tau_end, 2.0)

@@ -6,8 +6,8 @@ import torch
 
 import attnkit
 from attnkit.cache import KVCache
-from attnkit.methods.base import LayerContext, Session, Step
 from attnkit.methods.keyformer_noise import DecodeNoise, keyformer_noise
+from attnkit.session import LayerContext, Session, Step
 
 torch.set_num_threads(1)
 

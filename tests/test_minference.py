@@ -14,8 +14,8 @@ import attnkit
 from attnkit import AttnkitError
 from attnkit import sparse as sa
 from attnkit.calibrate import pattern_stats as search
-from attnkit.cli import _split_methods, main
-from attnkit.methods.base import parse_method_spec
+from attnkit.cli import main
+from attnkit.methods.spec import parse_method_spec, split_spec_list
 from attnkit.recipe import recipe_from_dict, recipe_to_dict
 from attnkit.runner import generate
 from attnkit.sparse.patterns import HeadPattern as HP
@@ -204,8 +204,8 @@ def test_sparse_method_uses_the_kernel_and_decodes_densely(small):
     assert out.stats.final_kv_bytes == full.stats.final_kv_bytes  # the cache keeps every prompt token
     assert not torch.equal(out.logits[0], full.logits[0])
     # a multi-token step after the prompt (a speculative verification) is not prefill: dense
-    from attnkit.methods.base import Step
-    from attnkit.runner import forward, new_session, prefill
+    from attnkit.forward import forward, prefill
+    from attnkit.session import Step, new_session
     session = new_session(small, parse_method_spec("minference:pattern=block_sparse,k_b=2,block_size=16"), 200, 8)
     with sa.profile() as prof, torch.inference_mode():
         prefill(small, session, ids)
@@ -313,7 +313,7 @@ def test_compose_prefill_outputs_with_a_cache_method(small):
 
 
 def test_compose_specs_and_recipes(tmp_path):
-    assert _split_methods("full,minference:k_v=4,k_s=8+snapkv:budget=0.3,window_size=8,window:window=64") == [
+    assert split_spec_list("full,minference:k_v=4,k_s=8+snapkv:budget=0.3,window_size=8,window:window=64") == [
         "full", "minference:k_v=4,k_s=8+snapkv:budget=0.3,window_size=8", "window:window=64"]
     m = parse_method_spec("minference:k_v=4,k_s=8+snapkv:budget=0.3,window_size=8")
     assert m.name == "compose" and m.prefill_method.k_s == 8 and m.cache_method.window_size == 8

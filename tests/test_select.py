@@ -9,9 +9,10 @@ import attnkit
 from attnkit.calibrate.filter_layer import select_bytes_per_token
 from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import make_method, parse_method_spec
+from attnkit.forward import prefill
 from attnkit.methods.select import HIDDEN, Select, top_p
-from attnkit.runner import new_session, prefill
+from attnkit.methods.spec import make_method, parse_method_spec
+from attnkit.session import new_session
 from helpers import random_ids
 
 SPEC4 = "random:llama:layers=4,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"

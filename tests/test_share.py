@@ -17,8 +17,8 @@ from attnkit.calibrate.heads import (
 )
 from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import make_method, parse_method_spec
 from attnkit.methods.share import LayerPlan, Share, shared_attention, shared_prefill_fused
+from attnkit.methods.spec import make_method, parse_method_spec
 from helpers import random_ids
 
 SPEC4 = "random:llama:layers=4,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"

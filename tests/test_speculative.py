@@ -13,9 +13,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import attnkit
 from attnkit.attention import attend, folded_attention, folded_bias
 from attnkit.cli import main
-from attnkit.methods.base import Step
-from attnkit.runner import forward, logits_of, new_session, prefill, resolve_method
+from attnkit.forward import forward, logits_of, prefill
+from attnkit.methods.base import resolve_method
 from attnkit.sampling import SamplingConfig, next_token_distribution
+from attnkit.session import Step, new_session
 from attnkit.speculative import (
     DraftRun,
     DraftSource,

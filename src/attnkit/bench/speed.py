@@ -18,10 +18,11 @@ import time
 
 import torch
 
+from attnkit import validate
 from attnkit.errors import AttnkitError
+from attnkit.generation import sync
 from attnkit.model import LoadedModel
 from attnkit.recipe import as_recipe
-from attnkit.runner import _sync, check_benchmark_tokens
 
 FIELDS = ("prefill_s", "decode_tokens_per_s", "peak_kv_bytes", "final_kv_bytes")
 
@@ -38,10 +39,10 @@ def measure_bandwidth(device="cpu", nbytes: int = 256 * 2**20, repeats: int = 5)
     def median_rate(fn, moved: int) -> float:
         rates = []
         for _ in range(repeats):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             rates.append(moved / (time.perf_counter() - t0))
         return statistics.median(rates)
 
@@ -147,3 +148,9 @@ def format_bench(rows: list[dict]) -> str:
                      f"{r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s = the least time a decode token can take; "
                      f"x floor = measured / floor")
     return "\n".join(lines)
+
+
+def check_benchmark_tokens(new_tokens: int, name: str = "new_tokens") -> None:
+    """A benchmark times decoding over the tokens after the first: it needs at least two new tokens.
+    `name` is what the caller calls the value (the argument, or a command-line flag)."""
+    validate.whole(name, new_tokens, 2, what=" for a benchmark (decoding speed is timed over the tokens after the first)")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from attnkit.calibrate import progress_to_stderr
-from attnkit.calibrate.patterns import calibration_samples
+from attnkit.calibrate.samples import calibration_samples
 from attnkit.errors import AttnkitError
 from attnkit.eval.tasks import TASKS
 from attnkit.methods.select import Select, check_p

@@ -27,7 +27,7 @@ to the others. The default band follows Fig. 6 on Llama3's 32 layers (15-28 tole
 ``A = n // 2 - 1``, ``B = n - max(1, round(3 n / 32))``.
 
 Calibration prompts come from :mod:`attnkit.eval.tasks`, never an evaluation sample: split ``calibration``
-uses the held-out haystack with seeds offset by :data:`attnkit.calibrate.patterns.SEED_OFFSET` (as the pattern
+uses the held-out haystack with seeds offset by :data:`attnkit.calibrate.samples.SEED_OFFSET` (as the pattern
 search does), split ``train`` the training stream (slower: its haystack is 25x larger to tokenize). The same
 arguments write the same file byte for byte; the ``date`` field is today's UTC date, or the date of
 ``SOURCE_DATE_EPOCH`` when that is set (reproducible builds).
@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 
 from attnkit.calibrate import progress_to_stderr
-from attnkit.calibrate.patterns import calibration_samples
+from attnkit.calibrate.samples import calibration_samples
 from attnkit.errors import AttnkitError
 from attnkit.forward import prefill
 from attnkit.methods.base import Method
-from attnkit.methods.eviction import SCORE_BLOCK_ELEMENTS
+from attnkit.methods.scoring import SCORE_BLOCK_ELEMENTS
 from attnkit.methods.share import CONFIG_FORMAT, LayerPlan, essential_probabilities, parse_share_config
 from attnkit.model import LoadedModel, load_model_for_length
 from attnkit.session import new_session

@@ -32,7 +32,6 @@ Calibration prompts come from the task generators, ``samples`` per task, seeded
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -51,14 +50,16 @@ from attnkit.calibrate.pattern_stats import (
     fit_to_budget,
     layout_recall,
 )
-from attnkit.calibrate.samples import SEED_OFFSET, calibration_prompts, calibration_samples, check_length
+from attnkit.calibrate.samples import calibration_prompts, check_length
 from attnkit.errors import AttnkitError
+from attnkit.forward import prefill
 from attnkit.methods.base import Method
 from attnkit.methods.minference import CONFIG_FORMAT, pattern_config_from_dict
 from attnkit.model import LoadedModel, load_model_for_length
-from attnkit.runner import new_session, prefill
+from attnkit.session import new_session
 from attnkit.sparse.patterns import DEFAULT_BLOCK, DEFAULT_LAST_Q, PATTERN_PARAMS, PATTERNS, check_block
 from attnkit.validate import number, whole
+from attnkit.version import __version__
 
 DEFAULT_TASKS = ("passkey", "kv_retrieval", "code_completion")
 
@@ -170,7 +171,7 @@ def search_patterns(model: LoadedModel, length: int, flops_budget: float, *, tas
         "pattern_counts": counts,
         "mean_recall": round(float(sum(e["recall"] for layer in layers for e in layer) / (n_layers * hq)), 6),
         "mean_density": round(float(sum(e["density"] for layer in layers for e in layer) / (n_layers * hq)), 6),
-        "attnkit_version": importlib.metadata.version("attnkit"),
+        "attnkit_version": __version__,
         "layers": layers,
     }
     pattern_config_from_dict(json.loads(json.dumps(config)), "the searched config")  # it must load back
@@ -236,7 +237,4 @@ def main(args) -> int:
     return 0
 
 
-# SEED_OFFSET and calibration_samples live in attnkit.calibrate.samples; named here for the importers that
-# still read them from this module (calibrate.heads, calibrate.filter_layer).
-__all__ = ["DEFAULT_TASKS", "search_patterns", "dumps_config", "write_pattern_config", "summary", "main",
-           "SEED_OFFSET", "calibration_samples"]
+__all__ = ["DEFAULT_TASKS", "search_patterns", "dumps_config", "write_pattern_config", "summary", "main"]

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from attnkit.errors import AttnkitError
 from attnkit.eval.tasks import TASKS
+from attnkit.generation import encode_prompt
 from attnkit.model import LoadedModel
-from attnkit.runner import encode_prompt
 from attnkit.validate import choice, whole
 
 SEED_OFFSET = 1_000_000

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from attnkit.cli.options import add_dataclass_options, dataclass_from_options, int_list, name_list, split_methods
+from attnkit.cli.options import add_dataclass_options, dataclass_from_options, int_list, name_list
 from attnkit.cli.parser import build_parser
 from attnkit.errors import AttnkitError
 from attnkit.validate import whole
@@ -19,9 +19,6 @@ USAGE_ERROR = 2
 RUNTIME_ERROR = 1
 INTERRUPTED = 130  # 128 + SIGINT, as shells report a process Ctrl-C stopped
 BROKEN_PIPE = 141  # 128 + SIGPIPE, as shells report a writer whose reader went away
-
-_split_methods = split_methods  # the old name, for importers not yet moved to split_methods
-
 
 def _set_threads(threads: int | None) -> None:
     if threads is None:
@@ -66,5 +63,5 @@ def main(argv: list[str] | None = None) -> int:
         return RUNTIME_ERROR
 
 
-__all__ = ["main", "build_parser", "split_methods", "name_list", "int_list", "add_dataclass_options",
+__all__ = ["main", "build_parser", "name_list", "int_list", "add_dataclass_options",
            "dataclass_from_options"]

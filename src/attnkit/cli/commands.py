@@ -8,11 +8,11 @@ import json
 import sys
 from pathlib import Path
 
-from attnkit.cli.options import positive_finite, split_methods
+from attnkit.cli.options import positive_finite
 from attnkit.cli.speculation import check_speculation_options
 from attnkit.errors import AttnkitError
 from attnkit.methods import METHODS
-from attnkit.methods.base import split_method_spec
+from attnkit.methods.spec import split_method_spec, split_spec_list
 from attnkit.recipe import Recipe, as_recipe, load_recipe_file
 from attnkit.validate import fraction, whole
 
@@ -142,8 +142,7 @@ def print_generation_stats(s, speculative: bool) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from attnkit.bench.speed import format_bench, measure_bandwidth, run_bench
-    from attnkit.runner import check_benchmark_tokens
+    from attnkit.bench.speed import check_benchmark_tokens, format_bench, measure_bandwidth, run_bench
 
     check_speculation_options(args)
     check_benchmark_tokens(args.new_tokens, name="--new-tokens")  # before the model loads
@@ -154,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from attnkit.speculative.bench import bench_from_args
 
         return bench_from_args(args)
-    methods = split_methods(args.methods) + recipe_files(args.recipe)
+    methods = split_spec_list(args.methods) + recipe_files(args.recipe)
     model = load(args.model, context=args.context + args.new_tokens)
 
     def progress(r, spec, stats):

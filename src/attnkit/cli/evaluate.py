@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 from attnkit.cli.commands import load, recipe_files
-from attnkit.cli.options import int_list, name_list, split_methods
+from attnkit.cli.options import int_list, name_list
 from attnkit.errors import AttnkitError
+from attnkit.methods.spec import split_spec_list
 from attnkit.validate import whole
 
 
@@ -23,7 +24,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return eval_sweep(args)
     lengths = int_list(args.lengths, "--lengths", minimum=1)
     tasks = None if args.tasks is None else name_list(args.tasks, "--tasks")
-    methods = (split_methods(args.methods or "full") if args.methods or not args.recipe else [])
+    methods = (split_spec_list(args.methods or "full") if args.methods or not args.recipe else [])
     methods += recipe_files(args.recipe)
     model = load(args.model or "tiny")
     data = None

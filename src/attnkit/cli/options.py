@@ -37,21 +37,6 @@ class Parser(argparse.ArgumentParser):
         raise AttnkitError(f"{message} (see `{self.prog} --help`)")
 
 
-def split_methods(text: str, what: str = "--methods") -> list[str]:
-    """Split "full,window:window=1024,foo:a=1,b=2" into method specs (a part with '=' before any ':'
-    continues the previous method's parameters; so does "a=1+snapkv:budget=0.3", the rest of a
-    composition "minference:config=f,a=1+snapkv:budget=0.3")."""
-    specs: list[str] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        if "=" in part.split(":", 1)[0] and specs:
-            specs[-1] += "," + part
-        else:
-            specs.append(part)
-    if not specs:
-        raise AttnkitError(f"{what} is empty; give e.g. full,window:window=1024")
-    return specs
-
-
 def name_list(text: str, what: str) -> list[str]:
     """"a, b,c" -> ["a", "b", "c"] (a comma-separated option such as --tasks)."""
     names = [t.strip() for t in text.split(",") if t.strip()]

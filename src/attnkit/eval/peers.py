@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from attnkit.errors import AttnkitError
+from attnkit.generation import encode_prompt
 from attnkit.model import BUNDLED, bundled_path
 from attnkit.recipe.peer import ENV_VAR, PREFIX, check_press_name, kvpress_python, parse_peer_spec  # noqa: F401
 from attnkit.recipe.peer import require_kvpress as require_interpreter
-from attnkit.runner import Generation, GenerationStats, encode_prompt
+from attnkit.runner import Generation, GenerationStats
 
 # the worker ships inside the package, so an installed wheel finds it beside this file
 WORKER = Path(__file__).resolve().with_name("kvpress_worker.py")

@@ -14,6 +14,7 @@ from attnkit.methods import (  # noqa: F401  (registration)
     streaming,
     window,
 )
-from attnkit.methods.base import METHODS, Method, make_method, parse_method_spec
+from attnkit.methods.base import Method
+from attnkit.methods.spec import METHODS, make_method, parse_method_spec
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec"]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnkit.methods.base import LayerContext, register
 from attnkit.methods.minference import SparsePrefill
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext
 from attnkit.sparse.patterns import DEFAULT_BLOCK, HeadPattern, check_block
 from attnkit.validate import whole
 

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import LayerContext, Method, register
+from attnkit.methods.base import Method
 from attnkit.methods.eviction import EvictionMethod
+from attnkit.methods.spec import method_from_dict, parse_method_spec, register
+from attnkit.session import LayerContext
 
 _ROUTED = "compose:routed"
 
@@ -42,15 +44,12 @@ class _ScopedContext(LayerContext):
 
 
 def _as_method(value, role: str) -> Method:
-    from attnkit.methods.base import parse_method_spec
-    from attnkit.recipe import recipe_from_dict
-
     if isinstance(value, Method):
         method = value
     elif isinstance(value, str):
         method = parse_method_spec(value)
     elif isinstance(value, dict):
-        method = recipe_from_dict(value, f"compose {role}")
+        method = method_from_dict(value, f"compose {role}")
     else:
         raise AttnkitError(f"{role} must be a method spec ('snapkv:budget=0.3'), a recipe dict or a Method, "
                          f"got {type(value).__name__}")

@@ -31,15 +31,15 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import LayerContext, Method
+from attnkit.methods.base import Method
 from attnkit.methods.budget import check_budget, check_recent, recent_window, resolve_budget
 from attnkit.methods.scoring import (
     GQA_REDUCTIONS,
-    SCORE_BLOCK_ELEMENTS,  # noqa: F401  (old import path of calibrate.heads)
     keep_top,
     lowest,
     visible,
 )
+from attnkit.session import LayerContext
 from attnkit.validate import choice
 
 

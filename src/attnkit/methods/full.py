@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnkit.methods.base import Method, register
+from attnkit.methods.base import Method
+from attnkit.methods.spec import register
 
 
 @register

@@ -34,9 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import LayerContext, Method, Step, register
+from attnkit.forward import run_decoder_layers
+from attnkit.methods.base import Method
 from attnkit.methods.select import check_filter_layer, check_filter_layer_param
 from attnkit.methods.share import shared_positions
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext, Step
 from attnkit.validate import choice, is_number
 
 _STATE = "gemfilter"
@@ -72,8 +75,6 @@ class GemFilter(Method):
 
     # ---- the model-level hook ----------------------------------------------------------------------
     def run_layers(self, model, step: Step, hidden: torch.Tensor, all_positions: bool) -> torch.Tensor:
-        from attnkit.runner import run_decoder_layers
-
         session = step.session
         st = session.shared.setdefault(_STATE, {"phase": 1, "embeddings": []})
         if step.phase == "decode":  # decode normally on the compressed prompt

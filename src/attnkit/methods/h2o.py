@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.methods.base import LayerContext, register
 from attnkit.methods.eviction import RecentWindowEviction
 from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext
 
 
 @register

@@ -40,11 +40,12 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import LayerContext, register
 from attnkit.methods.budget import resolve_budget
 from attnkit.methods.eviction import RecentWindowEviction
 from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, keyformer_noise
 from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext
 from attnkit.validate import choice, number, whole
 
 

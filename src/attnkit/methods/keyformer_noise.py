@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from attnkit.methods.base import LayerContext
+from attnkit.session import LayerContext
 
 NOISES = ("gumbel", "gaussian", "constant", "none")
 EULER_GAMMA = 0.5772  # mean of the standard Gumbel distribution (Keyformer section 4.6.3)

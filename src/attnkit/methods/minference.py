@@ -39,7 +39,9 @@ import torch
 
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import LayerContext, Method, register
+from attnkit.methods.base import Method
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext
 from attnkit.sparse.kernels import sparse_attention
 from attnkit.sparse.layout import layout_for_patterns
 from attnkit.sparse.patterns import DEFAULT_BLOCK, DEFAULT_LAST_Q, PATTERN_PARAMS, HeadPattern, check_block

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from attnkit import masks
+
 # Largest number of (query head x query x key) entries one block of the score computation holds, by
 # device type. Each entry costs a few 4-byte temporaries (logits, weights; hashed noise). On a CPU small
 # blocks stay in its caches, so a few MiB per block is fastest; a GPU wants fewer, larger blocks to fill
@@ -34,16 +36,11 @@ def reduce_heads(x: torch.Tensor, how: str, dim: int = 2) -> torch.Tensor:
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (and optional window) visibility by original positions, shaped to broadcast against
-    logits ``[b, kv, g, c, l]``: ``k_pos`` 1-D -> ``[c, l]``; per head ``[b, kv, l]`` -> ``[b, kv, 1, c, l]``."""
-    if k_pos.dim() == 1:
-        diff = q_pos[:, None] - k_pos[None, :]
-    else:
-        diff = q_pos[None, None, None, :, None] - k_pos[:, :, None, None, :]
-    ok = diff >= 0
-    if window is not None:
-        ok &= diff < window
-    return ok
+    """Causal (and optional window) visibility by original positions (:func:`attnkit.masks.sliding_window`),
+    shaped to broadcast against logits ``[b, kv, g, c, l]``: ``k_pos`` 1-D -> ``[c, l]``; per head
+    ``[b, kv, l]`` -> ``[b, kv, 1, c, l]``."""
+    allowed = masks.boolean_mask(masks.sliding_window(window), q_pos, k_pos)
+    return allowed if k_pos.dim() == 1 else allowed.unsqueeze(2)
 
 
 def softmax_weights(logits: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,8 @@ import torch
 
 from attnkit.attention import sdpa
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import LayerContext, Method, Step, register
+from attnkit.forward import run_decoder_layers
+from attnkit.methods.base import Method
 from attnkit.methods.share import (
     LayerPlan,
     ShareConfig,
@@ -55,6 +56,8 @@ from attnkit.methods.share import (
     shared_positions,
     shared_prefill_fused,
 )
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext, Step
 from attnkit.validate import flag, is_number, whole
 
 HIDDEN = "select:hidden"
@@ -147,8 +150,6 @@ class Select(Method):
 
     # ---- the model-level hook ------------------------------------------------------------------------
     def run_layers(self, model, step: Step, hidden: torch.Tensor, all_positions: bool) -> torch.Tensor:
-        from attnkit.runner import run_decoder_layers
-
         session = step.session
         n_layers = session.n_layers
         L = self.layer_index(n_layers)

@@ -50,8 +50,10 @@ import torch
 from attnkit.attention import attend, position_mask, sdpa
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import LayerContext, Method, register
+from attnkit.methods.base import Method
 from attnkit.methods.scoring import SCORE_BLOCK_ELEMENTS
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext
 from attnkit.validate import flag, is_whole
 
 CONFIG_FORMAT = "attnkit-share-heads/1"

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import LayerContext, register
 from attnkit.methods.budget import smallest_tokens
 from attnkit.methods.eviction import EvictionMethod
 from attnkit.methods.scoring import GQA_REDUCTIONS, attention_statistics, avg_or_max_pool
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext
 from attnkit.validate import choice, whole
 
 

@@ -17,7 +17,9 @@ import torch
 
 from attnkit.attention import attend
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import LayerContext, Method, register
+from attnkit.methods.base import Method
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext
 from attnkit.validate import is_whole
 
 
