@@ -232,7 +232,7 @@ def test_keyformer_temperature_follows_eq10():
         s = slice(t, t + 1)
         Step(session, "decode", torch.tensor([t])).attention(0, q[:, :, s], k[:, :, s], v[:, :, s], 0.3, None)
         step = t - 20 + 1  # the first generated token fed back is decode iteration 1
-        assert session.layer_state[0]["tau"] == pytest.approx(1.0 + step * (3.0 - 1.0) / 20)
+        assert session.layer_state[0].tau == pytest.approx(1.0 + step * (3.0 - 1.0) / 20)
 
 
 def keyformer_new_reference(q_raw, k_raw, v, t, kept, scaling):
@@ -276,8 +276,8 @@ def test_keyformer_shared_vs_per_layer_scores(small_llama):
     for layer in per_layer.cache.layers:
         pos = layer.view()[2][0]
         total.index_add_(0, pos.reshape(-1), layer.extras["score"][0, :, :layer.length].reshape(-1))
-    state = shared.shared["keyformer"]
-    assert torch.allclose(state["score"][0, :121] + state["pending"][0, :121], total, atol=1e-4)
+    state = shared.state
+    assert torch.allclose(state.score[0, :121] + state.pending[0, :121], total, atol=1e-4)
 
     # with eviction: shared keeps one token set everywhere, per_layer does not
     per_layer, shared = run("per_layer", 40, 20), run("shared", 40, 20)

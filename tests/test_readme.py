@@ -9,8 +9,6 @@ The README's fenced blocks are taken in document order and replayed in one tempo
   process with the same arguments (what the venv's ``attnkit`` script does, without a Python start-up per
   command) and must return 0. ``./run test`` is the suite itself and is skipped; ``./run demo`` is
   skipped as too slow for this file (it evaluates 120 samples, many times the rest of the README together).
-- ``generate --method`` with a full spec (``snapkv:budget=0.3``, ``minference+snapkv:budget=0.3``) is
-  marked xfail(strict) until the CLI branch that accepts it is merged; remove the mark then.
 
 Files a command reads (``long.txt``, ``recipe.yaml``...) must be created by an earlier block of the README,
 so the README is self-sufficient.
@@ -57,19 +55,6 @@ def readme_steps() -> list[tuple[str, str, str]]:
 
 
 STEPS = readme_steps()
-# `generate --method` taking the full spec grammar ("snapkv:budget=0.3", "minference+snapkv:budget=0.3") comes
-# with the CLI branch of the House v2 restructuring; until it is merged these README commands are refused.
-NEEDS_CLI_BRANCH = pytest.mark.xfail(strict=True, reason="needs the CLI branch: generate --method NAME:K=V / A+B")
-
-
-def marks(kind: str, payload: str) -> list:
-    if kind != "cli":
-        return []
-    args = shlex.split(payload)
-    method = args[args.index("--method") + 1] if args[0] == "generate" and "--method" in args else ""
-    return [NEEDS_CLI_BRANCH] if (":" in method or "+" in method) else []
-
-
 def test_readme_has_examples():
     kinds = {kind for kind, _, _ in STEPS}
     assert kinds == {"file", "python", "cli"}, kinds
@@ -81,7 +66,7 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("readme")
 
 
-@pytest.mark.parametrize(("kind", "payload"), [pytest.param(kind, payload, id=step_id, marks=marks(kind, payload))
+@pytest.mark.parametrize(("kind", "payload"), [pytest.param(kind, payload, id=step_id)
                                                for kind, step_id, payload in STEPS])
 def test_readme_example(kind, payload, workdir, monkeypatch, capsys):
     monkeypatch.chdir(workdir)

@@ -10,7 +10,7 @@ from attnkit.calibrate.filter_layer import select_bytes_per_token
 from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
 from attnkit.forward import prefill
-from attnkit.methods.select import HIDDEN, Select, top_p
+from attnkit.methods.select import HIDDEN, Select, kept_fraction, top_p
 from attnkit.methods.spec import make_method, parse_method_spec
 from attnkit.session import new_session
 from helpers import random_ids
@@ -60,17 +60,16 @@ def test_select_with_small_p_filters_and_changes_the_output(llama4):
     ref = gen(llama4, ids, "full")
     method = Select(filter_layer=1, p_decode=0.5)
     out = gen(llama4, ids, method)
-    kept = method.kept_fraction()
+    kept = kept_fraction(out.stats.method_stats)
     assert kept is not None and kept < 0.7  # the later layers saw a subset of the context
-    assert method.selection["steps"] == NEW - 1
+    assert out.stats.method_stats["selection_steps"] == NEW - 1
     assert max_logit_diff(out, ref) > 1e-3
     # the first token comes from an unfiltered prefill (prefill_select=false): same as full
     assert (out.logits[0] - ref.logits[0]).abs().max() < 1e-4
     filtered = gen(llama4, ids, "select:filter_layer=1,p_decode=0.5,prefill_select=true,p_prefill=0.5")
     assert (filtered.logits[0] - ref.logits[0]).abs().max() > 1e-3
     weighted = Select(filter_layer=1, p_decode=0.5, value_weighted=True)
-    gen(llama4, ids, weighted)
-    assert weighted.kept_fraction() != kept
+    assert kept_fraction(gen(llama4, ids, weighted).stats.method_stats) != kept
 
 
 def test_top_p_by_hand():

@@ -88,14 +88,16 @@ class Step:
 
 @dataclass
 class LayerContext:
-    """One layer's view of a step; `state_of` picks the layer state the hooks see (a composed method
-    gives each of its parts its own)."""
+    """One layer's view of a step. The hooks see the method's state for this layer (:attr:`state`) and
+    for the generation (:attr:`session_state`); a composed method gives each of its parts their own
+    through :meth:`scoped`."""
 
     step: Step
     index: int
     scaling: float
     native_window: int | None  # the model's own sliding window for this layer, if any
-    state_of: Any = None  # callable(layer state) -> the state these hooks see; None: the layer state itself
+    state_of: Any = None  # (the session's layer state) -> the state these hooks see; None: that state itself
+    session_state_of: Any = None  # likewise for the session's per-generation state
 
     @property
     def kv(self) -> LayerKV:
@@ -111,12 +113,18 @@ class LayerContext:
         return own if self.state_of is None else self.state_of(own)
 
     @property
+    def session_state(self):
+        own = self.step.session.state
+        return own if self.session_state_of is None else self.session_state_of(own)
+
+    @property
     def session(self) -> Session:
         return self.step.session
 
-    def scoped(self, state_of) -> LayerContext:
-        """The same layer and step, its hooks seeing ``state_of(layer state)`` as their state."""
-        return LayerContext(self.step, self.index, self.scaling, self.native_window, state_of)
+    def scoped(self, state_of, session_state_of) -> LayerContext:
+        """The same layer and step, its hooks seeing ``state_of(layer state)`` and
+        ``session_state_of(session state)`` (of the session's own states) as theirs."""
+        return LayerContext(self.step, self.index, self.scaling, self.native_window, state_of, session_state_of)
 
 
 def new_session(model: LoadedModel, method, prompt_len: int, max_new_tokens: int) -> Session:

@@ -22,7 +22,7 @@ from attnkit.calibrate import progress_to_stderr
 from attnkit.calibrate.samples import calibration_samples
 from attnkit.errors import AttnkitError
 from attnkit.eval.tasks import TASKS
-from attnkit.methods.select import Select, check_p
+from attnkit.methods.select import Select, check_p, kept_fraction
 from attnkit.model import LoadedModel, load_model_for_length
 from attnkit.runner import generate
 
@@ -57,26 +57,29 @@ def sweep_filter_layer(model: LoadedModel, *, tasks: Sequence[str] = DEFAULT_TAS
     prompts = calibration_samples(model, length, list(tasks), samples, seed, split)
     say = progress or (lambda _msg: None)
 
-    def run(method) -> list[float]:
-        scores = []
+    def run(method) -> tuple[list[float], float | None]:
+        """Scores of the prompts, and the fraction of the context a select method kept over them."""
+        scores, kept, context = [], 0, 0
         for _info, sample, _ids in prompts:
             out = generate(model, sample.prompt, method, max_new_tokens=sample.max_new_tokens, stop="\n")
             scores.append(float(TASKS[sample.task].score(out.text, sample)))
-        return scores
+            kept += out.stats.method_stats.get("selection_kept", 0)
+            context += out.stats.method_stats.get("selection_context", 0)
+        return scores, kept_fraction({"selection_kept": kept, "selection_context": context})
 
     say("full")
-    full_scores = run("full")
+    full_scores, _ = run("full")
     full = sum(full_scores) / len(full_scores)
     rows = []
     for layer in candidates:
         say(f"filter layer {layer}")
         method = Select(filter_layer=layer, p_decode=p, p_prefill=p, prefill_select=prefill_select,
                         value_weighted=value_weighted)
-        scores = run(method)
+        scores, kept = run(method)
         score = sum(scores) / len(scores)
         rows.append({"filter_layer": layer, "score": round(score, 6),
                      "score_rel_full": round(score / full, 6) if full else None,
-                     "kept_fraction": None if method.kept_fraction() is None else round(method.kept_fraction(), 6),
+                     "kept_fraction": None if kept is None else round(kept, 6),
                      "bytes_per_token": select_bytes_per_token(model, layer), "scores": scores})
     best = max(rows, key=lambda r: (r["score"], -r["filter_layer"]))
     return {

@@ -50,24 +50,11 @@ def depth_scores(task: str, items, scores: list[float]) -> list[list[float]] | N
     return [[d, sum(v) / len(v)] for d, v in sorted(by_depth.items())]
 
 
-def selection_counts(recipe: Recipe) -> dict | None:
-    """A copy of what a token-selecting method (select) has kept so far -- ``{"steps", "kept", "context"}``,
-    counted over every generation its instance ran -- or None for methods that select nothing.
-
-    The only place that reads the method object's own counters; the cell's share is the change of the
-    counts over its samples (:func:`kept_share`)."""
-    if recipe.is_peer:
-        return None
-    counts = getattr(recipe.method(), "selection", None)
-    return dict(counts) if counts else None
-
-
-def kept_share(before: dict | None, after: dict | None) -> float | None:
-    """Kept tokens / context tokens over the selections made since `before` (None: no selection made)."""
-    if not before or not after:
-        return None
-    context = after["context"] - before["context"]
-    return (after["kept"] - before["kept"]) / context if context else None
+def kept_share(stats: list[dict]) -> float | None:
+    """Kept tokens / context tokens over the selections a token-selecting method (select) made in a cell's
+    generations, from their ``method_stats`` (None: no selection made)."""
+    context = sum(st.get("selection_context", 0) for st in stats)
+    return sum(st.get("selection_kept", 0) for st in stats) / context if context else None
 
 
 class Peers:
@@ -90,7 +77,7 @@ class Peers:
 def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar, peers: Peers) -> dict:
     """Scores, predictions and statistics of one (task, length, recipe) cell."""
     scores, predictions, prefill, decode_tps, peak_kv, final_kv = [], [], [], [], [], []
-    before = selection_counts(recipe)
+    method_stats = []
     for item in items:
         if task == PERPLEXITY:
             t0 = time.perf_counter()
@@ -111,6 +98,7 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
             decode_tps.append(st.decode_tokens_per_s if st.decode_tokens_per_s > 0 else None)
             peak_kv.append(st.peak_kv_bytes)
             final_kv.append(st.final_kv_bytes)
+            method_stats.append(st.method_stats)
         if progress_bar is not None:
             progress_bar.update(1)
     peak_kv = [v for v in peak_kv if v is not None]
@@ -120,7 +108,7 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
         "prefill_s": mean_present(prefill), "decode_tokens_per_s": mean_present(decode_tps),
         "peak_kv_bytes": max(peak_kv, default=None), "final_kv_bytes": max(final_kv, default=None),
         "predictions": None if task == PERPLEXITY else predictions,
-        "kept_fraction": kept_share(before, selection_counts(recipe)),
+        "kept_fraction": kept_share(method_stats),
     }
 
 

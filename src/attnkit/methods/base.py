@@ -54,11 +54,12 @@ class Method:
 
     # ---- state ---------------------------------------------------------------------------------
     def new_layer_state(self):
-        """This method's state for one layer of one generation (``ctx.state``)."""
-        return {}
+        """This method's state for one layer of one generation (``ctx.state``): a small dataclass of
+        its own, or None for a method that keeps none."""
+        return None
 
     def new_session_state(self):
-        """This method's state for one generation, shared by its layers (``ctx.session.state``)."""
+        """This method's state for one generation, shared by its layers (``ctx.session_state``)."""
         return None
 
     def run_stats(self, session) -> dict:

@@ -16,12 +16,13 @@ stores the chunk as usual and asks the session's method for the output
 the dense prompt attention is never computed (a scoring cache method still computes its own statistics).
 A cache method that computes its own prefill attention instead (``window``) cannot be composed: that is
 reported, not silently ignored. The prefill method's per-layer state lives apart from the cache
-method's (``ctx.state`` is scoped), and its cache hooks are never called.
+method's (each part sees its own ``ctx.state`` and ``ctx.session_state``), and its cache hooks are never called.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,16 +32,23 @@ from attnkit.methods.eviction import EvictionMethod
 from attnkit.methods.spec import method_from_dict, parse_method_spec, register
 from attnkit.session import LayerContext
 
-_ROUTED = "compose:routed"
-
 
 @dataclass
-class _ScopedContext(LayerContext):
-    """The layer context the prefill method sees: same layer and step, its own state dict."""
+class ComposeState:
+    """A composition's state (per layer, or per generation): each part's own, and per layer whether the
+    cache method asked for the prompt chunk's output (so the prefill method supplied it)."""
 
-    @property
-    def state(self) -> dict:
-        return self.step.session.layer_state[self.index].setdefault("compose:prefill", {})
+    cache: Any
+    prefill: Any
+    routed: bool = False
+
+
+def _cache_part(ctx: LayerContext) -> LayerContext:
+    return ctx.scoped(lambda s: s.cache, lambda r: r.cache)
+
+
+def _prefill_part(ctx: LayerContext) -> LayerContext:
+    return ctx.scoped(lambda s: s.prefill, lambda r: r.prefill)
 
 
 def _as_method(value, role: str) -> Method:
@@ -109,14 +117,22 @@ class Composed(Method):
     def describe(self) -> str:
         return f"{self._prefill.describe()}+{self._cache.describe()}"
 
+    # ---- state: each part keeps its own --------------------------------------------------------------
+    def new_layer_state(self) -> ComposeState:
+        return ComposeState(self._cache.new_layer_state(), self._prefill.new_layer_state())
+
+    def new_session_state(self) -> ComposeState:
+        return ComposeState(self._cache.new_session_state(), self._prefill.new_session_state())
+
     # ---- the cache: all from the cache method -------------------------------------------------------
     def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
-        return self._cache.layer_capacity(ctx)
+        return self._cache.layer_capacity(_cache_part(ctx))
 
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
-        ctx.state[_ROUTED] = False
-        out = self._cache.prefill_attention(ctx, q, k, v)
-        if not ctx.state.pop(_ROUTED):
+        own = ctx.session.layer_state[ctx.index]
+        own.routed = False
+        out = self._cache.prefill_attention(_cache_part(ctx), q, k, v)
+        if not own.routed:
             raise AttnkitError(f"compose: cache method {self._cache.name!r} computes its own prefill attention "
                                f"instead of asking for prefill_output, so {self._prefill.name!r} cannot supply the "
                                f"prefill outputs; compose it with a cache method that stores then attends "
@@ -124,16 +140,15 @@ class Composed(Method):
         return out
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
-        self._cache.after_prefill(ctx, q, k, v)
+        self._cache.after_prefill(_cache_part(ctx), q, k, v)
 
     def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
-        return self._cache.decode_attention(ctx, q, k, v)
+        return self._cache.decode_attention(_cache_part(ctx), q, k, v)
 
     def after_decode(self, ctx: LayerContext) -> None:
-        self._cache.after_decode(ctx)
+        self._cache.after_decode(_cache_part(ctx))
 
     # ---- the prompt's attention outputs: from the prefill method ------------------------------------
     def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
-        ctx.state[_ROUTED] = True
-        scoped = _ScopedContext(ctx.step, ctx.index, ctx.scaling, ctx.native_window)
-        return self._prefill.prefill_output(scoped, q, keys, values, positions)
+        ctx.session.layer_state[ctx.index].routed = True
+        return self._prefill.prefill_output(_prefill_part(ctx), q, keys, values, positions)

@@ -27,6 +27,7 @@ step later.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -44,6 +45,16 @@ from attnkit.validate import choice
 
 
 @dataclass
+class EvictionState:
+    """What an eviction method keeps per layer for one generation."""
+
+    budget: int | None = None  # B, the layer's slots per kv head (resolved on first use)
+    evicts: bool | None = None  # whether this layer can ever drop an entry in this generation
+    evicting: bool = False  # whether it has dropped entries yet
+    recent: int | None = None  # the recent window in tokens (RecentWindowEviction)
+
+
+@dataclass
 class EvictionMethod(Method):
     """Base of the eviction methods (see the module docstring). Subclasses say how entries rank
     (:meth:`rank`), which are never evicted (:meth:`protect`) and what statistics they gather."""
@@ -52,19 +63,23 @@ class EvictionMethod(Method):
     budget_tokens: int | list[int] | None = None
 
     name = "eviction-base"
+    layer_state_type: ClassVar[type] = EvictionState
 
     def __post_init__(self):
         check_budget(self.name, self.budget, self.budget_tokens)
+
+    def new_layer_state(self) -> EvictionState:
+        return self.layer_state_type()
 
     # ---- sizes -------------------------------------------------------------------------------------
     def layer_budget(self, ctx: LayerContext) -> int:
         """``B``: slots per kv head of this layer while decoding (resolved once per generation)."""
         st = ctx.state
-        if "budget" not in st:
+        if st.budget is None:
             s = ctx.session
-            st["budget"] = resolve_budget(self.budget, self.budget_tokens, ctx.index, s.n_layers, s.prompt_len)
-            self.check_layer(ctx, st["budget"])
-        return st["budget"]
+            st.budget = resolve_budget(self.budget, self.budget_tokens, ctx.index, s.n_layers, s.prompt_len)
+            self.check_layer(ctx, st.budget)
+        return st.budget
 
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
         """Raise AttnkitError when this layer's resolved budget does not fit the method's other parameters."""
@@ -79,12 +94,12 @@ class EvictionMethod(Method):
 
     def evicts(self, ctx: LayerContext) -> bool:
         """Whether this layer can ever drop an entry in this generation (otherwise it behaves as `full`)."""
-        if "evicts" not in ctx.state:
+        if ctx.state.evicts is None:
             s = ctx.session
             n, total = s.prompt_len, s.prompt_len + s.max_new_tokens
             limit = self.decode_limit(ctx)
-            ctx.state["evicts"] = self.prefill_keep(ctx) < n or (limit is not None and limit < total)
-        return ctx.state["evicts"]
+            ctx.state.evicts = self.prefill_keep(ctx) < n or (limit is not None and limit < total)
+        return ctx.state.evicts
 
     def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
         s = ctx.session
@@ -146,8 +161,8 @@ class EvictionMethod(Method):
         self._mark_evicting(ctx)
 
     def _mark_evicting(self, ctx: LayerContext) -> None:
-        if not ctx.state.get("evicting"):
-            ctx.state["evicting"] = True
+        if not ctx.state.evicting:
+            ctx.state.evicting = True
             self.on_evict(ctx)
 
     def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
@@ -219,7 +234,7 @@ class RecentWindowEviction(EvictionMethod):
     def recent_tokens_for(self, ctx: LayerContext) -> int:
         """This layer's recent window in tokens, from the subclass's ``recent`` (a fraction of the budget,
         default ``default_recent``) or ``recent_tokens`` (resolved once per generation)."""
-        if "recent" not in ctx.state:
-            ctx.state["recent"] = recent_window(self.recent, self.recent_tokens, self.default_recent,
-                                                self.layer_budget(ctx), ctx.index)
-        return ctx.state["recent"]
+        if ctx.state.recent is None:
+            ctx.state.recent = recent_window(self.recent, self.recent_tokens, self.default_recent,
+                                             self.layer_budget(ctx), ctx.index)
+        return ctx.state.recent

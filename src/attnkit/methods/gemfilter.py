@@ -29,7 +29,7 @@ prompt length keeps every token, and the output equals ``full``'s. ``filter_laye
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,7 +42,18 @@ from attnkit.methods.spec import register
 from attnkit.session import LayerContext, Step
 from attnkit.validate import choice, is_number
 
-_STATE = "gemfilter"
+
+@dataclass
+class GemFilterRun:
+    """GemFilter's state for one generation: phase 1 runs the prompt to the filter layer (its embeddings
+    kept, the chosen tokens found there); phase 2 prefills and decodes on the `kept` chosen tokens, whose
+    positions are shifted by `offset` when re-indexed."""
+
+    phase: int = 1
+    embeddings: list = field(default_factory=list)
+    chosen: torch.Tensor | None = None
+    kept: int = 0
+    offset: int = 0
 
 
 @register
@@ -68,6 +79,9 @@ class GemFilter(Method):
         choice("score", self.score, ("logits", "probs"))
         choice("positions", self.positions, ("reindexed", "original"))
 
+    def new_session_state(self) -> GemFilterRun:
+        return GemFilterRun()
+
     def kept_tokens(self, prompt_len: int) -> int:
         if isinstance(self.k, float) and self.k < 1:
             return max(1, min(prompt_len, int(math.floor(self.k * prompt_len + 0.5))))
@@ -76,40 +90,40 @@ class GemFilter(Method):
     # ---- the model-level hook ----------------------------------------------------------------------
     def run_layers(self, model, step: Step, hidden: torch.Tensor, all_positions: bool) -> torch.Tensor:
         session = step.session
-        st = session.shared.setdefault(_STATE, {"phase": 1, "embeddings": []})
+        st = session.state
         if step.phase == "decode":  # decode normally on the compressed prompt
-            pos = step.q_pos - st["offset"]
+            pos = step.q_pos - st.offset
             return run_decoder_layers(model, hidden, pos, Step(session, "decode", pos))
         if all_positions:
             raise AttnkitError("gemfilter computes only the last prompt position's output (it re-runs the model on "
                                "the selected tokens); it cannot score every prompt position")
         L = check_filter_layer(self.name, self.filter_layer, session.n_layers)
-        st["embeddings"].append(hidden[0])
+        st.embeddings.append(hidden[0])
         h = run_decoder_layers(model, hidden, step.q_pos, step, range(L + 1))
         if not step.last_chunk:
             return h
-        kept = st.pop("chosen")
-        embeddings = torch.cat(st.pop("embeddings"))
+        kept, st.chosen = st.chosen, None
+        embeddings, st.embeddings = torch.cat(st.embeddings), []
         session.cache.layers = [None] * session.n_layers  # release the filter pass's cache
-        st["phase"], st["kept"] = 2, int(kept.shape[0])
+        st.phase, st.kept = 2, int(kept.shape[0])
         n = session.prompt_len
         pos = kept if self.positions == "original" else torch.arange(kept.shape[0], device=kept.device)
-        st["offset"] = n - int(pos[-1]) - 1
+        st.offset = n - int(pos[-1]) - 1
         return run_decoder_layers(model, embeddings[kept][None], pos, Step(session, "prefill", pos, True))
 
     # ---- attention hooks -------------------------------------------------------------------------------
     def layer_capacity(self, ctx: LayerContext):
-        st = ctx.session.shared.get(_STATE, {})
-        if st.get("phase") == 2:
-            return st["kept"] + ctx.session.max_new_tokens, False
+        st = ctx.session_state
+        if st.phase == 2:
+            return st.kept + ctx.session.max_new_tokens, False
         return ctx.session.prompt_len, False
 
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         out = self._store_and_attend(ctx, q, k, v)
-        st = ctx.session.shared.get(_STATE, {})
+        st = ctx.session_state
         L = check_filter_layer(self.name, self.filter_layer, ctx.session.n_layers)
-        if st.get("phase") == 1 and ctx.index == L and ctx.step.last_chunk:
-            st["chosen"] = self._choose(ctx, q[:, :, -1:])
+        if st.phase == 1 and ctx.index == L and ctx.step.last_chunk:
+            st.chosen = self._choose(ctx, q[:, :, -1:])
         return out
 
     def _choose(self, ctx: LayerContext, q) -> torch.Tensor:

@@ -36,12 +36,13 @@ layer, head, query position, key position), so results do not depend on prompt c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.budget import resolve_budget
-from attnkit.methods.eviction import RecentWindowEviction
+from attnkit.methods.eviction import EvictionState, RecentWindowEviction
 from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, keyformer_noise
 from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
 from attnkit.methods.spec import register
@@ -54,6 +55,25 @@ def keyformer_tau(t: int, T: int, tau_init: float = 1.0, tau_end: float = 2.0) -
     if T <= 0:
         return tau_init
     return tau_init + t * (tau_end - tau_init) / T
+
+
+@dataclass
+class KeyformerState(EvictionState):
+    """Keyformer's per-layer state: the decode iteration t of eq. 10 and the temperature it gave."""
+
+    t: int = 0
+    tau: float | None = None
+
+
+@dataclass
+class KeyformerRun:
+    """Keyformer's state for one generation, shared by the layers: the decode-step noise, and with
+    ``score=shared`` one score per token position through the previous step and this step so far."""
+
+    noise: DecodeNoise | None = None
+    score: torch.Tensor | None = None
+    pending: torch.Tensor | None = None
+    step: Any = None  # the step whose scores `pending` collects
 
 
 @register
@@ -71,6 +91,7 @@ class Keyformer(RecentWindowEviction):
     name = "keyformer"
     summary = "key tokens by Gumbel-softmax score + recent window (Keyformer, Adnan et al. 2024)"
     default_recent = 0.2
+    layer_state_type = KeyformerState
 
     def __post_init__(self):
         super().__post_init__()
@@ -111,27 +132,26 @@ class Keyformer(RecentWindowEviction):
 
         return f
 
+    def new_session_state(self) -> KeyformerRun:
+        return KeyformerRun()
+
     def _decode_noise(self, ctx: LayerContext, heads: int) -> DecodeNoise:
         """This generation's :class:`DecodeNoise` (one for all layers)."""
-        key = f"{self.name}.noise"
-        if key not in ctx.session.shared:
-            ctx.session.shared[key] = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads,
-                                                  ctx.kv.keys.device)
-        return ctx.session.shared[key]
+        run = ctx.session_state
+        if run.noise is None:
+            run.noise = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads, ctx.kv.keys.device)
+        return run.noise
 
-    def _shared(self, ctx: LayerContext) -> dict:
+    def _shared(self, ctx: LayerContext) -> KeyformerRun:
         """Keyformer's shared score: one value per token position, summed over layers and heads."""
-        shared = ctx.session.shared.get(self.name)
-        if shared is None:
+        run = ctx.session_state
+        if run.score is None:
             s = ctx.session
             b, device = ctx.kv.keys.shape[0], ctx.kv.keys.device
             size = s.prompt_len + s.max_new_tokens
-            shared = ctx.session.shared[self.name] = {
-                "score": torch.zeros(b, size, dtype=torch.float32, device=device),  # through the previous step
-                "pending": torch.zeros(b, size, dtype=torch.float32, device=device),  # this step so far
-                "step": None,
-            }
-        return shared
+            run.score = torch.zeros(b, size, dtype=torch.float32, device=device)
+            run.pending = torch.zeros(b, size, dtype=torch.float32, device=device)
+        return run
 
     def _accumulate(self, ctx: LayerContext, contribution: torch.Tensor) -> None:
         """Add this layer's ``[b, kv, length]`` (already GQA-reduced) score to what decides eviction."""
@@ -141,7 +161,7 @@ class Keyformer(RecentWindowEviction):
             return
         shared = self._shared(ctx)
         positions = ctx.kv.view()[2][:, 0]  # shared mode: every head holds the same positions
-        shared["pending"].scatter_add_(1, positions, contribution.sum(dim=1))
+        shared.pending.scatter_add_(1, positions, contribution.sum(dim=1))
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         length = ctx.kv.length
@@ -149,17 +169,17 @@ class Keyformer(RecentWindowEviction):
             return self.score_buffer(ctx)[:, :, :length]
         positions = ctx.kv.view()[2]
         b = positions.shape[0]
-        return self._shared(ctx)["score"].gather(1, positions.reshape(b, -1)).view(positions.shape)
+        return self._shared(ctx).score.gather(1, positions.reshape(b, -1)).view(positions.shape)
 
     def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor | None:
         return self.recent_mask(ctx, self.recent_tokens_for(ctx), next_pos)
 
     def evicts(self, ctx: LayerContext) -> bool:
-        if self.score == "shared" and "evicts" not in ctx.state:
+        if self.score == "shared" and ctx.state.evicts is None:
             # every layer adds to the shared score as soon as any layer can evict
             s = ctx.session
             total = s.prompt_len + s.max_new_tokens
-            ctx.state["evicts"] = any(
+            ctx.state.evicts = any(
                 resolve_budget(self.budget, self.budget_tokens, i, s.n_layers, s.prompt_len) < total
                 for i in range(s.n_layers))
         return super().evicts(ctx)
@@ -168,13 +188,13 @@ class Keyformer(RecentWindowEviction):
         return self.score == "shared"  # later layers have not scored the prompt yet
 
     def before_write(self, ctx: LayerContext) -> None:
-        ctx.state["t"] = ctx.state.get("t", 0) + 1
+        ctx.state.t += 1
         if self.score == "shared":
             shared = self._shared(ctx)
-            if shared["step"] is not ctx.step:  # first layer of a new step: the last step's scores are complete
-                shared["score"] += shared["pending"]
-                shared["pending"].zero_()
-                shared["step"] = ctx.step
+            if shared.step is not ctx.step:  # first layer of a new step: the last step's scores are complete
+                shared.score += shared.pending
+                shared.pending.zero_()
+                shared.step = ctx.step
 
     # ---- hooks ---------------------------------------------------------------------------------------
     def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
@@ -189,9 +209,8 @@ class Keyformer(RecentWindowEviction):
         if self.positions == "new":
             keys = self._at_new_positions(ctx, keys, positions)
         out, logits, _ = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
-        t = ctx.state.get("t", 1)
-        tau = self.tau(t, ctx.session.max_new_tokens)
-        ctx.state["tau"] = tau
+        tau = self.tau(max(ctx.state.t, 1), ctx.session.max_new_tokens)
+        ctx.state.tau = tau
         f = self._weights(ctx, tau, decoding=True)(logits, ctx.q_pos, positions)
         self._accumulate(ctx, reduce_heads(f, self.gqa_reduce)[:, :, 0])  # the step's one query
         return out

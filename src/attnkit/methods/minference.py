@@ -166,6 +166,13 @@ class SparsePrefill(Method):
                     and torch.equal(first, torch.arange(n, device=first.device)))
 
 
+@dataclass
+class MInferenceRun:
+    """MInference's state for one generation: whether its pattern config was checked against the model."""
+
+    checked: bool = False
+
+
 @register
 @dataclass
 class MInference(SparsePrefill):
@@ -238,12 +245,16 @@ class MInference(SparsePrefill):
             return self.last_q
         return self._config.last_q if self._config is not None else DEFAULT_LAST_Q
 
+    def new_session_state(self) -> MInferenceRun:
+        return MInferenceRun()
+
     def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[HeadPattern]:
         if self._config is None:
             return [self.uniform_pattern()] * n_heads
-        if "minference_checked" not in ctx.session.shared:
+        run = ctx.session_state
+        if not run.checked:
             self._config.check_model(ctx.session.n_layers, n_heads)
-            ctx.session.shared["minference_checked"] = True
+            run.checked = True
         layer = self._config.layers[ctx.index]
         return layer if self.static else [p.dynamic() for p in layer]
 

@@ -39,7 +39,7 @@ inside ``compose`` (it runs the layers itself).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +50,7 @@ from attnkit.methods.base import Method
 from attnkit.methods.share import (
     LayerPlan,
     ShareConfig,
+    ShareRun,
     attend_shared,
     essential_probabilities,
     layer_plan,
@@ -113,6 +114,23 @@ def head_mean_scores(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return per_head.mean(dim=(0, 1))
 
 
+@dataclass
+class SelectRun(ShareRun):
+    """Select-Attention's state for one generation: the tokens the filter layer chose for the layers after
+    it, and what the selections kept over the decode steps."""
+
+    chosen: torch.Tensor | None = None
+    steps: int = 0
+    kept: int = 0
+    context: int = 0
+
+
+def kept_fraction(stats: dict) -> float | None:
+    """Mean fraction of the context the later layers saw at the decode steps (from :meth:`Select.run_stats`)."""
+    context = stats.get("selection_context")
+    return stats["selection_kept"] / context if context else None
+
+
 @register
 @dataclass
 class Select(Method):
@@ -125,9 +143,6 @@ class Select(Method):
     prefill_select: bool = False
     value_weighted: bool = False
     share_config: str | dict | None = None
-    # what the selections kept, over the generations this instance ran (for calibration and reports)
-    selection: dict = field(default_factory=lambda: {"steps": 0, "kept": 0, "context": 0}, init=False,
-                            repr=False, compare=False)
 
     name = "select"
     summary = "Select-Attention: top-p tokens of a filter layer feed cache-free later layers (Taniguchi et al.)"
@@ -143,10 +158,13 @@ class Select(Method):
     def layer_index(self, n_layers: int) -> int:
         return check_filter_layer(self.name, self.filter_layer, n_layers)
 
-    def kept_fraction(self) -> float | None:
-        """Mean fraction of the context the later layers saw at the decode steps so far."""
-        s = self.selection
-        return s["kept"] / s["context"] if s["context"] else None
+    def new_session_state(self) -> SelectRun:
+        return SelectRun()
+
+    def run_stats(self, session) -> dict:
+        """What the selections kept over the generation's decode steps: steps, kept tokens, context tokens."""
+        run = session.state
+        return {"selection_steps": run.steps, "selection_kept": run.kept, "selection_context": run.context}
 
     # ---- the model-level hook ------------------------------------------------------------------------
     def run_layers(self, model, step: Step, hidden: torch.Tensor, all_positions: bool) -> torch.Tensor:
@@ -163,7 +181,8 @@ class Select(Method):
             session.cache.extra[HIDDEN] = store
             session.cache.track_peak()
         store[pos] = h[0]
-        chosen = session.shared.pop("select:chosen", None)
+        run = session.state
+        chosen, run.chosen = run.chosen, None
         if step.phase == "prefill" and not step.last_chunk:
             if all_positions:
                 raise AttnkitError("select: scoring every prompt position needs the prompt in one chunk (layers "
@@ -180,16 +199,15 @@ class Select(Method):
         if all_positions and not (sel.shape[0] == pos.shape[0] and int(pos[0]) == 0):
             raise AttnkitError("select: scoring every prompt position needs the prompt in one chunk")
         if step.phase == "decode":
-            s = self.selection
-            s["steps"] += 1
-            s["kept"] += int(sel.shape[0])
-            s["context"] += end
+            run.steps += 1
+            run.kept += int(sel.shape[0])
+            run.context += end
         sub = Step(session, step.phase, sel, step.last_chunk)
         return run_decoder_layers(model, store[sel][None], sel, sub, range(L + 1, n_layers))
 
     # ---- attention hooks ---------------------------------------------------------------------------------
     def _plan(self, ctx: LayerContext, q, k) -> LayerPlan | None:
-        return layer_plan(ctx.session, "select:share", self._share, ctx.index, q, k)
+        return layer_plan(ctx.session_state, self._share, ctx.session.n_layers, ctx.index, q, k)
 
     def layer_capacity(self, ctx: LayerContext):
         if ctx.index > self.layer_index(ctx.session.n_layers):
@@ -236,4 +254,4 @@ class Select(Method):
         k_pos = shared_positions(positions)
         scores = head_mean_scores(q, keys, values, ctx.scaling, q_pos, k_pos, ctx.native_window,
                                   self._plan(ctx, q, keys), self.value_weighted)
-        ctx.session.shared["select:chosen"] = k_pos[top_p(scores, p)]
+        ctx.session_state.chosen = k_pos[top_p(scores, p)]

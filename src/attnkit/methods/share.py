@@ -259,17 +259,23 @@ class ShareConfig:
         return [(self.n_heads - len(m)) / self.n_heads for m in self.share_to]
 
 
-def layer_plan(session, key: str, config_source, layer: int, q: torch.Tensor, k: torch.Tensor) -> LayerPlan | None:
-    """The plan of `layer` from the config at `config_source` (None = no sharing), loaded once per session
-    under `key` and checked against the model's geometry (layers from the session, heads from q and k)."""
-    if config_source is None:
+@dataclass
+class ShareRun:
+    """A sharing method's state for one generation: whether its config was checked against the model."""
+
+    checked: bool = False
+
+
+def layer_plan(run: ShareRun, config: ShareConfig | None, n_layers: int, layer: int, q: torch.Tensor,
+               k: torch.Tensor) -> LayerPlan | None:
+    """The plan of `layer` from `config` (None = no sharing), checked against the model's geometry (layers
+    from the session, heads from q and k) once per generation (`run`)."""
+    if config is None:
         return None
-    cfg = session.shared.get(key)
-    if cfg is None:
-        cfg = config_source if isinstance(config_source, ShareConfig) else ShareConfig.load(config_source)
-        cfg.check(session.n_layers, q.shape[1], k.shape[1])
-        session.shared[key] = cfg
-    return cfg.plan(layer, k.shape[1])
+    if not run.checked:
+        config.check(n_layers, q.shape[1], k.shape[1])
+        run.checked = True
+    return config.plan(layer, k.shape[1])
 
 
 def _plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor, window) -> bool:
@@ -323,8 +329,11 @@ class Share(Method):
                        for i in range(cfg.n_layers))
         return 1.0 - computed / (cfg.n_layers * cfg.n_heads)
 
+    def new_session_state(self) -> ShareRun:
+        return ShareRun()
+
     def _plan(self, ctx: LayerContext, q, k) -> LayerPlan | None:
-        return layer_plan(ctx.session, "share:config", self._config, ctx.index, q, k)
+        return layer_plan(ctx.session_state, self._config, ctx.session.n_layers, ctx.index, q, k)
 
     def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
         plan = self._plan(ctx, q, keys)

@@ -22,11 +22,21 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.budget import smallest_tokens
-from attnkit.methods.eviction import EvictionMethod
+from attnkit.methods.eviction import EvictionMethod, EvictionState
 from attnkit.methods.scoring import GQA_REDUCTIONS, attention_statistics, avg_or_max_pool
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import choice, whole
+
+
+@dataclass
+class SnapKVState(EvictionState):
+    """SnapKV's per-layer state: the observation window's queries while the prompt streams in, then its
+    votes while the prompt is compressed."""
+
+    window_q: torch.Tensor | None = None
+    window_pos: torch.Tensor | None = None
+    votes: torch.Tensor | None = None
 
 
 @register
@@ -41,6 +51,7 @@ class SnapKV(EvictionMethod):
     decode_budget: int | None = None
 
     name = "snapkv"
+    layer_state_type = SnapKVState
     summary = "prompt compression by observation-window votes + pooling (SnapKV, Li et al. 2024)"
 
     def __post_init__(self):
@@ -76,29 +87,28 @@ class SnapKV(EvictionMethod):
     def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
         # the window may straddle prompt chunks: keep the last window_size queries seen
         st = ctx.state
-        prev_q, prev_pos = st.get("window_q"), st.get("window_pos")
-        if prev_q is not None:
-            q = torch.cat([prev_q, q], dim=2)
-            pos = torch.cat([prev_pos, ctx.q_pos])
+        if st.window_q is not None:
+            q = torch.cat([st.window_q, q], dim=2)
+            pos = torch.cat([st.window_pos, ctx.q_pos])
         else:
             pos = ctx.q_pos
-        st["window_q"], st["window_pos"] = q[:, :, -self.window_size:], pos[-self.window_size:]
+        st.window_q, st.window_pos = q[:, :, -self.window_size:], pos[-self.window_size:]
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
+        st = ctx.state
         if self.evicts(ctx) and ctx.kv.length > self.prefill_keep(ctx):
             keys, _, positions = ctx.kv.view()
-            votes = attention_statistics(ctx.state["window_q"], keys, ctx.scaling, ctx.state["window_pos"],
+            votes = attention_statistics(st.window_q, keys, ctx.scaling, st.window_pos,
                                          positions[0, 0], reduce=self.gqa_reduce, window=ctx.native_window)
-            prefix = keys.shape[2] - ctx.state["window_q"].shape[2]
+            prefix = keys.shape[2] - st.window_q.shape[2]
             votes[:, :, :prefix] = avg_or_max_pool(votes[:, :, :prefix], self.kernel_size, self.pooling)
-            ctx.state["votes"] = votes
-        ctx.state.pop("window_q", None)
-        ctx.state.pop("window_pos", None)
+            st.votes = votes
+        st.window_q = st.window_pos = None
         super().after_prefill(ctx, q, k, v)
-        ctx.state.pop("votes", None)
+        st.votes = None
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
-        votes = ctx.state.get("votes")
+        votes = ctx.state.votes
         if votes is not None:  # compressing the prompt
             return votes
         return ctx.kv.view()[2]  # decoding with a decode_budget: the oldest generated token leaves
@@ -106,6 +116,6 @@ class SnapKV(EvictionMethod):
     def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor:
         positions = ctx.kv.view()[2]
         n = ctx.session.prompt_len
-        if ctx.state.get("votes") is not None:
+        if ctx.state.votes is not None:
             return positions >= n - self.window_size  # the observation window
         return positions < n  # decoding: the compressed prompt stays

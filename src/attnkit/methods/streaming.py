@@ -25,10 +25,17 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.budget import smallest_tokens
-from attnkit.methods.eviction import EvictionMethod
+from attnkit.methods.eviction import EvictionMethod, EvictionState
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import choice, whole
+
+
+@dataclass
+class StreamingState(EvictionState):
+    """StreamingLLM's per-layer state: the sinks' keys as stored, kept to re-rotate them (``reindex``)."""
+
+    sink_keys: torch.Tensor | None = None
 
 
 @register
@@ -40,6 +47,7 @@ class StreamingLLM(EvictionMethod):
     positions: str = "original"
 
     name = "streaming"
+    layer_state_type = StreamingState
     summary = "attention sinks + recent window (StreamingLLM, Xiao et al. 2023)"
 
     def __post_init__(self):
@@ -67,10 +75,10 @@ class StreamingLLM(EvictionMethod):
     def on_evict(self, ctx: LayerContext) -> None:
         if self.positions == "reindex" and self.sinks:
             # sinks are the lowest positions, so they sit in the first slots of every head
-            ctx.state["sink_keys"] = ctx.kv.keys[:, :, :self.sinks].clone()
+            ctx.state.sink_keys = ctx.kv.keys[:, :, :self.sinks].clone()
 
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
-        saved = ctx.state.get("sink_keys")
+        saved = ctx.state.sink_keys
         if saved is not None:
             # in-cache positions: the window is positions P-m+1..P (m = length - sinks), so sink j is seen at
             # P-m+1-sinks+j, i.e. shifted by P - length + 1 from where it was stored
