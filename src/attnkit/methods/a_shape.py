@@ -21,7 +21,7 @@ from attnkit.validate import whole
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class AShape(SparsePrefill):
     """A-shape sparse prefill (n_init global tokens + n_local window) for every head; dense decoding."""
 

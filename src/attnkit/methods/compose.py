@@ -89,7 +89,7 @@ def _spec(value, method: Method):
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class Composed(Method):
     """Prefill outputs from `prefill`, everything about the KV cache from `cache`."""
 
@@ -102,9 +102,12 @@ class Composed(Method):
     summary = "prefill outputs of one method + the KV cache policy of another (PREFILL+CACHE)"
 
     def __post_init__(self):
-        self._prefill = _as_method(self.prefill, "prefill")
-        self._cache = _as_method(self.cache, "cache")
-        self.prefill, self.cache = _spec(self.prefill, self._prefill), _spec(self.cache, self._cache)
+        prefill, cache = _as_method(self.prefill, "prefill"), _as_method(self.cache, "cache")
+        # derived once from the parameters (the parts as methods; what params() reports)
+        object.__setattr__(self, "_prefill", prefill)
+        object.__setattr__(self, "_cache", cache)
+        object.__setattr__(self, "prefill", _spec(self.prefill, prefill))
+        object.__setattr__(self, "cache", _spec(self.cache, cache))
 
     @property
     def prefill_method(self) -> Method:

@@ -54,7 +54,7 @@ class EvictionState:
     recent: int | None = None  # the recent window in tokens (RecentWindowEviction)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvictionMethod(Method):
     """Base of the eviction methods (see the module docstring). Subclasses say how entries rank
     (:meth:`rank`), which are never evicted (:meth:`protect`) and what statistics they gather."""
@@ -211,7 +211,7 @@ class EvictionMethod(Method):
         return visible(ctx.q_pos, positions, ctx.native_window)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RecentWindowEviction(EvictionMethod):
     """Base of the methods that always keep a recent window (H2O, Keyformer): ``recent`` is the window
     as a fraction of the budget (default ``default_recent``), ``recent_tokens`` as a count; the query

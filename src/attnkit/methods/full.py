@@ -13,7 +13,7 @@ from attnkit.methods.spec import register
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class FullAttention(Method):
     """Dense causal attention; the KV cache holds prompt + generated tokens."""
 

@@ -57,7 +57,7 @@ class GemFilterRun:
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class GemFilter(Method):
     """GemFilter (Shi et al., 2024, arXiv 2409.17422): top-k prompt tokens chosen once at an early layer, then
     the whole model prefills and decodes on those tokens only."""

@@ -28,7 +28,7 @@ from attnkit.session import LayerContext
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class HeavyHitters(RecentWindowEviction):
     """Accumulated-attention heavy hitters + recent window, per kv head."""
 

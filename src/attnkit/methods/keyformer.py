@@ -77,7 +77,7 @@ class KeyformerRun:
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class Keyformer(RecentWindowEviction):
     """Key tokens by the accumulated Gumbel-softmax score f (eq. 9-10) + recent window."""
 

@@ -174,7 +174,7 @@ class MInferenceRun:
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class MInference(SparsePrefill):
     """Dynamic sparse prefill, a pattern per head from `config` (or a uniform pattern); dense decoding."""
 
@@ -198,7 +198,7 @@ class MInference(SparsePrefill):
             if given:
                 raise AttnkitError(f"config fixes the pattern of every head; drop {', '.join(given)} (or drop config "
                                  f"for a uniform pattern)")
-            self._config = load_pattern_config(self.config)
+            object.__setattr__(self, "_config", load_pattern_config(self.config))  # derived from `config`
             if self.block_size is not None and self.block_size != self._config.block_size:
                 raise AttnkitError(f"block_size={self.block_size} differs from the config's {self._config.block_size}")
             if self.static:
@@ -273,7 +273,7 @@ class MInference(SparsePrefill):
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class MInferenceStatic(MInference):
     """The "w/ static" ablation: fixed indices from the calibration prompt (config written with --static)."""
 

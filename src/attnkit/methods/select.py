@@ -132,7 +132,7 @@ def kept_fraction(stats: dict) -> float | None:
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class Select(Method):
     """Select-Attention (Taniguchi et al., section 4.2, Fig. 5; top-p of Tables 2-3; prefill on/off of Table 3):
     layers after ``filter_layer`` see only the top-p tokens of its head-mean attention and keep no KV cache."""
@@ -153,7 +153,8 @@ class Select(Method):
         check_p("p_prefill", self.p_prefill)
         flag("prefill_select", self.prefill_select)
         flag("value_weighted", self.value_weighted)
-        self._share = None if self.share_config is None else ShareConfig.load(self.share_config)
+        # derived from `share_config` (the loaded file)
+        object.__setattr__(self, "_share", None if self.share_config is None else ShareConfig.load(self.share_config))
 
     def layer_index(self, n_layers: int) -> int:
         return check_filter_layer(self.name, self.filter_layer, n_layers)

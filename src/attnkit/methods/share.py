@@ -298,7 +298,7 @@ def attend_shared(plan: LayerPlan | None, q, keys, values, scaling, q_pos, k_pos
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class Share(Method):
     """Share-Attention (Taniguchi et al., section 4.1; distance of eq. 9, clusters of Fig. 2, retention of
     Fig. 7): only essential heads compute eq. 5 / eq. 8's softmax, shared heads reuse it with their own V."""
@@ -314,7 +314,7 @@ class Share(Method):
             raise AttnkitError(f"config must be a share config file (from `attnkit calibrate heads`), a dict, or none "
                              f"for no sharing; got {type(self.config).__name__}")
         flag("fused_prefill", self.fused_prefill)
-        self._config = None if self.config is None else ShareConfig.load(self.config)
+        object.__setattr__(self, "_config", None if self.config is None else ShareConfig.load(self.config))  # derived
 
     def skipped_fraction(self, n_kv: int | None = None) -> float:
         """Fraction of the QK^T + softmax head-operations that sharing avoids (all layers, every query) on the

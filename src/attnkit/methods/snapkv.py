@@ -40,7 +40,7 @@ class SnapKVState(EvictionState):
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class SnapKV(EvictionMethod):
     """Observation-window votes, pooled, top entries per kv head after prefill; decode appends."""
 

@@ -39,7 +39,7 @@ class StreamingState(EvictionState):
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class StreamingLLM(EvictionMethod):
     """Attention sinks + recent window; positions original or re-indexed in the cache."""
 

@@ -24,7 +24,7 @@ from attnkit.validate import is_whole
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class SlidingWindow(Method):
     """Sliding-window attention over the last `window` tokens (self included), rolling cache."""
 
