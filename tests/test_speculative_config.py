@@ -85,3 +85,21 @@ def test_draft_specs_of_the_wrong_kind_are_refused():
     assert make_draft("self", draft=parse_method_spec("snapkv:budget_tokens=8,window_size=2")).method.name == "snapkv"
     assert make_draft("prompt_lookup", draft="max_ngram=2").max_ngram == 2
     assert make_draft("self", draft_lookup="max_ngram=2").lookup.max_ngram == 2
+
+
+def test_command_line_flags_come_from_the_fields():
+    import argparse
+
+    from attnkit.speculative.config import command_line_options, from_arguments
+
+    parser = argparse.ArgumentParser()
+    for flag, keywords in command_line_options():
+        parser.add_argument(flag, **keywords)
+    flags = [flag for flag, _ in command_line_options()]
+    assert flags[:2] == ["--speculate", "--gamma"] and "--draft-weights" in flags
+    assert from_arguments(parser.parse_args([])) is None
+    args = parser.parse_args(["--speculate", "self", "--gamma", "3", "--draft-lookup", "--draft-confidence", "0.4"])
+    assert from_arguments(args) == SpeculativeConfig("self", gamma=3, draft_lookup=True, draft_confidence=0.4)
+    with pytest.raises(attnkit.AttnkitError, match="--draft-lookup, --draft-weights are options of speculative "
+                                                   "decoding; add --speculate"):
+        from_arguments(parser.parse_args(["--draft-lookup", "--draft-weights", "int8"]))

@@ -17,7 +17,7 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.model import LoadedModel, load_model_for_length
 from attnkit.runner import encode_prompt, generate
-from attnkit.speculative.config import SpeculativeConfig, speculative_config
+from attnkit.speculative.config import SpeculativeConfig, from_arguments, speculative_config
 from attnkit.speculative.draft import DraftSource
 from attnkit.speculative.factory import make_draft
 from attnkit.speculative.generate import speculative_generate
@@ -171,10 +171,7 @@ def bench_speculative(model: str | LoadedModel, config: SpeculativeConfig, *, co
 def bench_from_args(args) -> int:
     """Transitional, until cli.py calls :func:`bench_speculative`: the rows of ``attnkit bench
     --speculate`` from its argparse namespace, printed."""
-    config = speculative_config(args.speculate, draft=args.draft, draft_lookup=args.draft_lookup,
-                                draft_confidence=args.draft_confidence, draft_weights=args.draft_weights,
-                                gamma=args.gamma, adaptive_gamma=args.adaptive_gamma)
-    rows = bench_speculative(args.model, config, context=args.context, new_tokens=args.new_tokens,
+    rows = bench_speculative(args.model, from_arguments(args), context=args.context, new_tokens=args.new_tokens,
                              repeats=args.repeats, seed=args.seed)
     print(json.dumps(rows) if args.json else format_rows(rows))
     return 0

@@ -85,10 +85,11 @@ def _draft_lookup(name: str, value):
     return value
 
 
-def _help(text: str, check, key: str | None = None, scope: str = "loop") -> dict:
+def _help(text: str, check, key: str | None = None, scope: str = "loop", **arg) -> dict:
     """A field's metadata. `scope`: ``loop`` (the speculative loop), ``draft`` (the draft source's
-    construction) or ``model`` (a model draft's only: draft_model and self)."""
-    return {"help": text, "check": check, "key": key, "scope": scope}
+    construction) or ``model`` (a model draft's only: draft_model and self); `arg`: how its command-line
+    flag parses (argparse keywords besides help and default)."""
+    return {"help": text, "check": check, "key": key, "scope": scope, "arg": arg}
 
 
 # ---- the config -----------------------------------------------------------------------------------
@@ -99,31 +100,32 @@ class SpeculativeConfig:
 
     source: str | DraftSource = field(metadata=_help(
         "draft source: draft_model, prompt_lookup or self; the target verifies with full attention",
-        _source, key="speculate", scope="draft"))
+        _source, key="speculate", scope="draft", choices=DRAFT_KINDS))
     gamma: int = field(default=4, metadata=_help(
-        "drafted tokens per target forward (default 4)", lambda name, v: whole(name, v, 1)))
+        "drafted tokens per target forward (default 4)", lambda name, v: whole(name, v, 1), type=int))
     adaptive_gamma: bool = field(default=False, metadata=_help(
-        "adapt gamma to the observed acceptance", flag))
+        "adapt gamma to the observed acceptance", flag, action="store_true"))
     max_gamma: int | None = field(default=None, metadata=_help(
         "the largest gamma adaptive gamma may choose (default max(2 gamma, 8))",
-        lambda name, v: optional_whole(name, v, 1)))
+        lambda name, v: optional_whole(name, v, 1), type=int))
     verify_cost: float = field(default=DEFAULT_VERIFY_COST, metadata=_help(
         "extra cost of one more verified token relative to a one-token target step, used only to size "
-        "proposals (about 0 where decoding is memory-bound, e.g. a GPU)", lambda name, v: number(name, v, 0)))
+        "proposals (about 0 where decoding is memory-bound, e.g. a GPU)", lambda name, v: number(name, v, 0),
+        type=float))
     draft: str | LoadedModel | Method | None = field(default=None, metadata=_help(
         f"draft_model: model spec (default {DEFAULT_DRAFT_MODEL}); prompt_lookup: max_ngram=N,min_ngram=M; "
-        f"self: the draft cache's method (default {DEFAULT_SELF_METHOD})", _draft, scope="draft"))
+        f"self: the draft cache's method (default {DEFAULT_SELF_METHOD})", _draft, scope="draft", metavar="SPEC"))
     draft_lookup: bool | str = field(default=False, metadata=_help(
         "draft_model/self: the draft verifies prompt-lookup guesses several tokens per forward (TriForce's "
         f"hierarchy; needs a draft cache that only appends: self defaults to {DEFAULT_SELF_LOOKUP_METHOD})",
-        _draft_lookup, scope="model"))
+        _draft_lookup, scope="model", action="store_true"))
     draft_confidence: float | None = field(default=None, metadata=_help(
         "draft_model/self: stop drafting after a token the draft gave less than this probability (gamma "
-        "becomes a cap; e.g. 0.3)", check_confidence, scope="model"))
+        "becomes a cap; e.g. 0.3)", check_confidence, scope="model", type=float, metavar="P"))
     draft_weights: str = field(default="same", metadata=_help(
         f"draft_model/self: {' or '.join(DRAFT_WEIGHTS)}; int8 drafts with weight-only int8 copies of the "
         "model's linear layers (the target verifies with its own); same: the model's own weights",
-        lambda name, v: check_draft_weights(v, name), scope="model"))
+        lambda name, v: check_draft_weights(v, name), scope="model", choices=DRAFT_WEIGHTS))
 
     def __post_init__(self):
         for f in fields(self):
@@ -216,6 +218,38 @@ class SpeculativeConfig:
         """The same loop options with an already built draft source (the draft options left unset)."""
         return dataclasses.replace(self, source=source, **{f.name: f.default for f in fields(self)
                                                            if f.metadata["scope"] != "loop" and f.name != "source"})
+
+
+# ---- as command-line flags ---------------------------------------------------------------------------
+def command_line_options() -> list[tuple[str, dict]]:
+    """``(flag, argparse keywords)`` for every field (``--speculate``, ``--gamma``, ``--draft-lookup``...):
+    ``group.add_argument(flag, **keywords)``. The parsed value lands in ``args.<key>`` (``speculate`` for
+    the source); every default is None, so a flag not given leaves its field at the config's default."""
+    out = []
+    for f in fields(SpeculativeConfig):
+        key = f.metadata["key"] or f.name
+        out.append(("--" + key.replace("_", "-"), dict(f.metadata["arg"], dest=key, default=None,
+                                                        help=f.metadata["help"])))
+    return out
+
+
+def from_arguments(args) -> SpeculativeConfig | None:
+    """The config of parsed command-line flags (:func:`command_line_options`); None without
+    ``--speculate``, when any other of these flags is refused rather than ignored."""
+    given = {}
+    for f in fields(SpeculativeConfig):
+        key = f.metadata["key"] or f.name
+        value = getattr(args, key, None)
+        if value is not None and value is not False:
+            given[f.name] = value
+    source = given.pop("source", None)
+    if source is None:
+        if given:
+            flags = ", ".join(flag for flag, kw in command_line_options() if kw["dest"] in given)
+            what = "is an option" if len(given) == 1 else "are options"
+            raise AttnkitError(f"{flags} {what} of speculative decoding; add --speculate {'|'.join(DRAFT_KINDS)}")
+        return None
+    return SpeculativeConfig(source, **given)
 
 
 # Old keyword names still accepted by speculative_config (cli.py and recipe.py pass draft_spec).

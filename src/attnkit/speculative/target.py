@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from attnkit.attention import folded_attention, folded_bias
-from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method, Session, Step
 from attnkit.methods.full import FullAttention
 from attnkit.model import LoadedModel
 from attnkit.runner import forward
+from attnkit.validate import optional_whole
 
 # Verification steps of at most this many tokens use the folded attention (attnkit.attention); longer
 # multi-token steps (the prompt) take the ordinary path.
@@ -92,8 +92,7 @@ def prefill_sessions(model: LoadedModel, sessions: list[Session], ids: torch.Ten
     methods store and observe the prompt but compute no attention output of their own (their output
     would be discarded); a method that computes its prompt attention itself (``window``) still does."""
     n = ids.shape[0]
-    if chunk_size is not None and chunk_size <= 0:
-        raise AttnkitError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    optional_whole("chunk_size", chunk_size, 1)
     chunk = chunk_size or n
     hidden = None
     extra = sessions[1:]
