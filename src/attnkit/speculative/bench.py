@@ -24,10 +24,10 @@ from attnkit.speculative.generate import speculative_generate
 from attnkit.validate import whole
 
 
-def check_benchmark_tokens(new_tokens, name: str = "new_tokens") -> int:
+def _check_new_tokens(new_tokens) -> int:
     """A benchmark times decoding over the tokens after the first: it needs at least two new tokens."""
-    return whole(name, new_tokens, 2, what=" for a benchmark (decoding speed is timed over the tokens after "
-                                           "the first)")
+    return whole("new_tokens", new_tokens, 2, what=" for a benchmark (decoding speed is timed over the tokens "
+                                                   "after the first)")
 
 
 def code_prompt(model: LoadedModel, length: int, seed: int = 0) -> torch.Tensor:
@@ -54,7 +54,7 @@ def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_toke
     or a DraftSource, with `options`: SpeculativeConfig field names): medians of decode tok/s, end-to-end
     tok/s and prefill s, acceptance and tokens per target forward, speedups over plain. `progress`, if
     given, is called after each repeat with ``(repeat, plain stats, speculative stats)``."""
-    check_benchmark_tokens(new_tokens)
+    _check_new_tokens(new_tokens)
     whole("repeats", repeats, 1)
     config = speculative_config(config, **options)
     loop = config.drafting_with(make_draft(config, model))  # one draft source for every repeat
@@ -150,7 +150,7 @@ def bench_speculative(model: str | LoadedModel, config: SpeculativeConfig, *, co
     interleaved runs of plain and speculative greedy decoding of `new_tokens` tokens; the rows of
     :func:`run_speculative_bench` (print them with :func:`format_rows` or as JSON). `model` is a model spec
     (loaded for ``context + new_tokens`` positions) or a loaded model; progress goes to `log` (None: quiet)."""
-    check_benchmark_tokens(new_tokens)
+    _check_new_tokens(new_tokens)
     whole("context", context, 1)
     if not isinstance(model, LoadedModel):
         model = load_model_for_length(model, context + new_tokens)
