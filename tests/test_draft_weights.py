@@ -93,7 +93,7 @@ def test_greedy_with_int8_draft_weights_equals_plain(models, source, spec, looku
     spec = other if spec == "other" else spec
     prompt = repetitive_prompt()
     plain = attnkit.generate(target, prompt, max_new_tokens=40, stop_at_eos=False)
-    draft = make_draft(source, spec, target, lookup=lookup, confidence=confidence, weights="int8")
+    draft = make_draft(source, target, draft=spec, draft_lookup=lookup, draft_confidence=confidence, draft_weights="int8")
     for gamma in (1, 4):
         out = speculative_generate(target, prompt, draft, gamma=gamma, max_new_tokens=40, stop_at_eos=False)
         assert out.token_ids == plain.token_ids, gamma
@@ -113,7 +113,7 @@ def test_int8_self_draft_proposes_from_its_int8_view(models):
     feeding the view the token after the prompt over a cache the target's prefill filled."""
     target, _ = models
     prompt = random_ids(60, seed=4)
-    draft = make_draft("self", "snapkv:budget_tokens=1000,window_size=4", target, weights="int8")
+    draft = make_draft("self", target, draft="snapkv:budget_tokens=1000,window_size=4", draft_weights="int8")
     proposals = []
     propose = draft.propose
     draft.propose = lambda context, gamma: proposals.append((list(context), propose(context, gamma))) or proposals[-1][1]
@@ -140,7 +140,7 @@ def test_sampling_with_an_int8_draft_matches_target_chi_square():
     target = sharpened(0)
     prompt = random_ids(24, seed=5)
     kw = dict(do_sample=True, top_k=3, temperature=1.0)
-    draft = make_draft("self", "snapkv:budget_tokens=8,window_size=2", target, weights="int8")
+    draft = make_draft("self", target, draft="snapkv:budget_tokens=8,window_size=2", draft_weights="int8")
     runs, counts, drafted = 1000, {}, 0
     for seed in range(runs):
         out = speculative_generate(target, prompt, draft, gamma=3, max_new_tokens=4, stop_at_eos=False,
@@ -159,7 +159,7 @@ def test_sampling_with_an_int8_draft_matches_target_chi_square():
 ])
 def test_bad_draft_weights_raise(kind, weights, match):
     with pytest.raises(attnkit.AttnkitError, match=match):
-        make_draft(kind, None, weights=weights)
+        make_draft(kind, draft_weights=weights)
 
 
 def test_draft_weights_in_recipe_and_cli(models, capsys):

@@ -1,4 +1,4 @@
-"""Speculative decoding (seed 003): losslessness exactly (enumeration), statistically (chi-square) and
+"""Speculative decoding: losslessness exactly (enumeration), statistically (chi-square) and
 greedily (token for token), cache rollback, draft sources, errors, CLI."""
 
 import dataclasses
@@ -33,8 +33,8 @@ from attnkit.speculative import (
     speculative_generate,
 )
 from attnkit.speculative.bench import format_time_per_round, run_speculative_bench, time_per_round
-from attnkit.speculative.drafts import drop_newest, snapshot_session
-from attnkit.speculative.generate import VerifyingFull, prefill_sessions
+from attnkit.speculative.rollback import drop_newest, snapshot_session
+from attnkit.speculative.target import VerifyingFull, prefill_sessions
 from attnkit.tokenizer import build_byte_tokenizer
 from helpers import SMALL, random_ids
 
@@ -262,7 +262,7 @@ def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source,
     monkeypatch.setattr(ModelDraft, "_judge", lambda self, *a: judged.append(1) or original(self, *a))
     runs, counts = 1000, {}
     for seed in range(runs):
-        out = speculative_generate(target, prompt, source.split("+")[0], draft_spec=spec, draft_lookup=lookup,
+        out = speculative_generate(target, prompt, source.split("+")[0], draft=spec, draft_lookup=lookup,
                                    draft_confidence=confidence, gamma=3, max_new_tokens=4, stop_at_eos=False,
                                    seed=seed, **kw)
         first = tuple(out.token_ids[:3])
@@ -361,7 +361,7 @@ def test_greedy_equals_plain(greedy_models, source, spec):
     prompt = repetitive_prompt()
     plain = attnkit.generate(target, prompt, max_new_tokens=40, stop_at_eos=False)
     for gamma, adaptive in ((1, False), (4, False), (3, True)):
-        out = speculative_generate(target, prompt, source, draft_spec=spec, gamma=gamma, adaptive_gamma=adaptive,
+        out = speculative_generate(target, prompt, source, draft=spec, gamma=gamma, adaptive_gamma=adaptive,
                                    max_new_tokens=40, stop_at_eos=False)
         assert out.token_ids == plain.token_ids, (gamma, adaptive)
         assert out.text == plain.text
@@ -398,7 +398,7 @@ def test_greedy_with_a_lookup_guessing_draft_equals_plain(greedy_models, source,
     several = False
     for gamma, adaptive in ((1, False), (4, False), (6, True)):
         fed.clear()
-        out = speculative_generate(target, prompt, source, draft_spec=spec, draft_lookup=True, gamma=gamma,
+        out = speculative_generate(target, prompt, source, draft=spec, draft_lookup=True, gamma=gamma,
                                    adaptive_gamma=adaptive, max_new_tokens=40, stop_at_eos=False)
         assert out.token_ids == plain.token_ids, (gamma, adaptive)
         several |= max(fed) > 1
@@ -428,7 +428,7 @@ def test_lookup_guesses_ride_along_with_the_drafts_catch_up(greedy_models, monke
                         or feed(self, tokens, start))
     prompt = repetitive_prompt()
     plain = attnkit.generate(target, prompt, max_new_tokens=30, stop_at_eos=False)
-    out = speculative_generate(target, prompt, "self", draft_spec="snapkv:budget_tokens=24,window_size=4",
+    out = speculative_generate(target, prompt, "self", draft="snapkv:budget_tokens=24,window_size=4",
                                draft_lookup=True, gamma=6, max_new_tokens=30, stop_at_eos=False)
     assert out.token_ids == plain.token_ids
     ride_along = 0
@@ -464,7 +464,7 @@ def test_greedy_with_a_confidence_stop_equals_plain(greedy_models, source, spec,
     prompt = repetitive_prompt()
     plain = attnkit.generate(target, prompt, max_new_tokens=40, stop_at_eos=False)
     for gamma, adaptive in ((4, False), (6, True)):
-        out = speculative_generate(target, prompt, source, draft_spec=spec, draft_lookup=lookup,
+        out = speculative_generate(target, prompt, source, draft=spec, draft_lookup=lookup,
                                    draft_confidence=0.5, gamma=gamma, adaptive_gamma=adaptive,
                                    max_new_tokens=40, stop_at_eos=False)
         assert out.token_ids == plain.token_ids, (gamma, adaptive)
@@ -476,7 +476,7 @@ def test_a_confidence_stop_ends_the_proposal_at_the_first_unsure_token(greedy_mo
     """Every proposed token but the last has draft probability >= the threshold, and a proposal shorter
     than gamma ends with one below it (probabilities recomputed from the draft model's own logits)."""
     target, other = greedy_models
-    draft = make_draft("draft_model", other, target, confidence=0.3)
+    draft = make_draft("draft_model", target, draft=other, draft_confidence=0.3)
     context = repetitive_prompt(60).tolist()
     draft.start(DraftRun(target, torch.tensor(context[:-1]), 60, SamplingConfig(), None))  # the last: not fed
     lengths = []
@@ -502,7 +502,7 @@ def test_a_confidence_stop_ends_the_proposal_at_the_first_unsure_token(greedy_mo
 ])
 def test_bad_draft_confidence_raises(kind, confidence, match):
     with pytest.raises(attnkit.AttnkitError, match=match):
-        make_draft(kind, None, confidence=confidence)
+        make_draft(kind, draft_confidence=confidence)
 
 
 def test_snapkv_decodes_several_tokens_in_one_step(greedy_models):
@@ -533,7 +533,7 @@ def test_greedy_equals_plain_sliding_window_model_and_chunked_prefill():
     prompt = repetitive_prompt(90)
     plain = attnkit.generate(target, prompt, max_new_tokens=30, stop_at_eos=False, chunk_size=32)
     for source, spec in (("prompt_lookup", None), ("self", "streaming:budget_tokens=24,sinks=2")):
-        out = speculative_generate(target, prompt, source, draft_spec=spec, gamma=5, max_new_tokens=30,
+        out = speculative_generate(target, prompt, source, draft=spec, gamma=5, max_new_tokens=30,
                                    stop_at_eos=False, chunk_size=32)
         assert out.token_ids == plain.token_ids
 
@@ -571,7 +571,7 @@ def test_stop_strings_eos_and_streaming_match_plain(greedy_models):
 
 def test_seeded_sampling_is_reproducible(greedy_models):
     target, other = greedy_models
-    kw = dict(draft_spec=other, gamma=3, max_new_tokens=20, do_sample=True, temperature=1.3, seed=7,
+    kw = dict(draft=other, gamma=3, max_new_tokens=20, do_sample=True, temperature=1.3, seed=7,
               stop_at_eos=False, adaptive_gamma=True)
     a = speculative_generate(target, "hello there", "draft_model", **kw)
     b = speculative_generate(target, "hello there", "draft_model", **kw)
@@ -828,7 +828,7 @@ def test_mismatched_vocabularies_raise(greedy_models):
                          num_key_value_heads=1, intermediate_size=64)
     other = attnkit.prepare(LlamaForCausalLM(config), build_byte_tokenizer(), "vocab300")
     with pytest.raises(attnkit.AttnkitError, match="vocabulary of 300 tokens but the target .* has 259"):
-        speculative_generate(target, "hi", "draft_model", draft_spec=other, max_new_tokens=4)
+        speculative_generate(target, "hi", "draft_model", draft=other, max_new_tokens=4)
 
     class Shuffled:
         def __init__(self, inner):
@@ -842,7 +842,7 @@ def test_mismatched_vocabularies_raise(greedy_models):
 
     same_size = dataclasses.replace(greedy_models[1], tokenizer=Shuffled(target.tokenizer))
     with pytest.raises(attnkit.AttnkitError, match="different ids"):
-        speculative_generate(target, "hi", "draft_model", draft_spec=same_size, max_new_tokens=4)
+        speculative_generate(target, "hi", "draft_model", draft=same_size, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("kind,spec,match", [
@@ -855,7 +855,7 @@ def test_mismatched_vocabularies_raise(greedy_models):
 ])
 def test_bad_draft_specs_raise(kind, spec, match):
     with pytest.raises(attnkit.AttnkitError, match=match):
-        make_draft(kind, spec)
+        make_draft(kind, draft=spec)
 
 
 @pytest.mark.parametrize("kind,spec,match", [
@@ -865,11 +865,11 @@ def test_bad_draft_specs_raise(kind, spec, match):
 ])
 def test_lookup_guessing_needs_a_model_draft_whose_cache_only_appends(kind, spec, match):
     with pytest.raises(attnkit.AttnkitError, match=match):
-        make_draft(kind, spec, lookup=True)
+        make_draft(kind, draft=spec, draft_lookup=True)
 
 
 def test_self_with_lookup_guessing_defaults_to_a_snapkv_cache():
-    assert make_draft("self", lookup=True).method.name == "snapkv"
+    assert make_draft("self", draft_lookup=True).method.name == "snapkv"
     assert make_draft("self").method.name == "streaming"
 
 

@@ -1,15 +1,16 @@
-"""The acceptance rule of speculative sampling (seed 003; Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language
-Model Decoding with Speculative Sampling", Algorithm 2).
+"""The acceptance rule of speculative sampling (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding", arXiv 2211.17192, section 2.3 and Algorithm 1; Chen et al. 2023,
+"Accelerating Large Language Model Decoding with Speculative Sampling", arXiv 2302.01318, Algorithm 2).
 
-Notation is the seed's: ``p`` is the DRAFT distribution, ``q`` the TARGET distribution, both already
+Notation (Chen et al.'s, the reverse of Leviathan et al.'s): ``p`` is the DRAFT distribution, ``q`` the
+TARGET distribution, both already
 processed by temperature / top-k / top-p (:func:`attnkit.sampling.next_token_distribution`). A drafted
 token ``x~ ~ p`` is
 
     accepted with probability  min(1, q(x~) / p(x~))                                      (A)
     otherwise replaced by      x ~ max(0, q(x) - p(x)) / sum_x' max(0, q(x') - p(x'))      (B)
 
-and the seed's proof gives, for one position,
+and the proof (Leviathan et al., Appendix A.1) gives, for one position,
 
     P(X = x) = min(p(x), q(x)) + max(0, q(x) - p(x)) = q(x).
 
@@ -117,7 +118,7 @@ def residual_distribution(draft_probs_row: torch.Tensor | None, target_probs_row
 
 def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                        generator: torch.Generator | None = None) -> Acceptance:
-    """Sample one round's outcome with rules (A) and (B) (seed 003), vectorised over the drafts.
+    """Sample one round's outcome with rules (A) and (B), vectorised over the drafts.
 
     `draft_tokens` ``[gamma]`` (may be empty), `draft_probs` ``[gamma, V]`` or None (point masses),
     `target_probs` ``[gamma + 1, V]``: row ``i`` is the target's distribution for the token after the

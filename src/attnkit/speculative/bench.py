@@ -1,5 +1,5 @@
 """Speed of speculative decoding against plain decoding, interleaved in one process (``attnkit bench
---speculate KIND``; ``scripts/bench_speculative.py`` adds transformers' own assisted generation).
+--speculate KIND``, :func:`bench_speculative`; ``scripts/bench_speculative.py`` adds transformers' own assisted generation).
 
 Each repeat runs plain greedy decoding and speculative decoding on the same prompt, in turn, so drifts
 of the machine hit both alike; figures are medians over repeats. In greedy mode the two outputs must
@@ -15,10 +15,19 @@ import sys
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.model import LoadedModel
-from attnkit.runner import check_benchmark_tokens, encode_prompt, generate
-from attnkit.speculative.drafts import DraftSource
-from attnkit.speculative.generate import resolve_draft, speculative_generate
+from attnkit.model import LoadedModel, load_model_for_length
+from attnkit.runner import encode_prompt, generate
+from attnkit.speculative.config import SpeculativeConfig, from_arguments, speculative_config
+from attnkit.speculative.draft import DraftSource
+from attnkit.speculative.factory import make_draft
+from attnkit.speculative.generate import speculative_generate
+from attnkit.validate import whole
+
+
+def _check_new_tokens(new_tokens) -> int:
+    """A benchmark times decoding over the tokens after the first: it needs at least two new tokens."""
+    return whole("new_tokens", new_tokens, 2, what=" for a benchmark (decoding speed is timed over the tokens "
+                                                   "after the first)")
 
 
 def code_prompt(model: LoadedModel, length: int, seed: int = 0) -> torch.Tensor:
@@ -38,22 +47,26 @@ def code_prompt(model: LoadedModel, length: int, seed: int = 0) -> torch.Tensor:
         return torch.tensor(ids[offset:offset + length], dtype=torch.long, device=model.device)
 
 
-def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_tokens: int, draft: str | DraftSource,
-                          draft_spec=None, gamma: int = 4, adaptive_gamma: bool = False, repeats: int = 3,
-                          progress=None, draft_lookup: bool | str = False,
-                          draft_confidence: float | None = None, draft_weights: str | None = None) -> list[dict]:
-    """Rows for plain decoding and speculative decoding (greedy): medians of decode tok/s, end-to-end
-    tok/s and prefill s, acceptance and tokens per target forward, speedups over plain."""
-    check_benchmark_tokens(new_tokens)
-    source = resolve_draft(draft, draft_spec, model, draft_lookup, draft_confidence, draft_weights)
+def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_tokens: int,
+                          config: SpeculativeConfig | str | DraftSource = "prompt_lookup", *, repeats: int = 3,
+                          progress=None, **options) -> list[dict]:
+    """Rows for plain decoding and speculative decoding (greedy) under `config` (a config, a source name
+    or a DraftSource, with `options`: SpeculativeConfig field names): medians of decode tok/s, end-to-end
+    tok/s and prefill s, acceptance and tokens per target forward, speedups over plain. `progress`, if
+    given, is called after each repeat with ``(repeat, plain stats, speculative stats)``."""
+    _check_new_tokens(new_tokens)
+    whole("repeats", repeats, 1)
+    config = speculative_config(config, **options)
+    loop = config.drafting_with(make_draft(config, model))  # one draft source for every repeat
+    gamma, adaptive_gamma = config.gamma, config.adaptive_gamma
     kw = dict(max_new_tokens=new_tokens, stop_at_eos=False)
     # warm-up (lazy initialisation, allocator) outside the measurement
     generate(model, prompt_ids[-64:], **{**kw, "max_new_tokens": 4})
-    speculative_generate(model, prompt_ids[-64:], source, gamma=gamma, **{**kw, "max_new_tokens": 4})
+    speculative_generate(model, prompt_ids[-64:], loop, **{**kw, "max_new_tokens": 4})
     plain_runs, spec_runs, same = [], [], True
     for r in range(repeats):
         plain = generate(model, prompt_ids, "full", **kw)
-        spec = speculative_generate(model, prompt_ids, source, gamma=gamma, adaptive_gamma=adaptive_gamma, **kw)
+        spec = speculative_generate(model, prompt_ids, loop, **kw)
         same &= plain.token_ids == spec.token_ids
         plain_runs.append(plain.stats.as_dict())
         spec_runs.append(spec.stats.as_dict())
@@ -70,7 +83,8 @@ def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_toke
     plain_row = dict(base, decoder="plain", decode_tokens_per_s=med(plain_runs, "decode_tokens_per_s"),
                      tokens_per_s=statistics.median(end_to_end(r) for r in plain_runs),
                      prefill_s=med(plain_runs, "prefill_s"), acceptance_rate=None, tokens_per_target_forward=1.0)
-    spec_row = dict(base, decoder=f"speculative {source.describe()} gamma={gamma}{' adaptive' if adaptive_gamma else ''}",
+    decoder = f"speculative {loop.source.describe()} gamma={gamma}{' adaptive' if adaptive_gamma else ''}"
+    spec_row = dict(base, decoder=decoder,
                     decode_tokens_per_s=med(spec_runs, "decode_tokens_per_s"),
                     tokens_per_s=statistics.median(end_to_end(r) for r in spec_runs),
                     prefill_s=med(spec_runs, "prefill_s"), acceptance_rate=med(spec_runs, "acceptance_rate"),
@@ -130,22 +144,34 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bench_from_args(args) -> int:
-    """``attnkit bench --speculate KIND [--draft SPEC] [--gamma N]``: a code prompt of --context tokens."""
-    from attnkit.model import load_model_for_length
-
-    model = load_model_for_length(args.model, args.context + args.new_tokens)
-    prompt = code_prompt(model, args.context, args.seed)
+def bench_speculative(model: str | LoadedModel, config: SpeculativeConfig, *, context: int, new_tokens: int,
+                      repeats: int = 3, seed: int = 0, log=sys.stderr) -> list[dict]:
+    """``attnkit bench --speculate ...``: a code prompt of `context` tokens (seeded by `seed`), `repeats`
+    interleaved runs of plain and speculative greedy decoding of `new_tokens` tokens; the rows of
+    :func:`run_speculative_bench` (print them with :func:`format_rows` or as JSON). `model` is a model spec
+    (loaded for ``context + new_tokens`` positions) or a loaded model; progress goes to `log` (None: quiet)."""
+    _check_new_tokens(new_tokens)
+    whole("context", context, 1)
+    if not isinstance(model, LoadedModel):
+        model = load_model_for_length(model, context + new_tokens)
+    prompt = code_prompt(model, context, seed)
 
     def progress(r, plain, spec_stats):
-        print(f"  repeat {r + 1}/{args.repeats}: plain {plain.decode_tokens_per_s:.1f} tok/s, speculative "
+        print(f"  repeat {r + 1}/{repeats}: plain {plain.decode_tokens_per_s:.1f} tok/s, speculative "
               f"{spec_stats.decode_tokens_per_s:.1f} tok/s (acceptance {spec_stats.acceptance_rate:.2f})",
-              file=sys.stderr, flush=True)
+              file=log, flush=True)
 
-    print(f"bench {model.spec}: {args.context}-token code prompt, {args.new_tokens} new tokens, greedy, "
-          f"{args.repeats} interleaved repeats", file=sys.stderr)
-    rows = run_speculative_bench(model, prompt, args.new_tokens, args.speculate, args.draft, args.gamma,
-                                 args.adaptive_gamma, args.repeats, progress, args.draft_lookup,
-                                 args.draft_confidence, args.draft_weights)
+    if log is not None:
+        print(f"bench {model.spec}: {context}-token code prompt, {new_tokens} new tokens, greedy, "
+              f"{repeats} interleaved repeats", file=log)
+    return run_speculative_bench(model, prompt, new_tokens, config, repeats=repeats,
+                                 progress=progress if log is not None else None)
+
+
+def bench_from_args(args) -> int:
+    """Transitional, until cli.py calls :func:`bench_speculative`: the rows of ``attnkit bench
+    --speculate`` from its argparse namespace, printed."""
+    rows = bench_speculative(args.model, from_arguments(args), context=args.context, new_tokens=args.new_tokens,
+                             repeats=args.repeats, seed=args.seed)
     print(json.dumps(rows) if args.json else format_rows(rows))
     return 0

@@ -1,14 +1,15 @@
 """A draft that runs the model at int8 weights (``--draft-weights int8``): weight-only int8 copies of a
 model's linear layers, beside its own, for drafting only.
 
-Self-speculation (TriForce, MagicDec) drafts with the target's weights over a compressed cache. Where
-the weights, not the cache, are most of what a draft forward costs (a small model, a CPU: README,
-"Where the CPU changes the seed's picture"), the draft can also run them at lower precision, as QuantSpec
-(Tiwari et al. 2025, "QuantSpec: Self-Speculative Decoding with Hierarchical Quantized KV Cache", ICML,
-arXiv 2502.10424: the target's architecture at 4-bit weights and a 4-bit KV cache drafts, the target
-verifies) and QSpec (Zhao et al. 2024, arXiv 2410.11305: drafts at low precision, verifies at high) do.
-Losslessness does not depend on it: the target verifies with its own weights, and the acceptance rule
-uses the distribution the draft really drew from (seed 003).
+Self-speculation (TriForce, Sun et al. 2024, arXiv 2404.11912; MagicDec, Chen et al. 2024, arXiv
+2408.11049) drafts with the target's weights over a compressed cache. Where the weights, not the cache,
+are most of what a draft forward costs (a small model, a CPU), the draft can also run them at lower
+precision, as QuantSpec (Tiwari et al. 2025, "QuantSpec: Self-Speculative Decoding with Hierarchical
+Quantized KV Cache", ICML, arXiv 2502.10424: the target's architecture at 4-bit weights and a 4-bit KV
+cache drafts, the target verifies) and QSpec (Zhao et al. 2024, arXiv 2410.11305: drafts at low
+precision, verifies at high) do. Losslessness does not depend on it: the target verifies with its own
+weights, and the acceptance rule uses the distribution the draft really drew from (Leviathan et al.
+2023, arXiv 2211.17192, section 2.3).
 
 Each linear layer's weight ``W`` ``[out, in]`` is stored as int8 with one scale per output channel
 (symmetric absmax, round to nearest):
@@ -16,12 +17,9 @@ Each linear layer's weight ``W`` ``[out, in]`` is stored as int8 with one scale 
     s_j = max_i |W_ji| / 127,    Q_ji = round(W_ji / s_j) in [-127, 127],    y = (x Q^T) * s (+ bias)
 
 computed by torch's weight-only int8 kernel (``aten::_weight_int8pack_mm``) on activations in bfloat16
-for a float32 model (its float32-activation path is 10-20x slower on this CPU), else in the model's
-dtype. Measured on this AMD EPYC (2 threads, ``tiny``'s 43 projections, 2026-11-25): 0.45-1.2 ms for
-1-12 rows against 0.74-2.4 ms in float32, so a ``tiny`` draft forward at 512 cached entries takes 2.2 ms
-for 1 token and 3.4 ms for 5, against 3.7 and 5.5 ms (the effect on self-speculation, side by side:
-``scripts/ab_draft_confidence.py --weights same,int8``; README). The copies cost a quarter of the float32
-weights' bytes; embeddings, norms and rotary tables are shared with the model, not copied.
+for a float32 model (its float32-activation path is much slower on a CPU), else in the model's dtype.
+The copies cost a quarter of the float32 weights' bytes; embeddings, norms and rotary tables are shared
+with the model, not copied.
 """
 
 from __future__ import annotations
@@ -34,23 +32,20 @@ from torch import nn
 
 from attnkit.errors import AttnkitError
 from attnkit.model import LoadedModel
+from attnkit.validate import choice
 
 DRAFT_WEIGHTS = ("same", "int8")  # "same": the draft runs the model's own weights
 
-# The kernel's bfloat16 path reads the input dimension in blocks: on this torch (2.13, CPU) an input
+# The kernel's bfloat16 path reads the input dimension in blocks: on some torch builds (CPU) an input
 # dimension that is not a multiple of 16 crashed it (7, 100) or gave wrong results (200). Inputs are
 # zero-padded to a multiple of this instead (the padded columns of the weight are zero too).
 _INPUT_MULTIPLE = 16
 _INT8_MM = torch.ops.aten._weight_int8pack_mm
 
 
-def check_draft_weights(value) -> str:
+def check_draft_weights(value, name: str = "draft_weights") -> str:
     """The draft's weights: ``"same"`` (None means the same) or ``"int8"``; a clear error otherwise."""
-    if value is None:
-        return "same"
-    if value not in DRAFT_WEIGHTS:
-        raise AttnkitError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {value!r}")
-    return value
+    return "same" if value is None else choice(name, value, DRAFT_WEIGHTS)
 
 
 class Int8WeightLinear(nn.Module):

@@ -1,0 +1,80 @@
+"""Rolling a session back after a speculative round: drop the newest slots, or restore a snapshot.
+
+After a round a cache has been fed tokens beyond the ones the target accepted; those must be undone.
+For a cache that only appends while decoding (``full``, the target's; ``snapkv``, which compresses the
+prompt once) dropping the newest slots (``LayerKV.length -= k``) is exact: later slots are never read
+and the next append overwrites them (:func:`drop_newest`). An evicting cache cannot be truncated:
+writing a drafted token may have evicted an entry for good, and the method's statistics
+(``LayerKV.extras`` score buffers, ``session.layer_state`` counters and saved keys, ``session.shared``
+scores) have absorbed the drafted tokens. For those the draft snapshots the whole session after each
+token it feeds (:func:`snapshot_session`: tensors cloned, one copy of the *compressed* cache per
+drafted token) and restores the snapshot of the last accepted token (:func:`restore_session`, no
+replay forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.cache import LayerKV
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import Session
+
+
+def _copy_state(obj):
+    """Deep copy of tensors inside dicts/lists/tuples; any other object is kept by reference (e.g. the
+    Step a method remembers, whose identity is what it compares)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _copy_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_state(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_copy_state(v) for v in obj)
+    return obj
+
+
+@dataclass
+class SessionSnapshot:
+    layers: list
+    layer_state: list
+    shared: dict
+
+
+def snapshot_session(session: Session) -> SessionSnapshot:
+    """Everything a method may change while decoding: every layer's slots (keys, values, positions,
+    length, extras) and the per-layer and shared method state."""
+    layers = []
+    for kv in session.cache.layers:
+        if kv is None:
+            layers.append(None)
+        else:
+            layers.append(LayerKV(kv.keys.clone(), kv.values.clone(), kv.positions.clone(), kv.length, kv.ring,
+                                  {k: v.clone() for k, v in kv.extras.items()}))
+    return SessionSnapshot(layers, _copy_state(session.layer_state), _copy_state(session.shared))
+
+
+def restore_session(session: Session, snap: SessionSnapshot) -> None:
+    """Put a snapshot back (its tensors are handed over, not copied again: use each snapshot once)."""
+    session.cache.layers = list(snap.layers)
+    session.layer_state = snap.layer_state
+    session.shared = snap.shared
+
+
+def drop_newest(session: Session, count: int) -> None:
+    """Undo the last `count` tokens fed to a cache that only appends while decoding (``full``, the
+    target's; ``Method.decode_only_appends``, a compressed draft cache, which holds fewer slots than
+    positions): its newest `count` slots in every layer are never read again and are overwritten by the
+    next append."""
+    for kv in session.cache.layers:
+        if kv is None:
+            continue
+        if kv.ring:
+            raise AttnkitError("a ring-buffer cache has overwritten the entries a rollback would restore; "
+                               "snapshot the session instead")
+        if not 0 <= count <= kv.length:
+            raise AttnkitError(f"cannot drop the newest {count} of {kv.length} entries of this cache")
+        kv.length -= count
