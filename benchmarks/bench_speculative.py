@@ -29,10 +29,10 @@ so machine drifts hit all alike); figures are medians over prompts x repeats, an
 spread of the per-run speed-ups (speculative / plain on the same prompt and repeat) and each prompt's
 median (in the JSON: ``per_run_x_attnkit_plain``); for attnkit speculative, one more line says where a
 round's time goes, in decoding steps of the paired plain run (``per_round``:
-:func:`attnkit.speculative.bench.time_per_round`). Decode tok/s counts the
+:func:`attnkit.bench.speculative.time_per_round`). Decode tok/s counts the
 tokens after the first over the time after the first token (attnkit: its stats; transformers: a
 streamer timestamps the first new token). Prompts are held-out standard-library code (LongBench lcc
-style, :func:`attnkit.speculative.bench.code_prompt`).
+style, :func:`attnkit.bench.speculative.code_prompt`).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from pathlib import Path
 import torch
 
 import attnkit
+from attnkit.bench.speculative import code_prompt, format_time_per_round, time_per_round
 from attnkit.bench.speed import check_benchmark_tokens
 from attnkit.eval.provenance import cpu_name
 from attnkit.speculative import make_draft, speculative_generate
-from attnkit.speculative.bench import code_prompt, format_time_per_round, time_per_round
 from attnkit.speculative.int8_weights import DRAFT_WEIGHTS
 
 
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-gamma", type=int, default=None, help="cap of adaptive gamma (default max(2 gamma, 8))")
     ap.add_argument("--verify-cost", type=float, default=None,
                     help="extra cost of one more verified token relative to a 1-token target step, for "
-                         "adaptive gamma (default attnkit.speculative.drafts.DEFAULT_VERIFY_COST)")
+                         "adaptive gamma (default attnkit.speculative.draft.DEFAULT_VERIFY_COST)")
     ap.add_argument("--prompts", type=int, default=3, help="different code prompts")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
@@ -148,8 +148,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     model = load(args.model, args.context + args.new_tokens + 64)
-    draft = make_draft(args.kind, args.draft, model, lookup=args.draft_lookup, confidence=args.draft_confidence,
-                       weights=args.draft_weights)
+    draft = make_draft(args.kind, model, draft=args.draft, draft_lookup=args.draft_lookup,
+                       draft_confidence=args.draft_confidence, draft_weights=args.draft_weights or "same")
     prompts = [code_prompt(model, args.context, seed) for seed in range(args.prompts)]
 
     verify_cost = {} if args.verify_cost is None else {"verify_cost": args.verify_cost}

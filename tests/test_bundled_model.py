@@ -6,7 +6,9 @@ import os
 import pytest
 
 import attnkit
+from attnkit.bench.speculative import code_prompt
 from attnkit.eval.tasks import TASKS
+from attnkit.speculative import make_draft, speculative_generate
 
 # needles in the first half of a 1024-token prompt: at least 400 tokens before the question
 DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5)
@@ -44,9 +46,6 @@ def test_yarn_extends_tiny_beyond_its_trained_positions():
     """``tiny:yarn=2`` runs past tiny's 4096 positions (where plain ``tiny`` refuses the prompt), and
     greedy self-speculation with a compressed draft cache (drafting token by token, or verifying
     prompt-lookup guesses) is still token for token plain greedy there."""
-    from attnkit.speculative.bench import code_prompt
-    from attnkit.speculative.drafts import make_draft
-    from attnkit.speculative.generate import speculative_generate
 
     extended = attnkit.load_model("tiny:yarn=2")
     assert extended.geometry.max_positions == 8192
@@ -56,7 +55,7 @@ def test_yarn_extends_tiny_beyond_its_trained_positions():
         attnkit.generate(attnkit.load_model("tiny"), ids, max_new_tokens=8)
     plain = attnkit.generate(extended, ids, max_new_tokens=12, stop_at_eos=False)
     for lookup in (False, True):
-        draft = make_draft("self", "snapkv:budget_tokens=256", extended, lookup=lookup)
+        draft = make_draft("self", extended, draft="snapkv:budget_tokens=256", draft_lookup=lookup)
         spec = speculative_generate(extended, ids, draft, gamma=4, max_new_tokens=12, stop_at_eos=False)
         assert spec.token_ids == plain.token_ids, lookup
 

@@ -105,7 +105,7 @@ def _one_line_error(capsys, argv, *fragments, status=2):
     (["generate", "--prompt", "hi", "--chunk-size", "0"], ["--chunk-size must be a whole number >= 1"]),
     (["generate", "--prompt", "hi", "--speculate", "self", "--gamma", "0"], ["--gamma must be a whole number >= 1"]),
     (["generate", "--prompt", "hi", "--speculate", "self", "--draft-confidence", "1"],
-     ["--draft-confidence must be a number with 0.0 < x < 1.0", "got 1.0"]),
+     ["--draft-confidence must be a probability between 0 and 1", "got 1.0"]),
     (["bench", "--threads", "0"], ["--threads must be a whole number >= 1", "got 0"]),
     (["generate", "--prompt", "hi", "--method", "nope"], ["unknown method 'nope'", "full"]),
     (["generate", "--prompt", "hi", "--speculate", "later"], ["invalid choice: 'later'", "prompt_lookup"]),

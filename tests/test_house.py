@@ -134,3 +134,13 @@ def test_the_checker_sees_function_level_and_upward_imports(tmp_path):
     probe.write_text("from attnkit.errors import AttnkitError\n\ndef f():\n    from attnkit.cli import main\n")
     assert imports(probe) == [("attnkit.errors", False, 1), ("attnkit.cli", True, 4)]
     assert layer("attnkit.cli") > layer("attnkit.errors")
+
+
+def test_method_classes_are_exported_under_their_registry_names():
+    import attnkit.methods as methods
+
+    def squash(name: str) -> str:
+        return name.replace("_", "").lower()
+
+    for name, cls in methods.METHODS.items():
+        assert getattr(methods, cls.__name__) is cls and squash(cls.__name__) == squash(name), name

@@ -319,9 +319,9 @@ def test_compose_specs_and_recipes(tmp_path):
     assert m.name == "compose" and m.prefill_method.k_s == 8 and m.cache_method.window_size == 8
     again = recipe_from_dict(json.loads(json.dumps(recipe_to_dict(m))))
     assert again.params() == m.params()
-    from attnkit.methods.compose import Composed
+    from attnkit.methods.compose import Compose
     from attnkit.methods.snapkv import SnapKV
-    inst = Composed(prefill={"method": "a_shape", "params": {"n_init": 64}}, cache=SnapKV(budget=0.5))
+    inst = Compose(prefill={"method": "a_shape", "params": {"n_init": 64}}, cache=SnapKV(budget=0.5))
     assert inst.params()["cache"] == {"method": "snapkv", "params": SnapKV(budget=0.5).params()}
     with pytest.raises(AttnkitError, match="exactly two"):
         parse_method_spec("full+full+full")

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import attnkit
 from attnkit.attention import attend, folded_attention, folded_bias
+from attnkit.bench.speculative import format_time_per_round, run_speculative_bench, time_per_round
 from attnkit.cli import main
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.methods.base import resolve_method
@@ -32,7 +33,6 @@ from attnkit.speculative import (
     speculative_accept,
     speculative_generate,
 )
-from attnkit.speculative.bench import format_time_per_round, run_speculative_bench, time_per_round
 from attnkit.speculative.rollback import drop_newest, snapshot_session
 from attnkit.speculative.target import VerifyingFull, prefill_sessions
 from attnkit.tokenizer import build_byte_tokenizer
@@ -671,6 +671,11 @@ def test_verifying_full_steps_equal_one_token_decoding(greedy_models, model_spec
 def _state_equal(x, y) -> bool:
     if isinstance(x, torch.Tensor):
         return isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return type(x) is type(y) and all(_state_equal(getattr(x, f.name), getattr(y, f.name))
+                                          for f in dataclasses.fields(x))
+    if isinstance(x, (bool, int, float, str, type(None))):
+        return x == y
     if isinstance(x, dict):
         return isinstance(y, dict) and x.keys() == y.keys() and all(_state_equal(x[k], y[k]) for k in x)
     if isinstance(x, (list, tuple)):
@@ -737,7 +742,7 @@ def test_draft_rollback_equals_feeding_only_accepted_tokens(greedy_models, spec)
             assert torch.allclose(ka, kb, atol=1e-6) and torch.allclose(va, vb, atol=1e-6)
             assert ea.keys() == eb.keys() and all(torch.allclose(ea[k], eb[k], atol=1e-5) for k in ea)
         assert _state_equal(d.session.layer_state, ref.session.layer_state)
-        assert _state_equal(d.session.shared, ref.session.shared)
+        assert _state_equal(d.session.state, ref.session.state)
         # and both continue identically
         nxt = context + drafted[:accepted] + [42]
         assert d.propose(nxt, 3).tokens == ref.propose(nxt, 3).tokens

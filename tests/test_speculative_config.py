@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 import attnkit
-from attnkit.methods.base import parse_method_spec
+from attnkit.methods.spec import parse_method_spec
 from attnkit.speculative import PromptLookupDraft, SpeculativeConfig, make_draft, speculative_config
 
 
@@ -57,7 +57,7 @@ def test_options_are_field_names():
     assert config == SpeculativeConfig("self", gamma=3, draft_lookup=True)
     assert speculative_config(config, gamma=5).gamma == 5 and speculative_config(config) is config
     spec = "snapkv:budget_tokens=8,window_size=2"
-    assert speculative_config("self", draft_spec=spec).draft == spec  # the old name, still passed by cli.py
+    assert speculative_config("self", draft=spec).draft == spec
     with pytest.raises(attnkit.AttnkitError, match="no speculative decoding option gama; options: gamma"):
         speculative_config("self", gama=3)
     with pytest.raises(attnkit.AttnkitError, match="draft_weights must be one of same, int8"):

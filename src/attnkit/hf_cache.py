@@ -100,7 +100,7 @@ class AttnkitCache(Cache):
     `model` is a :class:`~attnkit.model.LoadedModel` or a transformers causal LM whose attention
     implementation is ``"attnkit"``; `method` a registered name (with `params`) or a method instance;
     `max_new_tokens` the generation length passed to ``generate`` (it sizes the cache and sets
-    Keyformer's temperature schedule, eq. 10 of the seed).
+    Keyformer's temperature schedule, eq. 10 of the Keyformer paper).
     """
 
     def __init__(self, model, method: str | Method = "full", *, params: dict | None = None,

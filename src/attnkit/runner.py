@@ -152,22 +152,3 @@ def token_nll(model: LoadedModel, ids, method: str | Method | None = "full", *, 
         nll.append(torch.nn.functional.cross_entropy(logits_of(model, hidden[s:e]), ids[s + 1:e + 1],
                                                      reduction="none"))
     return torch.cat(nll)
-
-
-# ---- transitional names for importers not yet moved to the defining modules ------------------------------
-from attnkit.forward import run_decoder_layers  # noqa: E402,F401
-
-_sync = sync
-
-
-def generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop):
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                              top_k=top_k, top_p=top_p, seed=seed, stop=stop)
-    return config.sampling, list(config.stop)
-
-
-def check_benchmark_tokens(new_tokens: int, name: str = "new_tokens") -> None:
-    """A benchmark times decoding over the tokens after the first: it needs at least two new tokens."""
-    from attnkit.validate import whole
-
-    whole(name, new_tokens, 2, what=" for a benchmark (decoding speed is timed over the tokens after the first)")

@@ -37,7 +37,6 @@ class Session:
     rope: Any = None
     layer_state: list = field(default_factory=list)
     state: Any = None  # the method's per-generation state (shared by its layers)
-    shared: dict = field(default_factory=dict)  # transitional: string-keyed state, being replaced by `state`
 
     def __post_init__(self):
         self.layer_state = [self.method.new_layer_state() for _ in range(self.n_layers)]

@@ -1,8 +1,8 @@
 """Offline calibration tools that write JSON configs (``attnkit calibrate ...``).
 
 - :mod:`attnkit.calibrate.patterns`: MInference's kernel-aware search of a sparse pattern per head.
-- :mod:`attnkit.calibrate.heads`: Share-Attention's head clusters by the eq. 9 distance (seed 000).
-- :mod:`attnkit.calibrate.filter_layer`: Select-Attention's filter-layer sweep (seed 000).
+- :mod:`attnkit.calibrate.heads`: Share-Attention's head clusters by the eq. 9 distance (Taniguchi et al.).
+- :mod:`attnkit.calibrate.filter_layer`: Select-Attention's filter-layer sweep (Taniguchi et al., section 4.2).
 """
 
 import sys

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 from attnkit.cli.options import positive_finite
-from attnkit.cli.speculation import check_speculation_options
+from attnkit.cli.speculation import speculation_from_options
 from attnkit.errors import AttnkitError
 from attnkit.methods import METHODS
 from attnkit.methods.spec import split_method_spec, split_spec_list
 from attnkit.recipe import Recipe, as_recipe, load_recipe_file
+from attnkit.speculative import speculative_generate
 from attnkit.validate import fraction, whole
 
 
@@ -94,16 +95,16 @@ def check_sampling_options(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    check_speculation_options(args)
+    speculation = speculation_from_options(args)
     check_sampling_options(args)
     if (args.prompt is None) == (args.prompt_file is None):
         raise AttnkitError("give exactly one of --prompt TEXT or --prompt-file FILE")
     prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
     recipe = recipe_from_options(args.method, args.param, args.recipe)
     method = recipe.method()
-    if args.speculate and recipe.decode is not None:
+    if speculation is not None and recipe.decode is not None:
         raise AttnkitError("give speculative decoding either in the recipe's 'decode' or with --speculate, not both")
-    if args.speculate and getattr(method, "name", None) != "full":
+    if speculation is not None and getattr(method, "name", None) != "full":
         raise AttnkitError(f"--speculate verifies with full attention; --method {method.describe()} is not used "
                            f"(for self-speculation give the draft's method with --draft)")
     model = load(args.model)
@@ -111,20 +112,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, do_sample=args.do_sample,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                     on_token=stream)
-    if args.speculate:
-        from attnkit.speculative import speculative_generate
-
-        out = speculative_generate(model, prompt, args.speculate, draft_spec=args.draft,
-                                   draft_lookup=args.draft_lookup, draft_confidence=args.draft_confidence,
-                                   draft_weights=args.draft_weights, gamma=args.gamma,
-                                   adaptive_gamma=args.adaptive_gamma, **sampling)
+    if speculation is not None:
+        out = speculative_generate(model, prompt, speculation, **sampling)
     else:
         out = recipe.generate(model, prompt, **sampling)
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.as_dict()}))
     else:
         print()
-        print_generation_stats(out.stats, speculative=bool(args.speculate or recipe.decode is not None))
+        print_generation_stats(out.stats, speculative=speculation is not None or recipe.decode is not None)
     return 0
 
 
@@ -142,17 +138,19 @@ def print_generation_stats(s, speculative: bool) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from attnkit.bench.speculative import bench_speculative, format_rows
     from attnkit.bench.speed import check_benchmark_tokens, format_bench, measure_bandwidth, run_bench
 
-    check_speculation_options(args)
+    speculation = speculation_from_options(args)
     check_benchmark_tokens(args.new_tokens, name="--new-tokens")  # before the model loads
     whole("--context", args.context, minimum=1)
     whole("--repeats", args.repeats, minimum=1)
     whole("--bandwidth-mib", args.bandwidth_mib, minimum=0)
-    if args.speculate:
-        from attnkit.speculative.bench import bench_from_args
-
-        return bench_from_args(args)
+    if speculation is not None:
+        rows = bench_speculative(args.model, speculation, context=args.context, new_tokens=args.new_tokens,
+                                 repeats=args.repeats, seed=args.seed)
+        print(json.dumps(rows) if args.json else format_rows(rows))
+        return 0
     methods = split_spec_list(args.methods) + recipe_files(args.recipe)
     model = load(args.model, context=args.context + args.new_tokens)
 

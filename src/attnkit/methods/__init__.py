@@ -1,20 +1,23 @@
-"""Registered attention methods, one file each (see :mod:`attnkit.methods.base` for the contract)."""
+"""Registered attention methods, one file each (see :mod:`attnkit.methods.base` for the contract).
 
-from attnkit.methods import (  # noqa: F401  (registration)
-    a_shape,
-    compose,
-    full,
-    gemfilter,
-    h2o,
-    keyformer,
-    minference,
-    select,
-    share,
-    snapkv,
-    streaming,
-    window,
-)
+Each class is exported under the name of its registry entry: ``make_method("h2o", ...)`` builds an
+:class:`H2O`, ``"a_shape"`` an :class:`AShape`, ``"minference_static"`` an :class:`MInferenceStatic`.
+"""
+
+from attnkit.methods.a_shape import AShape
 from attnkit.methods.base import Method
+from attnkit.methods.compose import Compose
+from attnkit.methods.full import Full
+from attnkit.methods.gemfilter import GemFilter
+from attnkit.methods.h2o import H2O
+from attnkit.methods.keyformer import Keyformer
+from attnkit.methods.minference import MInference, MInferenceStatic
+from attnkit.methods.select import Select
+from attnkit.methods.share import Share
+from attnkit.methods.snapkv import SnapKV
 from attnkit.methods.spec import METHODS, make_method, parse_method_spec
+from attnkit.methods.streaming import Streaming
+from attnkit.methods.window import Window
 
-__all__ = ["METHODS", "Method", "make_method", "parse_method_spec"]
+__all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "Full", "GemFilter", "H2O",
+           "Keyformer", "MInference", "MInferenceStatic", "Select", "Share", "SnapKV", "Streaming", "Window"]

@@ -33,14 +33,8 @@ import torch
 
 from attnkit.attention import attend, folded_attention, folded_bias, sdpa
 from attnkit.errors import AttnkitError
-from attnkit.methods.spec import (  # noqa: F401  (transitional re-exports for the method modules)
-    METHODS,
-    make_method,
-    parse_method_spec,
-    register,
-    split_method_spec,
-)
-from attnkit.session import LayerContext, Session, Step  # noqa: F401  (transitional re-exports)
+from attnkit.methods.spec import make_method
+from attnkit.session import LayerContext
 
 
 class Method:

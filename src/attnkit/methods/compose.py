@@ -61,7 +61,7 @@ def _as_method(value, role: str) -> Method:
     else:
         raise AttnkitError(f"{role} must be a method spec ('snapkv:budget=0.3'), a recipe dict or a Method, "
                          f"got {type(value).__name__}")
-    if isinstance(method, Composed):
+    if isinstance(method, Compose):
         raise AttnkitError(f"the {role} method of compose cannot itself be a composition")
     if method.run_layers is not None:
         raise AttnkitError(f"{method.name!r} runs the decoder layers itself (a model-level hook) and cannot be "
@@ -90,7 +90,7 @@ def _spec(value, method: Method):
 
 @register
 @dataclass(frozen=True)
-class Composed(Method):
+class Compose(Method):
     """Prefill outputs from `prefill`, everything about the KV cache from `cache`."""
 
     prefill: str | dict | Method = "full"

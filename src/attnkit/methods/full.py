@@ -14,7 +14,7 @@ from attnkit.methods.spec import register
 
 @register
 @dataclass(frozen=True)
-class FullAttention(Method):
+class Full(Method):
     """Dense causal attention; the KV cache holds prompt + generated tokens."""
 
     name = "full"

@@ -29,7 +29,7 @@ from attnkit.session import LayerContext
 
 @register
 @dataclass(frozen=True)
-class HeavyHitters(RecentWindowEviction):
+class H2O(RecentWindowEviction):
     """Accumulated-attention heavy hitters + recent window, per kv head."""
 
     name = "h2o"

@@ -40,7 +40,7 @@ class StreamingState(EvictionState):
 
 @register
 @dataclass(frozen=True)
-class StreamingLLM(EvictionMethod):
+class Streaming(EvictionMethod):
     """Attention sinks + recent window; positions original or re-indexed in the cache."""
 
     sinks: int = 4

@@ -25,7 +25,7 @@ from attnkit.validate import is_whole
 
 @register
 @dataclass(frozen=True)
-class SlidingWindow(Method):
+class Window(Method):
     """Sliding-window attention over the last `window` tokens (self included), rolling cache."""
 
     window: int = 1024

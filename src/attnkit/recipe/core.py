@@ -40,13 +40,11 @@ from attnkit.recipe import budget as budgets
 from attnkit.recipe.peer import PREFIX as PEER_PREFIX
 from attnkit.recipe.peer import check_press_name, parse_peer_spec, require_kvpress
 from attnkit.runner import generate
-from attnkit.speculative import speculative_generate
+from attnkit.speculative import SpeculativeConfig, speculative_generate
 
 RECIPE_KEYS = ("method", "params", "name", "description")
 PART_ROLES = ("prefill", "cache", "heads", "select")
 ALL_RECIPE_KEYS = RECIPE_KEYS + PART_ROLES + ("decode", "kvpress")
-DECODE_KEYS = ("speculate", "gamma", "adaptive_gamma", "max_gamma", "draft", "draft_lookup", "draft_confidence",
-               "draft_weights")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,7 +85,7 @@ class Recipe:
     ``cache``, ``heads``, ``select``) to ``(method name, params)``."""
 
     parts: dict[str, tuple[str, dict]] = field(default_factory=dict)
-    decode: dict | None = None
+    decode: SpeculativeConfig | None = None
     peer: tuple[str, dict] | None = None  # (kvpress press class, params)
     name: str | None = None
     description: str | None = None
@@ -167,7 +165,7 @@ class Recipe:
                 raise AttnkitError(f"{source}: 'params' belongs to 'method'; give each part's params inside it")
             for role in given:
                 parts[role] = _parse_part(data[role], f"{source}: {role}")
-        decode = _parse_decode(data.get("decode"), source)
+        decode = None if data.get("decode") is None else SpeculativeConfig.from_mapping(data["decode"], source)
         recipe = cls(parts, decode, name=name, description=description, source=source)
         recipe.check()
         return recipe
@@ -186,8 +184,8 @@ class Recipe:
             attn = "+".join(_spec_text(*self.parts[r]) for r in PART_ROLES if r in self.parts) or "full"
         if self.decode is None:
             return attn
-        dec = _spec_text(f"speculate:{self.decode['speculate']}",
-                         {k: v for k, v in self.decode.items() if k != "speculate"})
+        mapping = self.decode.to_mapping()
+        dec = _spec_text(f"speculate:{mapping.pop('speculate')}", mapping)
         return dec if attn == "full" else f"{attn} {dec}"
 
     @property
@@ -261,12 +259,7 @@ class Recipe:
         with its decoding strategy; `options` are theirs (max_new_tokens, stop, ...)."""
         if self.decode is None:
             return generate(model, prompt, self.method(), **options)
-        d = self.decode
-        return speculative_generate(model, prompt, d["speculate"], draft_spec=d.get("draft"),
-                                    draft_lookup=d.get("draft_lookup", False),
-                                    draft_confidence=d.get("draft_confidence"), draft_weights=d.get("draft_weights"),
-                                    gamma=d.get("gamma", 4), adaptive_gamma=d.get("adaptive_gamma", False),
-                                    max_gamma=d.get("max_gamma"), **options)
+        return speculative_generate(model, prompt, self.decode, **options)
 
     def to_dict(self) -> dict:
         """The recipe as a mapping :meth:`from_dict` reads back (JSON-safe)."""
@@ -282,7 +275,7 @@ class Recipe:
             if role in self.parts:
                 out[role] = {"method": self.parts[role][0], "params": dict(self.parts[role][1])}
         if self.decode is not None:
-            out["decode"] = dict(self.decode)
+            out["decode"] = self.decode.to_mapping()
         return out
 
 
@@ -302,41 +295,6 @@ def _parse_part(value, source: str) -> tuple[str, dict]:
             raise AttnkitError(f"{source}: 'params' must be a mapping of parameter names to values")
         return value["method"], dict(params)
     raise AttnkitError(f"{source}: a part is a method spec string or a mapping, got {type(value).__name__}")
-
-
-def _parse_decode(value, source: str) -> dict | None:
-    from attnkit.speculative.drafts import DRAFT_KINDS, check_confidence
-    from attnkit.speculative.int8_weights import check_draft_weights
-
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise AttnkitError(f"{source}: 'decode' must be a mapping like {{'speculate': 'prompt_lookup', 'gamma': 4}}")
-    unknown = sorted(set(value) - set(DECODE_KEYS))
-    if unknown:
-        raise AttnkitError(f"{source}: decode has no key {', '.join(unknown)}; allowed: {', '.join(DECODE_KEYS)}")
-    if value.get("speculate") not in DRAFT_KINDS:
-        raise AttnkitError(f"{source}: decode.speculate must be one of {', '.join(DRAFT_KINDS)}, "
-                           f"got {value.get('speculate')!r}")
-    for key in ("gamma", "max_gamma"):
-        v = value.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise AttnkitError(f"{source}: decode.{key} must be a whole number >= 1, got {v!r}")
-    for key in ("adaptive_gamma", "draft_lookup"):
-        if not isinstance(value.get(key, False), bool):
-            raise AttnkitError(f"{source}: decode.{key} must be true or false")
-    try:
-        check_confidence(value.get("draft_confidence"))
-    except AttnkitError:
-        raise AttnkitError(f"{source}: decode.draft_confidence must be a probability between 0 and 1, "
-                           f"got {value.get('draft_confidence')!r}") from None
-    try:
-        check_draft_weights(value.get("draft_weights"))
-    except AttnkitError as e:
-        raise AttnkitError(f"{source}: decode.{e}") from None
-    if value.get("draft") is not None and not isinstance(value["draft"], str):
-        raise AttnkitError(f"{source}: decode.draft must be a spec string (as --draft takes)")
-    return {k: value[k] for k in DECODE_KEYS if k in value}
 
 
 def load_recipe_file(path: str | Path) -> Recipe:

@@ -164,7 +164,7 @@ def outcome_probabilities(draft_tokens: torch.Tensor, draft_probs: torch.Tensor 
 
     With ``a_i`` from (A): ``P[k] = a_1 ... a_k (1 - a_{k+1}) * residual_{k+1}`` for ``k < gamma`` and
     ``P[gamma] = a_1 ... a_gamma * q_{gamma+1}``. Summed over the drafts ``x~ ~ p`` this reproduces the
-    target's distribution (the seed's proof); the tests check it by enumeration.
+    target's distribution (Leviathan et al. 2023, appendix A.1); the tests check it by enumeration.
     """
     gamma = _check_shapes(draft_tokens, draft_probs, target_probs)
     out = torch.zeros_like(target_probs, dtype=torch.float64)

@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import Method, parse_method_spec
-from attnkit.methods.full import FullAttention
+from attnkit.methods.base import Method
+from attnkit.methods.full import Full
+from attnkit.methods.spec import parse_method_spec
 from attnkit.model import LoadedModel
 from attnkit.speculative.draft import DEFAULT_VERIFY_COST, DraftSource
 from attnkit.speculative.int8_weights import DRAFT_WEIGHTS, check_draft_weights
@@ -43,7 +44,7 @@ def self_draft_method(spec: str | Method | None, lookup: bool = False) -> Method
         method = spec
     else:
         method = parse_method_spec(spec or (DEFAULT_SELF_LOOKUP_METHOD if lookup else DEFAULT_SELF_METHOD))
-    if isinstance(method, FullAttention):
+    if isinstance(method, Full):
         raise AttnkitError("self-speculation drafts with a compressed cache: give an eviction method such as "
                            f"{DEFAULT_SELF_METHOD!r}, not {method.describe()!r} (that is the target itself)")
     return method
@@ -241,7 +242,7 @@ def from_arguments(args) -> SpeculativeConfig | None:
         key = f.metadata["key"] or f.name
         value = getattr(args, key, None)
         if value is not None and value is not False:
-            given[f.name] = value
+            given[f.name] = f.metadata["check"]("--" + key.replace("_", "-"), value)  # errors name the flag
     source = given.pop("source", None)
     if source is None:
         if given:
@@ -252,20 +253,11 @@ def from_arguments(args) -> SpeculativeConfig | None:
     return SpeculativeConfig(source, **given)
 
 
-# Old keyword names still accepted by speculative_config (cli.py and recipe.py pass draft_spec).
-_RENAMED = {"draft_spec": "draft"}
-
-
 def speculative_config(config: SpeculativeConfig | str | DraftSource = "prompt_lookup",
                        **options) -> SpeculativeConfig:
     """A :class:`SpeculativeConfig` from a config, a source name or a DraftSource, with `options` (field
     names) set on it: what :func:`attnkit.speculative.speculative_generate` and
     :func:`attnkit.speculative.factory.make_draft` take."""
-    for old, new in _RENAMED.items():
-        if old in options:
-            if new in options:
-                raise AttnkitError(f"give {new} or {old}, not both")
-            options[new] = options.pop(old)
     names = [f.name for f in fields(SpeculativeConfig) if f.name != "source"]
     unknown = sorted(set(options) - set(names))
     if unknown:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.methods.base import Session
 from attnkit.model import LoadedModel
 from attnkit.sampling import SamplingConfig
+from attnkit.session import Session
 
 # Extra cost of each drafted token in the target's verification forward, relative to a one-token target
 # step (the forward over gamma + 1 tokens costs about 1 + gamma * this). Where the step is memory-bound

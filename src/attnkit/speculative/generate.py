@@ -31,28 +31,18 @@ and ``n`` tokens cost about what one does: hence ``verify_cost``. Gamma, fixed o
 
 from __future__ import annotations
 
-import resource
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
-from attnkit.methods.base import Step
-from attnkit.model import LoadedModel
-from attnkit.runner import (
-    Generation,
-    GenerationStats,
-    TokenEmitter,
-    _sync,
-    check_length,
-    encode_prompt,
-    forward,
-    generation_options,
-    logits_of,
-    new_session,
-)
+from attnkit.forward import forward, logits_of
+from attnkit.generation import GenerationConfig, TokenEmitter, check_length, encode_prompt, sync
+from attnkit.model import LoadedModel, check_loaded_model
+from attnkit.runner import Generation, GenerationStats, peak_rss_bytes
 from attnkit.sampling import choose_token, next_token_distribution
+from attnkit.session import Step, new_session
 from attnkit.speculative.acceptance import greedy_accept, speculative_accept
 from attnkit.speculative.config import SpeculativeConfig, speculative_config
 from attnkit.speculative.draft import DraftRun, DraftSource, Proposal
@@ -60,6 +50,8 @@ from attnkit.speculative.factory import make_draft
 from attnkit.speculative.gamma import GammaController
 from attnkit.speculative.rollback import drop_newest
 from attnkit.speculative.target import VerifyingFull, prefill_sessions
+
+GENERATION_OPTIONS = frozenset(f.name for f in fields(GenerationConfig))
 
 
 @dataclass
@@ -82,42 +74,41 @@ class SpeculativeStats(GenerationStats):
 
 @torch.inference_mode()
 def speculative_generate(model: LoadedModel, prompt, config: SpeculativeConfig | str | DraftSource = "prompt_lookup",
-                         *, max_new_tokens: int = 64, chunk_size: int | None = None,
-                         do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                         top_p: float | None = None, seed: int | None = None,
-                         stop: Sequence[str] | str | None = None, stop_at_eos: bool = True,
+                         *, generation: GenerationConfig | None = None,
                          on_token: Callable[[int, str], None] | None = None, **options) -> Generation:
     """Generate like :func:`attnkit.generate` (full attention), drafting with the source of `config` and
     verifying up to ``gamma`` drafted tokens per target forward.
 
     `config` is a :class:`SpeculativeConfig`, a source name (``"draft_model"``, ``"prompt_lookup"``,
-    ``"self"``) or a :class:`DraftSource`; `options` are :class:`SpeculativeConfig` field names set on it
-    (``gamma=3, draft="snapkv:budget_tokens=512", draft_lookup=True``...; see the fields' help). A round
-    with nothing to verify (the source proposed nothing) is an ordinary decoding step. The other
-    arguments are the plain runner's.
-    Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
+    ``"self"``) or a :class:`DraftSource`. `options` are field names of :class:`SpeculativeConfig`
+    (``gamma=3, draft="snapkv:budget_tokens=512", draft_lookup=True``...; see the fields' help) or of
+    :class:`attnkit.generation.GenerationConfig` (``max_new_tokens``, ``do_sample``, ``stop``...), set on
+    `config` and `generation`. A round with nothing to verify (the source proposed nothing) is an
+    ordinary decoding step. Returns a :class:`Generation` whose stats are :class:`SpeculativeStats`.
     """
-    sampling, stops = generation_options(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
+    model = check_loaded_model(model)
+    generation = GenerationConfig.build(generation, **{k: options.pop(k) for k in list(options)
+                                                       if k in GENERATION_OPTIONS})
     config = speculative_config(config, **options)
     source = make_draft(config, model)
     gamma, adaptive_gamma, verify_cost = config.gamma, config.adaptive_gamma, config.verify_cost
+    max_new_tokens, chunk_size, sampling = generation.max_new_tokens, generation.chunk_size, generation.sampling
     ids = encode_prompt(model, prompt)
     n = ids.shape[0]
     check_length(model, n, max_new_tokens)
     device = model.device
     generator = sampling.generator(device)
     tokenizer = model.tokenizer
-    eos = getattr(tokenizer, "eos_token_id", None) if stop_at_eos else None
     target = VerifyingFull()
     session = new_session(model, target, n, max_new_tokens)
 
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     shared = source.start(DraftRun(model, ids, max_new_tokens, sampling, generator, chunk_size, adaptive_gamma,
                                    float(verify_cost)))
     sessions = [session] if shared is None else [session, shared]
     logits = logits_of(model, prefill_sessions(model, sessions, ids, chunk_size))[-1]
-    _sync(device)
+    sync(device)
     prefill_s = time.perf_counter() - t0
     first = choose_token(logits, sampling, generator)
     ttft_s = time.perf_counter() - t0
@@ -126,7 +117,7 @@ def speculative_generate(model: LoadedModel, prompt, config: SpeculativeConfig |
     # the controller adapts gamma only for a source that does not size its proposals (else it only caps)
     control = GammaController(gamma, adaptive_gamma and not own_sizes, config.max_gamma, source.relative_cost(),
                               verify_cost=verify_cost)
-    emit = TokenEmitter(tokenizer, eos, stops, on_token)
+    emit = TokenEmitter(tokenizer, generation.eos(tokenizer), generation.stop, on_token)
     context = ids.tolist() + [first]
     rounds = drafted_total = accepted_total = emitted_by_rounds = 0
     draft_s = verify_s = 0.0
@@ -139,7 +130,7 @@ def speculative_generate(model: LoadedModel, prompt, config: SpeculativeConfig |
         proposal = source.propose(context, g) if g > 0 else Proposal([])
         drafted = list(proposal.tokens[:g])
         probs = proposal.probs[:len(drafted)] if proposal.probs is not None else None
-        _sync(device)
+        sync(device)
         t_verify = time.perf_counter()
         draft_s += t_verify - t_round
 
@@ -156,7 +147,7 @@ def speculative_generate(model: LoadedModel, prompt, config: SpeculativeConfig |
         drop_newest(session, len(drafted) - result.accepted)  # the target keeps c_L and the accepted drafts
         if g > 0:
             source.feedback(result.accepted)
-        _sync(device)
+        sync(device)
         verify_s += time.perf_counter() - t_verify
 
         rounds += 1
@@ -170,19 +161,19 @@ def speculative_generate(model: LoadedModel, prompt, config: SpeculativeConfig |
             done = emit.push(tok)
             if done:
                 break
-    _sync(device)
+    sync(device)
     decode_s = time.perf_counter() - t_decode
     draft_session = getattr(source, "session", None)  # a draft model's or the self-draft's cache
     text = emit.close()
     generated, finish = emit.generated, emit.finish
-    decode_steps = max(0, len(generated) - 1 + (finish == "eos"))
+    decode_steps = emit.decode_steps()
     total_s = prefill_s + decode_s
     stats = SpeculativeStats(
         method=target.describe(), prompt_tokens=n, new_tokens=len(generated), prefill_s=prefill_s, ttft_s=ttft_s,
         decode_s=decode_s, decode_tokens_per_s=decode_steps / decode_s if decode_steps and decode_s > 0 else 0.0,
         peak_kv_bytes=session.cache.peak_bytes + (draft_session.cache.peak_bytes if draft_session is not None else 0),
         final_kv_bytes=session.cache.nbytes(),
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, finish_reason=finish,
+        peak_rss_bytes=peak_rss_bytes(), finish_reason=finish,
         draft=source.describe(), gamma=gamma, adaptive_gamma=adaptive_gamma, rounds=rounds,
         drafted_tokens=drafted_total, accepted_tokens=accepted_total,
         acceptance_rate=accepted_total / drafted_total if drafted_total else 0.0,

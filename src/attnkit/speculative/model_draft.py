@@ -32,11 +32,13 @@ from __future__ import annotations
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import Method, Session, Step, parse_method_spec
-from attnkit.methods.full import FullAttention
+from attnkit.forward import forward, logits_of, prefill
+from attnkit.methods.base import Method, resolve_method
+from attnkit.methods.full import Full
+from attnkit.methods.spec import parse_method_spec
 from attnkit.model import LoadedModel
-from attnkit.runner import forward, logits_of, new_session, prefill, resolve_method
 from attnkit.sampling import next_token_distribution
+from attnkit.session import Session, Step, new_session
 from attnkit.speculative.draft import DraftRun, DraftSource, Proposal
 from attnkit.speculative.int8_weights import check_draft_weights, int8_bytes, int8_weight_view
 from attnkit.speculative.prompt_lookup import PromptLookupDraft
@@ -116,7 +118,7 @@ class ModelDraft(DraftSource):
             under = f" {self.weights}{under}"
         if self.model is None:
             return f"self[{self.method.describe()}]{under}"
-        suffix = "" if isinstance(self.method, FullAttention) else f"[{self.method.describe()}]"
+        suffix = "" if isinstance(self.method, Full) else f"[{self.method.describe()}]"
         return f"draft_model[{self.model.spec}]{suffix}{under}"
 
     def _drafting(self, model: LoadedModel) -> LoadedModel:

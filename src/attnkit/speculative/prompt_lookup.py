@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import Session
+from attnkit.session import Session
 from attnkit.speculative.draft import DEFAULT_VERIFY_COST, DraftRun, DraftSource, Proposal
 from attnkit.validate import whole
 

@@ -5,7 +5,7 @@ For a cache that only appends while decoding (``full``, the target's; ``snapkv``
 prompt once) dropping the newest slots (``LayerKV.length -= k``) is exact: later slots are never read
 and the next append overwrites them (:func:`drop_newest`). An evicting cache cannot be truncated:
 writing a drafted token may have evicted an entry for good, and the method's statistics
-(``LayerKV.extras`` score buffers, ``session.layer_state`` counters and saved keys, ``session.shared``
+(``LayerKV.extras`` score buffers, ``session.layer_state`` counters and saved keys, ``session.state``
 scores) have absorbed the drafted tokens. For those the draft snapshots the whole session after each
 token it feeds (:func:`snapshot_session`: tensors cloned, one copy of the *compressed* cache per
 drafted token) and restores the snapshot of the last accepted token (:func:`restore_session`, no
@@ -14,20 +14,28 @@ replay forward).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from attnkit.cache import LayerKV
 from attnkit.errors import AttnkitError
-from attnkit.methods.base import Session
+from attnkit.session import Session
 
 
 def _copy_state(obj):
-    """Deep copy of tensors inside dicts/lists/tuples; any other object is kept by reference (e.g. the
-    Step a method remembers, whose identity is what it compares)."""
+    """Deep copy of tensors inside a method's state dataclasses and the dicts/lists/tuples they hold; any
+    other object is kept by reference (e.g. the Step a method remembers, whose identity is what it
+    compares, or Keyformer's decode-noise tables, which depend on nothing a round changes)."""
     if isinstance(obj, torch.Tensor):
         return obj.clone()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, _copy_state(getattr(obj, f.name)))
+        return new
     if isinstance(obj, dict):
         return {k: _copy_state(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -41,7 +49,7 @@ def _copy_state(obj):
 class SessionSnapshot:
     layers: list
     layer_state: list
-    shared: dict
+    state: object
 
 
 def snapshot_session(session: Session) -> SessionSnapshot:
@@ -54,14 +62,14 @@ def snapshot_session(session: Session) -> SessionSnapshot:
         else:
             layers.append(LayerKV(kv.keys.clone(), kv.values.clone(), kv.positions.clone(), kv.length, kv.ring,
                                   {k: v.clone() for k, v in kv.extras.items()}))
-    return SessionSnapshot(layers, _copy_state(session.layer_state), _copy_state(session.shared))
+    return SessionSnapshot(layers, _copy_state(session.layer_state), _copy_state(session.state))
 
 
 def restore_session(session: Session, snap: SessionSnapshot) -> None:
     """Put a snapshot back (its tensors are handed over, not copied again: use each snapshot once)."""
     session.cache.layers = list(snap.layers)
     session.layer_state = snap.layer_state
-    session.shared = snap.shared
+    session.state = snap.state
 
 
 def drop_newest(session: Session, count: int) -> None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 
 from attnkit.attention import folded_attention, folded_bias
-from attnkit.methods.base import Method, Session, Step
-from attnkit.methods.full import FullAttention
+from attnkit.forward import forward
+from attnkit.methods.base import Method
+from attnkit.methods.full import Full
 from attnkit.model import LoadedModel
-from attnkit.runner import forward
+from attnkit.session import Session, Step
 from attnkit.validate import optional_whole
 
 # Verification steps of at most this many tokens use the folded attention (attnkit.attention); longer
@@ -18,7 +19,7 @@ from attnkit.validate import optional_whole
 VERIFY_FOLD_MAX_TOKENS = 64
 
 
-class VerifyingFull(FullAttention):
+class VerifyingFull(Full):
     """``full`` attention as the speculative target: identical semantics (every key kept, causal by
     position, the model's own window), with one faster kernel call for the verification step.
 

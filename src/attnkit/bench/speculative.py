@@ -1,5 +1,5 @@
 """Speed of speculative decoding against plain decoding, interleaved in one process (``attnkit bench
---speculate KIND``, :func:`bench_speculative`; ``scripts/bench_speculative.py`` adds transformers' own assisted generation).
+--speculate KIND``, :func:`bench_speculative`; ``benchmarks/bench_speculative.py`` adds transformers' own assisted generation).
 
 Each repeat runs plain greedy decoding and speculative decoding on the same prompt, in turn, so drifts
 of the machine hit both alike; figures are medians over repeats. In greedy mode the two outputs must
@@ -8,34 +8,28 @@ be identical, and the row says whether they were.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 
 import torch
 
+from attnkit.bench.speed import check_benchmark_tokens
 from attnkit.errors import AttnkitError
+from attnkit.eval import corpus
+from attnkit.eval.tasks import make_code_completion
+from attnkit.generation import encode_prompt
 from attnkit.model import LoadedModel, load_model_for_length
-from attnkit.runner import encode_prompt, generate
-from attnkit.speculative.config import SpeculativeConfig, from_arguments, speculative_config
+from attnkit.runner import generate
+from attnkit.speculative.config import SpeculativeConfig, speculative_config
 from attnkit.speculative.draft import DraftSource
 from attnkit.speculative.factory import make_draft
 from attnkit.speculative.generate import speculative_generate
 from attnkit.validate import whole
 
 
-def _check_new_tokens(new_tokens) -> int:
-    """A benchmark times decoding over the tokens after the first: it needs at least two new tokens."""
-    return whole("new_tokens", new_tokens, 2, what=" for a benchmark (decoding speed is timed over the tokens "
-                                                   "after the first)")
-
-
 def code_prompt(model: LoadedModel, length: int, seed: int = 0) -> torch.Tensor:
     """A code-completion prompt of `length` tokens (held-out standard-library source, LongBench lcc
     style); for lengths beyond one held-out file, a window of the held-out files joined together."""
-    from attnkit.eval import corpus
-    from attnkit.eval.tasks import make_code_completion
-
     try:
         return encode_prompt(model, make_code_completion(model.tokenizer, length, seed=seed).prompt)[-length:]
     except ValueError:
@@ -54,7 +48,7 @@ def run_speculative_bench(model: LoadedModel, prompt_ids: torch.Tensor, new_toke
     or a DraftSource, with `options`: SpeculativeConfig field names): medians of decode tok/s, end-to-end
     tok/s and prefill s, acceptance and tokens per target forward, speedups over plain. `progress`, if
     given, is called after each repeat with ``(repeat, plain stats, speculative stats)``."""
-    _check_new_tokens(new_tokens)
+    check_benchmark_tokens(new_tokens)
     whole("repeats", repeats, 1)
     config = speculative_config(config, **options)
     loop = config.drafting_with(make_draft(config, model))  # one draft source for every repeat
@@ -150,7 +144,7 @@ def bench_speculative(model: str | LoadedModel, config: SpeculativeConfig, *, co
     interleaved runs of plain and speculative greedy decoding of `new_tokens` tokens; the rows of
     :func:`run_speculative_bench` (print them with :func:`format_rows` or as JSON). `model` is a model spec
     (loaded for ``context + new_tokens`` positions) or a loaded model; progress goes to `log` (None: quiet)."""
-    _check_new_tokens(new_tokens)
+    check_benchmark_tokens(new_tokens)
     whole("context", context, 1)
     if not isinstance(model, LoadedModel):
         model = load_model_for_length(model, context + new_tokens)
@@ -166,12 +160,3 @@ def bench_speculative(model: str | LoadedModel, config: SpeculativeConfig, *, co
               f"{repeats} interleaved repeats", file=log)
     return run_speculative_bench(model, prompt, new_tokens, config, repeats=repeats,
                                  progress=progress if log is not None else None)
-
-
-def bench_from_args(args) -> int:
-    """Transitional, until cli.py calls :func:`bench_speculative`: the rows of ``attnkit bench
-    --speculate`` from its argparse namespace, printed."""
-    rows = bench_speculative(args.model, from_arguments(args), context=args.context, new_tokens=args.new_tokens,
-                             repeats=args.repeats, seed=args.seed)
-    print(json.dumps(rows) if args.json else format_rows(rows))
-    return 0
