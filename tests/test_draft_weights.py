@@ -166,7 +166,7 @@ def test_draft_weights_in_recipe_and_cli(models, capsys):
     target, _ = models
     recipe = as_recipe({"decode": {"speculate": "self", "draft": "snapkv:budget_tokens=24,window_size=4",
                                    "draft_weights": "int8", "gamma": 3}})
-    assert as_recipe(recipe.to_dict()).decode["draft_weights"] == "int8"
+    assert as_recipe(recipe.to_dict()).decode.draft_weights == "int8"
     prompt = repetitive_prompt()
     out = recipe.generate(target, prompt, max_new_tokens=12, stop_at_eos=False)
     assert out.token_ids == attnkit.generate(target, prompt, max_new_tokens=12, stop_at_eos=False).token_ids

@@ -69,7 +69,7 @@ def test_recipe_forms(tmp_path):
     assert open_.with_budget(64).method().cache_method.budget_tokens == 64
     assert as_recipe("window").with_budget(0.25, 1000).method().window == 250
     spec = as_recipe({"decode": {"speculate": "prompt_lookup", "gamma": 4}})
-    assert spec.method().name == "full" and spec.decode["gamma"] == 4 and not spec.is_full
+    assert spec.method().name == "full" and spec.decode.gamma == 4 and not spec.is_full
     path = tmp_path / "r.yaml"
     path.write_text("name: x\ncache: {method: h2o, params: {budget: 0.5}}\ndecode: null\n")
     assert load_recipe_file(path).method().name == "h2o"

@@ -23,3 +23,19 @@ def read_config_file(path: str | Path, what: str, hint: str = ""):
         return json.loads(text)
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError
         raise AttnkitError(f"{what} {str(path)!r} is malformed: {str(exc).splitlines()[0]}") from None
+
+
+def write_config_file(path: str | Path, text: str) -> Path:
+    """Write a config file (calibrated patterns, head clusters...) as `text`, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def dumps_layered_config(config: dict, render_layer) -> str:
+    """JSON text of a calibrated config, diff-friendly: its metadata one key per line, then its ``layers``,
+    each written by ``render_layer(layer)`` (JSON text, indented, possibly over several lines)."""
+    head = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in config.items() if k != "layers"]
+    layers = ",\n".join(render_layer(layer) for layer in config["layers"])
+    return "\n".join(["{", *head, '  "layers": [', layers, "  ]", "}"]) + "\n"

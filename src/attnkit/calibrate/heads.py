@@ -46,6 +46,7 @@ import torch
 
 from attnkit.calibrate import progress_to_stderr
 from attnkit.calibrate.samples import calibration_samples
+from attnkit.config_file import dumps_layered_config, write_config_file
 from attnkit.errors import AttnkitError
 from attnkit.forward import prefill
 from attnkit.methods.base import Method
@@ -277,22 +278,11 @@ def calibrate_heads(model: LoadedModel, *, length: int = 1024, tasks: Sequence[s
 
 def dumps_config(config: dict) -> str:
     """JSON text: metadata one key per line, then one line per layer."""
-    lines = ["{"]
-    for k in (k for k in config if k != "layers"):
-        lines.append(f"  {json.dumps(k)}: {json.dumps(config[k])},")
-    lines.append('  "layers": [')
-    n = len(config["layers"])
-    lines.extend("    " + json.dumps(layer) + ("," if i < n - 1 else "") for i, layer in enumerate(config["layers"]))
-    lines.append("  ]")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return dumps_layered_config(config, lambda layer: "    " + json.dumps(layer))
 
 
 def write_config(config: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps_config(config))
-    return path
+    return write_config_file(path, dumps_config(config))
 
 
 def summary(config: dict) -> str:

@@ -51,6 +51,7 @@ from attnkit.calibrate.pattern_stats import (
     layout_recall,
 )
 from attnkit.calibrate.samples import calibration_prompts, check_length
+from attnkit.config_file import dumps_layered_config, write_config_file
 from attnkit.errors import AttnkitError
 from attnkit.forward import prefill
 from attnkit.methods.base import Method
@@ -187,27 +188,12 @@ def _static_head(pattern: str, params: list[int], r: Ranks, h: int) -> dict:
 
 def dumps_config(config: dict) -> str:
     """JSON text of a config: metadata one key per line, then one line per head (diff-friendly)."""
-    lines = ["{"]
-    keys = [k for k in config if k != "layers"]
-    for k in keys:
-        lines.append(f"  {json.dumps(k)}: {json.dumps(config[k], sort_keys=False)},")
-    lines.append('  "layers": [')
-    for li, layer in enumerate(config["layers"]):
-        lines.append("    [")
-        for hi, head in enumerate(layer):
-            lines.append("      " + json.dumps(head) + ("," if hi < len(layer) - 1 else ""))
-        lines.append("    ]" + ("," if li < len(config["layers"]) - 1 else ""))
-    lines.append("  ]")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return dumps_layered_config(
+        config, lambda layer: "    [\n" + ",\n".join("      " + json.dumps(head) for head in layer) + "\n    ]")
 
 
 def write_pattern_config(config: dict, path: str | Path) -> Path:
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps_config(config))
-    return path
+    return write_config_file(path, dumps_config(config))
 
 
 def summary(config: dict) -> str:
