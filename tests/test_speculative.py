@@ -671,6 +671,8 @@ def test_verifying_full_steps_equal_one_token_decoding(greedy_models, model_spec
 def _state_equal(x, y) -> bool:
     if isinstance(x, torch.Tensor):
         return isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y)
+    if isinstance(x, Step):
+        return True  # the step a method remembers is compared by behaviour below
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return type(x) is type(y) and all(_state_equal(getattr(x, f.name), getattr(y, f.name))
                                           for f in dataclasses.fields(x))

@@ -22,7 +22,7 @@ import torch
 
 from attnkit.cache import LayerKV
 from attnkit.errors import AttnkitError
-from attnkit.session import Session
+from attnkit.session import Session, Step
 
 
 def _copy_state(obj):
@@ -31,6 +31,8 @@ def _copy_state(obj):
     compares, or Keyformer's decode-noise tables, which depend on nothing a round changes)."""
     if isinstance(obj, torch.Tensor):
         return obj.clone()
+    if isinstance(obj, (Step, Session)):
+        return obj
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         new = copy.copy(obj)
         for f in dataclasses.fields(obj):
