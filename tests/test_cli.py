@@ -1,7 +1,6 @@
 """The attnkit command line: methods, generate --json, bench, one-line errors, help, pipes and Ctrl-C."""
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
@@ -9,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import typing
 from pathlib import Path
 
 import pytest
@@ -18,8 +16,7 @@ import attnkit
 import attnkit.cli.commands as commands_module
 import attnkit.cli.parser as parser_module
 from attnkit import AttnkitError
-from attnkit.cli import add_dataclass_options, build_parser, dataclass_from_options, int_list, main, name_list
-from attnkit.cli.options import Parser
+from attnkit.cli import build_parser, int_list, main, name_list
 from attnkit.eval.tasks import ALL_TASKS
 from attnkit.methods.spec import split_spec_list
 from helpers import SMALL
@@ -216,49 +213,6 @@ def test_tasks_help_lists_the_tasks(capsys):
     for task in ALL_TASKS:
         assert task in out
     assert "longbench:DATASET" in out and "(default: 1024)" in out and "(default: 20)" in out
-
-
-# ---- options from a dataclass (the speculation options will come from SpeculativeConfig) ---------------------
-
-@dataclasses.dataclass
-class Toy:
-    size: int = dataclasses.field(metadata={"help": "how many"})
-    rate: float = dataclasses.field(default=0.5, metadata={"help": "how fast"})
-    mode: typing.Literal["a", "b"] = dataclasses.field(default="a", metadata={"help": "which"})
-    label: str | None = dataclasses.field(default=None, metadata={"help": "a name", "metavar": "NAME"})
-    cap: int | None = dataclasses.field(default=None, metadata={"help": "at most"})
-    loud: bool = dataclasses.field(default=False, metadata={"help": "say it"})
-    check: bool = dataclasses.field(default=True, metadata={"help": "check it"})
-
-    def __post_init__(self):
-        if self.size < 1:
-            raise AttnkitError(f"size must be >= 1, got {self.size}")
-
-
-def test_dataclass_options():
-    parser = Parser(prog="toy")
-    add_dataclass_options(parser, Toy)
-    args = parser.parse_args(["--size", "3", "--mode", "b", "--label", "x", "--cap", "7", "--loud", "--no-check"])
-    assert dataclass_from_options(Toy, args) == Toy(3, 0.5, "b", "x", 7, True, False)
-    assert dataclass_from_options(Toy, parser.parse_args(["--size", "2"])) == Toy(2)
-    help_text = " ".join(parser.format_help().split())
-    assert "--rate RATE how fast (default: 0.5)" in help_text and "--label NAME a name" in help_text
-    with pytest.raises(AttnkitError, match="the following arguments are required: --size"):
-        parser.parse_args([])
-    with pytest.raises(AttnkitError, match="invalid choice: 'c'"):
-        parser.parse_args(["--size", "1", "--mode", "c"])
-    with pytest.raises(AttnkitError, match="size must be >= 1, got 0"):
-        dataclass_from_options(Toy, parser.parse_args(["--size", "0"]))
-    only = Parser(prog="toy")
-    add_dataclass_options(only, Toy, exclude=("label", "cap", "loud", "check"))
-    assert not hasattr(only.parse_args(["--size", "1"]), "label")
-
-    @dataclasses.dataclass
-    class Helpless:
-        n: int = 1
-
-    with pytest.raises(AttnkitError, match="Helpless.n has no metadata help"):
-        add_dataclass_options(Parser(prog="x"), Helpless)
 
 
 # ---- closed pipes and Ctrl-C -----------------------------------------------------------------------------------

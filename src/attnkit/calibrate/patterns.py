@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
@@ -99,7 +98,7 @@ def search_patterns(model: LoadedModel, length: int, flops_budget: float, *, tas
                     search_space: dict[str, Sequence[Sequence[int]]] = SEARCH_SPACE,
                     progress: Callable[[str], None] | None = None) -> dict:
     """Alg. 1 for every head of `model` on seeded calibration prompts of `length` tokens; returns the config
-    (a JSON-ready dict, see :func:`write_pattern_config`). `static` also stores each dynamic head's indices
+    (a JSON-ready dict, written by :func:`dumps_config`). `static` also stores each dynamic head's indices
     estimated on the first prompt (for ``minference_static``)."""
     _check_args(model, length, flops_budget, samples, block_size, last_q)
     say = progress or (lambda _msg: None)
@@ -192,10 +191,6 @@ def dumps_config(config: dict) -> str:
         config, lambda layer: "    [\n" + ",\n".join("      " + json.dumps(head) for head in layer) + "\n    ]")
 
 
-def write_pattern_config(config: dict, path: str | Path) -> Path:
-    return write_config_file(path, dumps_config(config))
-
-
 def summary(config: dict) -> str:
     """A few lines for the terminal: patterns per layer, mean recall and density."""
     rows = [f"{config['model']}: {config['n_layers']} layers x {config['n_heads']} heads, length {config['length']}, "
@@ -217,10 +212,10 @@ def main(args) -> int:
     config = search_patterns(model, args.length, args.flops_budget, tasks=args.tasks, samples=args.samples, seed=args.seed,
                              block_size=args.block_size, last_q=args.last_q, static=args.static,
                              progress=progress_to_stderr)
-    path = write_pattern_config(config, args.out)
+    path = write_config_file(args.out, dumps_config(config))
     print(summary(config))
     print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
-__all__ = ["DEFAULT_TASKS", "search_patterns", "dumps_config", "write_pattern_config", "summary", "main"]
+__all__ = ["DEFAULT_TASKS", "search_patterns", "dumps_config", "summary", "main"]

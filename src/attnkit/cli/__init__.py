@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from attnkit.cli.options import add_dataclass_options, dataclass_from_options, int_list, name_list
+from attnkit.cli.options import int_list, name_list
 from attnkit.cli.parser import build_parser
 from attnkit.errors import AttnkitError
 from attnkit.validate import whole
@@ -63,5 +63,4 @@ def main(argv: list[str] | None = None) -> int:
         return RUNTIME_ERROR
 
 
-__all__ = ["main", "build_parser", "name_list", "int_list", "add_dataclass_options",
-           "dataclass_from_options"]
+__all__ = ["main", "build_parser", "name_list", "int_list"]

@@ -1,13 +1,9 @@
-"""The command line's building blocks: one-line parse errors, help that shows defaults, list options,
-and options generated from a dataclass's fields."""
+"""The command line's building blocks: one-line parse errors, help that shows defaults, list options."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
-import types
-import typing
 
 from attnkit.errors import AttnkitError
 from attnkit.validate import number
@@ -64,61 +60,3 @@ def positive_finite(name: str, value: float) -> float:
     if not math.isfinite(value):
         raise AttnkitError(f"{name} must be a finite number > 0, got {value!r}")
     return number(name, value, 0.0, None, low_open=True)
-
-
-def _unwrap_optional(hint) -> tuple[object, bool]:
-    """``int | None`` -> ``(int, True)``; any other hint -> ``(hint, False)``."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) == 1 and len(typing.get_args(hint)) == 2:
-            return args[0], True
-    return hint, False
-
-
-def _field_default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
-
-
-def add_dataclass_options(parser, cls, *, exclude: typing.Iterable[str] = ()) -> None:
-    """One option per field of dataclass `cls`: ``--field-name``, typed by the field's annotation (int,
-    float, str, a Literal's values as choices, each optionally ``| None``), bools as flags (``store_true``,
-    or ``--x/--no-x`` when the default is True), help from ``metadata["help"]``, ``metadata["metavar"]``
-    when given; a field without a default is a required option. :func:`dataclass_from_options` reads
-    them back."""
-    hints = typing.get_type_hints(cls)
-    skip = set(exclude)
-    for f in dataclasses.fields(cls):
-        if f.name in skip or not f.init:
-            continue
-        hint, _ = _unwrap_optional(hints[f.name])
-        default = _field_default(f)
-        kwargs: dict = {"dest": f.name, "help": f.metadata.get("help")}
-        if kwargs["help"] is None:
-            raise AttnkitError(f"{cls.__name__}.{f.name} has no metadata help for its command-line option")
-        if default is dataclasses.MISSING:
-            kwargs["required"] = True
-        else:
-            kwargs["default"] = default
-        if hint is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction if default is True else "store_true"
-        elif typing.get_origin(hint) is typing.Literal:
-            choices = typing.get_args(hint)
-            kwargs.update(choices=choices, type=type(choices[0]))
-        elif hint in (int, float, str):
-            kwargs["type"] = hint
-        else:
-            raise AttnkitError(f"{cls.__name__}.{f.name}: type {hints[f.name]} has no command-line form "
-                               f"(bool, int, float, str or a Literal, optionally | None)")
-        if "metavar" in f.metadata:
-            kwargs["metavar"] = f.metadata["metavar"]
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
-
-
-def dataclass_from_options(cls, args: argparse.Namespace, *, exclude: typing.Iterable[str] = ()):
-    """The `cls` instance of the options :func:`add_dataclass_options` added (its own checks run)."""
-    skip = set(exclude)
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and f.name not in skip})

@@ -150,6 +150,14 @@ def _assemble(tokenizer, split, length, rng, prefix: str, needles: list[tuple[fl
     return tokenizer.decode(prefix_ids + pieces + suffix_ids)
 
 
+def _needle_sample(task: str, tokenizer, split: str, length: int, depth: float, seed: int, rng: random.Random, *,
+                   prefix: str, needles: list[tuple[float, str]], suffix: str, answers: tuple[str, ...], target: str,
+                   max_new_tokens: int, meta: dict | None = None) -> Sample:
+    """A needle task's sample: the prompt :func:`_assemble` builds, with its answers and target."""
+    prompt = _assemble(tokenizer, split, length, rng, prefix, needles, suffix, task)
+    return Sample(task, prompt, answers, target, length, depth, seed, max_new_tokens, meta or {})
+
+
 def _number(rng: random.Random, digits: int = 5) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
@@ -169,14 +177,13 @@ def _hex(rng: random.Random, n: int) -> str:
 def make_passkey(tokenizer, length: int, depth: float = 0.5, seed: int = 0, split: str = "eval") -> Sample:
     rng = _rng("passkey", split, length, depth, seed)
     key = _number(rng)
-    prompt = _assemble(
-        tokenizer, split, length, rng,
+    return _needle_sample(
+        "passkey", tokenizer, split, length, depth, seed, rng,
         prefix="A pass key is hidden in the text below. Find it and remember it.\n",
         needles=[(depth, f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")],
         suffix="\nWhat is the pass key? The pass key is",
-        task="passkey",
+        answers=(key,), target=f" {key}.\n", max_new_tokens=8,
     )
-    return Sample("passkey", prompt, (key,), f" {key}.\n", length, depth, seed, 8)
 
 
 def make_niah_multikey(tokenizer, length: int, depth: float = 0.5, seed: int = 0, split: str = "eval",
@@ -191,15 +198,13 @@ def make_niah_multikey(tokenizer, length: int, depth: float = 0.5, seed: int = 0
     depths = [depth] + [rng.random() for _ in keys[1:]]
     needles = [(d, f"\nOne of the special magic numbers for {k} is: {v}.\n") for d, k, v in zip(depths, keys, values)]
     target_key, target_value = keys[0], values[0]
-    prompt = _assemble(
-        tokenizer, split, length, rng,
+    return _needle_sample(
+        "niah_multikey", tokenizer, split, length, depth, seed, rng,
         prefix="Special magic numbers are hidden in the text below. Memorize them.\n",
         needles=needles,
         suffix=f"\nWhat is the special magic number for {target_key}? The special magic number for {target_key} is:",
-        task="niah_multikey",
+        answers=(target_value,), target=f" {target_value}.\n", max_new_tokens=10, meta={"key": target_key},
     )
-    return Sample("niah_multikey", prompt, (target_value,), f" {target_value}.\n", length, depth, seed, 10,
-                  {"key": target_key})
 
 
 def make_niah_multivalue(tokenizer, length: int, depth: float = 0.5, seed: int = 0, split: str = "eval",
@@ -214,15 +219,13 @@ def make_niah_multivalue(tokenizer, length: int, depth: float = 0.5, seed: int =
     # the first value sits at the requested depth, the others spread over the rest of the text
     depths = sorted([depth] + [rng.random() for _ in range(n_values - 1)])
     needles = [(d, f"\nOne of the special magic numbers for {key} is: {v}.\n") for d, v in zip(depths, values)]
-    prompt = _assemble(
-        tokenizer, split, length, rng,
+    return _needle_sample(
+        "niah_multivalue", tokenizer, split, length, depth, seed, rng,
         prefix="Special magic numbers are hidden in the text below. Memorize them.\n",
         needles=needles,
         suffix=f"\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are:",
-        task="niah_multivalue",
+        answers=tuple(values), target=" " + ", ".join(values) + ".\n", max_new_tokens=36, meta={"key": key},
     )
-    target = " " + ", ".join(values) + ".\n"
-    return Sample("niah_multivalue", prompt, tuple(values), target, length, depth, seed, 36, {"key": key})
 
 
 def make_kv_retrieval(tokenizer, length: int, depth: float = 0.5, seed: int = 0, split: str = "eval") -> Sample:
@@ -287,15 +290,13 @@ def make_variable_tracking(tokenizer, length: int, depth: float = 0.5, seed: int
         statements += [f"\nVAR {a} is assigned to VAR {b}.\n" for a, b in zip(chain, chain[1:])]
         needles += list(zip(hop_depths, statements))
     value, chain = chains[0]
-    prompt = _assemble(
-        tokenizer, split, length, rng,
+    return _needle_sample(
+        "variable_tracking", tokenizer, split, length, depth, seed, rng,
         prefix="Variables are assigned in the text below. Track them.\n",
         needles=needles,
         suffix=f"\nQuestion: which variables are assigned the value {value}? Answer: they are VAR",
-        task="variable_tracking",
+        answers=tuple(chain), target=" " + ", VAR ".join(chain) + ".\n", max_new_tokens=40,
     )
-    target = " " + ", VAR ".join(chain) + ".\n"
-    return Sample("variable_tracking", prompt, tuple(chain), target, length, depth, seed, 40)
 
 
 def make_code_completion(tokenizer, length: int, depth: float = 1.0, seed: int = 0, split: str = "eval") -> Sample:
