@@ -12,3 +12,9 @@ from helpers import SMALL  # noqa: E402
 @pytest.fixture(scope="session")
 def small_llama():
     return attnkit.load_model(f"random:llama:{SMALL}")
+
+
+@pytest.fixture(scope="session")
+def greedy_models():
+    """The speculative tests' target and a different draft model (shared by their files, never modified)."""
+    return attnkit.load_model(f"random:llama:{SMALL}"), attnkit.load_model(f"random:llama:{SMALL},seed=3")

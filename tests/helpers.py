@@ -1,9 +1,187 @@
-"""Shared test helpers: the small random model's options and reproducible random token ids."""
+"""Shared test helpers: the small random model's options and reproducible random token ids; the
+chi-square test and prompts of the speculative decoding tests; driving an eviction method's hooks on
+hand-made tensors (one layer, no model) and the dense reference selection rules."""
 
 import torch
+
+import attnkit
+from attnkit.cache import KVCache
+from attnkit.rope import Rope
+from attnkit.sampling import SamplingConfig, next_token_distribution
+from attnkit.session import Session, Step
 
 SMALL = "layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 
 
 def random_ids(n: int, seed: int = 0, vocab: int = 259) -> torch.Tensor:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- speculative decoding -------------------------------------------------------------------------------
+SIGNIFICANCE = 0.001  # chi-square tests fail when P(statistic >= observed | lossless) < 0.1%
+
+
+def chi_square_p_value(observed: dict, expected_probs: dict, n: int) -> float:
+    """Pearson's chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
+    small_obs = small_exp = 0.0
+    stat, cells = 0.0, 0
+    for cell, prob in expected_probs.items():
+        e, o = prob * n, observed.get(cell, 0)
+        if e < 5:
+            small_obs, small_exp = small_obs + o, small_exp + e
+            continue
+        stat += (o - e) ** 2 / e
+        cells += 1
+    if small_exp > 0:
+        stat += (small_obs - small_exp) ** 2 / small_exp if small_exp >= 1 else 0.0
+        cells += 1 if small_exp >= 1 else 0
+    assert sum(observed.values()) == n
+    assert not set(observed) - set(expected_probs), "a sample fell outside the target's support"
+    df = cells - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def repetitive_prompt(n: int = 120) -> torch.Tensor:
+    base = random_ids(17, seed=11)
+    return torch.cat([base] * (n // 17 + 1))[:n]
+
+
+def _filled(session):
+    out = []
+    for kv in session.cache.layers:
+        k, v, p = kv.view()
+        out.append((k, v, p, {name: s[:, :, :kv.length] for name, s in kv.extras.items()}))
+    return out
+
+
+def sharpened(seed: int, scale: float = 40.0, noise: float = 0.0):
+    """A small random llama whose LM head is scaled up, so its distributions are far from uniform;
+    `noise` perturbs the head (a draft that agrees with the target only partly)."""
+    model = attnkit.load_model(f"random:llama:{SMALL},seed={seed}")
+    with torch.no_grad():
+        model.hf.lm_head.weight.mul_(scale)
+        if noise:
+            g = torch.Generator().manual_seed(99)
+            model.hf.lm_head.weight.add_(torch.randn(model.hf.lm_head.weight.shape, generator=g) * noise)
+    return model
+
+
+def target_joint(target, prompt: torch.Tensor, config: SamplingConfig, n: int) -> dict[tuple, float]:
+    """Exact probability of every n-token continuation under plain sampling from the target."""
+    out: dict[tuple, float] = {}
+
+    def walk(prefix, mass):
+        if len(prefix) == n:
+            out[prefix] = mass
+            return
+        ids = torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)])
+        q = next_token_distribution(attnkit.score_tokens(target, ids)[-1], config).double()
+        for x in torch.nonzero(q).flatten().tolist():
+            walk(prefix + (x,), mass * float(q[x]))
+
+    walk((), 1.0)
+    return out
+
+
+# ---- eviction methods: driving a method's hooks on hand-made tensors --------------------------------------
+D = 8
+ROPE = Rope(inv_freq=1.0 / (100.0 ** (torch.arange(0, D, 2).float() / D)))
+
+
+def drive(method, q, k, v, prompt_len, rope=ROPE, scaling=None):
+    """Prefill the first `prompt_len` tokens, then decode the rest one at a time (one layer).
+
+    Returns the session, the decode outputs, and per step the sorted positions each kv head holds
+    (step 0: after prefill; step i: what the i-th decode query attended to)."""
+    n = q.shape[2]
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    session = Session(method, KVCache(1), 1, prompt_len, n - prompt_len, rope=rope)
+    p = slice(0, prompt_len)
+    Step(session, "prefill", torch.arange(prompt_len)).attention(0, q[:, :, p], k[:, :, p], v[:, :, p], scaling, None)
+    held, outs = [positions(session)], []
+    for t in range(prompt_len, n):
+        s = slice(t, t + 1)
+        outs.append(Step(session, "decode", torch.tensor([t])).attention(0, q[:, :, s], k[:, :, s], v[:, :, s],
+                                                                        scaling, None))
+        held.append(positions(session))
+    return session, outs, held
+
+
+def positions(session, layer=0):
+    pos = session.cache.layers[layer].view()[2][0]
+    return [sorted(row.tolist()) for row in pos]
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def qkv(n, hq=4, kv=2, d=D, seed=0):
+    return randn(1, hq, n, d, seed=seed), randn(1, kv, n, d, seed=seed + 1), randn(1, kv, n, d, seed=seed + 2)
+
+
+def streaming_reference(q_raw, k_raw, v, t, kept, scaling):
+    """StreamingLLM's re-indexed attention from keys before RoPE: cache entries at 0..C-1, query at C-1."""
+    g = q_raw.shape[1] // k_raw.shape[1]
+    outs = []
+    for h in range(q_raw.shape[1]):
+        idx = torch.tensor(kept[h // g])
+        keys = ROPE.rotate(k_raw[0, h // g, idx], torch.arange(len(idx)))
+        query = ROPE.rotate(q_raw[0, h, t:t + 1], len(idx) - 1)
+        w = torch.softmax(query @ keys.T * scaling, dim=-1)
+        outs.append(w @ v[0, h // g, idx])
+    return torch.stack(outs)[None]
+
+
+def heavy_hitter_tensors(n, heavy=(3, 9), kv=2, g=2):
+    """Every query points along e0; keys `heavy` are long along e0, the others short and random."""
+    k = randn(1, kv, n, D, seed=5) * 0.1
+    k[:, :, list(heavy), 0] = 4.0
+    q = randn(1, kv * g, n, D, seed=6) * 0.1
+    q[..., 0] = 2.0
+    return q, k, randn(1, kv, n, D, seed=7)
+
+
+def dense_reference(q, k, prompt_len, budget, recent, weights, reduce="mean"):
+    """The eviction rule written plainly: full attention matrices, Python sets, no chunks, no slots.
+
+    `weights(x, head, q_pos, k_pos, t)` turns logits x [g, queries, keys] into per-key weights.
+    Returns per step (0 = after prefill) the sorted positions each kv head holds.
+    """
+    _, hq, n, d = q.shape
+    kv = k.shape[1]
+    g = hq // kv
+    scale = d ** -0.5
+    per_head = []
+    for h in range(kv):
+        score = torch.zeros(n, dtype=torch.float64)
+        qh = q[0, h * g:(h + 1) * g]
+        x = qh[:, :prompt_len] @ k[0, h, :prompt_len].T * scale
+        x = x.masked_fill(torch.ones(prompt_len, prompt_len, dtype=torch.bool).triu(1), float("-inf"))
+        w = weights(x, h, torch.arange(prompt_len), torch.arange(prompt_len), 0)
+        w = w.mean(0) if reduce == "mean" else w.amax(0)
+        score[:prompt_len] += w.sum(0).double()
+        held = list(range(prompt_len))
+        if prompt_len > budget:
+            keep = [p for p in held if p >= prompt_len - recent]
+            rest = sorted((p for p in held if p not in keep), key=lambda p: -score[p])
+            held = sorted(keep + rest[:budget - len(keep)])
+        steps = [sorted(held)]
+        for t in range(prompt_len, n):
+            if len(held) >= budget:
+                held.remove(min((p for p in held if p < t - recent), key=lambda p: score[p]))
+            held.append(t)
+            x = (qh[:, t] @ k[0, h, held].T * scale)[:, None]
+            w = weights(x, h, torch.tensor([t]), torch.tensor(held), t - prompt_len + 1)
+            w = w.mean(0) if reduce == "mean" else w.amax(0)
+            score[held] += w[0].double()
+            steps.append(sorted(held))
+        per_head.append(steps)
+    return [[per_head[h][s] for h in range(kv)] for s in range(n - prompt_len + 1)]
+
+
+def per_token_bytes(model) -> int:
+    g = model.geometry
+    return 2 * g.n_layers * g.n_kv_heads * g.head_dim * 4
+

@@ -1,4 +1,5 @@
-"""The attnkit command line: methods, generate --json, bench, one-line errors, help, pipes and Ctrl-C."""
+"""The attnkit command line: methods, generate --json, bench, --speculate and its draft options, one-line errors,
+help, pipes and Ctrl-C."""
 
 import argparse
 import json
@@ -263,3 +264,46 @@ def test_ctrl_c_is_one_line(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err.decode()
     assert err.decode().strip().splitlines()[-1] == "attnkit: interrupted" and b"Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("flags,named", [(["--draft-lookup"], "--draft-lookup"),
+                                         (["--draft-confidence", "0.3"], "--draft-confidence"),
+                                         (["--draft-weights", "int8"], "--draft-weights"),
+                                         (["--draft", "tiny-draft"], "--draft")])
+def test_cli_refuses_draft_options_without_speculate(command, flags, named, capsys):
+    args = [command, "--model", f"random:llama:{SMALL}", *flags]
+    if command == "generate":
+        args += ["--prompt", "abc"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert named in err and "add --speculate" in err
+
+
+def test_cli_generate_speculate_matches_plain(capsys):
+    model = f"random:llama:{SMALL}"
+    prompt = "abcabcabcabcabcabc"
+    assert main(["generate", "--model", model, "--prompt", prompt, "--max-new-tokens", "12", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["generate", "--model", model, "--prompt", prompt, "--max-new-tokens", "12", "--json",
+                 "--speculate", "prompt_lookup", "--gamma", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert "acceptance_rate" in spec["stats"] and spec["stats"]["draft_forwards"] == 0
+    assert main(["generate", "--model", model, "--prompt", prompt, "--max-new-tokens", "6",
+                 "--speculate", "self", "--draft", "streaming:budget_tokens=8,sinks=2"]) == 0
+    err = capsys.readouterr().err
+    assert "acceptance" in err and "draft forwards per round" in err
+    assert main(["generate", "--model", model, "--prompt", prompt, "--speculate", "self", "--method", "window",
+                 "--param", "window=8"]) == 2
+
+
+def test_cli_bench_speculate(capsys):
+    assert main(["bench", "--model", f"random:llama:{SMALL}", "--context", "200", "--new-tokens", "8",
+                 "--repeats", "1", "--threads", "1", "--speculate", "prompt_lookup", "--gamma", "3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["decoder"].split()[0] for r in rows] == ["plain", "speculative"]
+    assert rows[1]["same_output_as_plain"] is True and rows[0]["decode_speedup"] == 1.0
+    split = rows[1]["per_round"]  # one run: its own figures
+    assert split["draft_forwards"] == 0 and split["tokens"] == pytest.approx(rows[1]["tokens_per_target_forward"])
+    assert split["verify_steps"] > 0

@@ -18,8 +18,7 @@ from attnkit.sampling import SamplingConfig, next_token_distribution
 from attnkit.session import Step, new_session
 from attnkit.speculative import make_draft, speculative_generate
 from attnkit.speculative.int8_weights import Int8WeightLinear, int8_bytes, int8_weight_view
-from helpers import SMALL, random_ids
-from test_speculative import SIGNIFICANCE, chi_square_p_value, repetitive_prompt, sharpened, target_joint
+from helpers import SIGNIFICANCE, SMALL, chi_square_p_value, random_ids, repetitive_prompt, sharpened, target_joint
 
 
 @pytest.mark.parametrize("in_features,bias", [(256, False), (100, True), (7, False), (200, True)])

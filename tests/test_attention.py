@@ -1,0 +1,35 @@
+"""The folded attention kernel (attnkit.attention.folded_attention with folded_bias): query heads folded
+into the query axis under an additive mask equal the reference attention by position."""
+
+import pytest
+import torch
+
+from attnkit.attention import attend, folded_attention, folded_bias
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_folded_verification_attention_equals_reference(window):
+    """VerifyingFull's kernel call (query heads folded into the query axis, additive mask) is the
+    reference attention by position, GQA and the model's own window included."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 5, 8, 16, generator=g).transpose(1, 2)  # [b, hq, n, d], not contiguous (as HF hands it)
+    k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    q_pos, k_pos = torch.arange(35, 40), torch.arange(40)
+    ref = attend(q, k, v, 0.25, q_pos, k_pos, window)
+    bias = folded_bias(q_pos, k_pos, q.shape[1] // k.shape[1], window, q.dtype)
+    assert torch.allclose(folded_attention(q, k, v, 0.25, bias), ref, atol=1e-5)
+
+
+def test_slot_order_mask_equals_reference_with_per_head_positions():
+    """Several appended tokens over a compressed cache whose kv heads hold different earlier positions:
+    the causal mask by slot index (what ``Method._attend_held`` uses) is the reference mask by position."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 8, 4, 16, generator=g)
+    k, v = torch.randn(1, 2, 30, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g)
+    kept = torch.stack([torch.randperm(90, generator=g)[:26].sort().values for _ in range(2)])[None]  # [1, 2, 26]
+    q_pos = torch.arange(100, 104)
+    k_pos = torch.cat([kept, q_pos.expand(1, 2, 4)], dim=2)  # each head: its kept prompt, then the new tokens
+    ref = attend(q, k, v, 0.25, q_pos, k_pos)
+    slots = torch.arange(30)
+    bias = folded_bias(slots[26:], slots, 4, None, q.dtype)
+    assert torch.allclose(folded_attention(q, k, v, 0.25, bias), ref, atol=1e-5)
