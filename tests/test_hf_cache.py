@@ -113,3 +113,28 @@ def test_errors(model):
                           max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=2)
     with pytest.raises(AttnkitError, match="one token per forward"):
         hf_generate(model, ids, AttnkitCache(model, "full", max_new_tokens=5), new_tokens=5, prefill_chunk_size=16)
+
+
+def test_a_padded_prompt_is_refused_never_silently_wrong(model):
+    """A left-padded prompt's mask hides the padding; the method masks by position and cannot honour it, so
+    the cache refuses it. An all-ones mask is plain causal attention and gives the unpadded tokens."""
+    ids = random_ids(30, seed=5)
+    padded = torch.cat([torch.full((3,), 2), ids])
+    mask = torch.cat([torch.zeros(3, dtype=torch.long), torch.ones(30, dtype=torch.long)])[None]
+    with pytest.raises(AttnkitError, match="hides tokens .* padding"):
+        hf_generate(model, padded, AttnkitCache(model, "h2o", params={"budget_tokens": 20}, max_new_tokens=5),
+                    new_tokens=5, attention_mask=mask)
+    ours = attnkit.generate(model, ids, "h2o", params={"budget_tokens": 20}, max_new_tokens=5, stop_at_eos=False)
+    tokens, _ = hf_generate(model, ids, AttnkitCache(model, "h2o", params={"budget_tokens": 20}, max_new_tokens=5),
+                            new_tokens=5, attention_mask=torch.ones(1, 30, dtype=torch.long))
+    assert tokens == ours.token_ids
+
+
+def test_a_sliding_window_model_mask_is_honoured():
+    """Mistral's own sliding window is in transformers' mask and in the method's positions alike: accepted."""
+    model = attnkit.load_model(f"random:mistral:{SMALL},sliding_window=16")
+    ids = random_ids(60, seed=6)
+    ours = attnkit.generate(model, ids, "full", max_new_tokens=8, stop_at_eos=False)
+    tokens, _ = hf_generate(model, ids, AttnkitCache(model, "full", max_new_tokens=8), new_tokens=8,
+                            attention_mask=torch.ones(1, 60, dtype=torch.long))
+    assert tokens == ours.token_ids

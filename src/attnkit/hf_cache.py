@@ -25,11 +25,12 @@ Positions stay the original ones even after eviction: :meth:`get_seq_length` rep
 *seen*, which is what ``generate`` builds position ids and masks from, while the tensors hold only
 the kept entries (:attr:`kv`, :meth:`nbytes`).
 
-Supported: batch size 1 without padding (the attention mask transformers builds is not used: the
-method masks by original positions itself, the model's own sliding window included), greedy or sampled
+Supported: batch size 1 without padding (the method masks by original positions itself, the model's
+own sliding window included; the mask transformers builds is checked to say the same), greedy or sampled
 decoding, one prefill forward followed by one-token steps.
-Not supported (clear errors): beam search, several sequences per prompt, ``prefill_chunk_size`` and
-assisted decoding (several tokens per forward after the prompt), cropping.
+Not supported (clear errors): a mask that hides more than that (padding, a custom mask), beam search,
+several sequences per prompt, ``prefill_chunk_size`` and assisted decoding (several tokens per forward
+after the prompt), cropping.
 """
 
 from __future__ import annotations
@@ -37,13 +38,30 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from attnkit import validate
+from attnkit import masks, validate
 from attnkit.attention import ATTN_IMPLEMENTATION, defer_attention
 from attnkit.cache import KVCache
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method, resolve_method
 from attnkit.rope import Rope
 from attnkit.session import Session, Step
+
+
+def check_positional_mask(mask: torch.Tensor, q_pos: torch.Tensor, window: int | None, rows: int = 256) -> bool:
+    """Refuse an attention mask ``[batch, 1 or heads, queries, keys]`` (boolean, True = attend, or additive)
+    that differs from causal attention by position within `window` (:func:`attnkit.masks.sliding_window`):
+    keys are positions ``0 .. keys-1``, queries `q_pos`. Compared a block of `rows` queries at a time."""
+    rule = masks.sliding_window(window)
+    k_pos = torch.arange(mask.shape[-1], device=mask.device)
+    for s in range(0, mask.shape[-2], rows):
+        block = mask[..., s:s + rows, :]
+        allowed = block if block.dtype == torch.bool else block > torch.finfo(block.dtype).min / 2
+        expected = masks.boolean_mask(rule, q_pos[s:s + rows].to(mask.device), k_pos)
+        if not bool((allowed == expected).all()):
+            raise AttnkitError("the attention mask hides tokens that causal attention by position would see (a "
+                               "padded prompt?); AttnkitCache masks by position itself and does not support "
+                               "padding or custom masks yet: give one unpadded prompt")
+    return True
 
 
 class _AttnkitLayer(CacheLayerMixin):
@@ -154,14 +172,23 @@ class AttnkitCache(Cache):
         self._seen[layer_idx] = seen + n
         return key_states, value_states
 
-    def layer_attention(self, layer_idx: int, query, key, value, scaling: float, sliding_window) -> torch.Tensor:
-        """The deferred attention call of `layer_idx`: run the method on this forward's step."""
+    def layer_attention(self, layer_idx: int, query, key, value, scaling: float, sliding_window,
+                        attention_mask=None) -> torch.Tensor:
+        """The deferred attention call of `layer_idx`: run the method on this forward's step.
+
+        The method masks by original positions itself (causal, and the model's own sliding window), so the
+        mask transformers built must say exactly that; a mask that hides more (a padded prompt's padding, a
+        custom mask) is refused rather than ignored."""
         n = key.shape[-2]
         start = self._seen[layer_idx] - n
         if self._step is None or self._step_start != start:  # first layer of a new forward
             phase = "prefill" if start == 0 else "decode"
             self._step = Step(self.session, phase, torch.arange(start, start + n, device=query.device), True)
             self._step_start = start
+        if attention_mask is not None:
+            # the layers of one forward share their mask objects: each is checked once
+            self._step.shared_value(("mask_checked", id(attention_mask), sliding_window),
+                                    lambda: check_positional_mask(attention_mask, self._step.q_pos, sliding_window))
         return self._step.attention(layer_idx, query, key, value, scaling, sliding_window)
 
     def reset(self) -> None:
