@@ -11,6 +11,7 @@ import pytest
 import attnkit
 from attnkit import AttnkitError
 from attnkit.eval import peers
+from attnkit.recipe import peer
 
 
 def test_the_worker_is_part_of_the_package():
@@ -27,7 +28,7 @@ def test_the_worker_imports_no_attnkit():
 
 
 def test_a_missing_worker_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv(peers.ENV_VAR, sys.executable)
+    monkeypatch.setenv(peer.ENV_VAR, sys.executable)
     monkeypatch.setattr(peers, "WORKER", tmp_path / "kvpress_worker.py")
     with pytest.raises(AttnkitError, match="kvpress worker .* is missing"):
         peers.require_kvpress()

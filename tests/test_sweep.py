@@ -17,10 +17,10 @@ import yaml
 from attnkit import AttnkitError
 from attnkit.bench.speed import decode_weight_bytes, format_bench, measure_bandwidth, run_bench
 from attnkit.cli import main
-from attnkit.eval import cells, peers
+from attnkit.eval import cells
 from attnkit.eval import results as results_store
 from attnkit.eval.sweep import load_sweep, run_sweep, sweep_from_dict
-from attnkit.recipe import Recipe, as_recipe, load_recipe_file
+from attnkit.recipe import Recipe, as_recipe, load_recipe_file, peer
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "random:llama:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
@@ -229,16 +229,16 @@ def test_eval_cli_recipes_and_sweep_errors(tmp_path, capsys):
 
 
 def test_peer_spec_parsing():
-    assert peers.parse_peer_spec("kvpress:SnapKVPress:compression_ratio=0.5,window_size=8") == \
+    assert peer.parse_peer_spec("kvpress:SnapKVPress:compression_ratio=0.5,window_size=8") == \
         ("SnapKVPress", {"compression_ratio": 0.5, "window_size": 8})
-    assert peers.parse_peer_spec("kvpress:StreamingLLMPress") == ("StreamingLLMPress", {})
+    assert peer.parse_peer_spec("kvpress:StreamingLLMPress") == ("StreamingLLMPress", {})
     for bad, match in (("kvpress:snap", "named by its class"), ("kvpress:SnapKVPress:ratio", "key=value")):
         with pytest.raises(AttnkitError, match=match):
-            peers.parse_peer_spec(bad)
+            peer.parse_peer_spec(bad)
 
 
 def test_peer_without_kvpress_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv(peers.ENV_VAR, str(tmp_path / "no-python"))
+    monkeypatch.setenv(peer.ENV_VAR, str(tmp_path / "no-python"))
     with pytest.raises(AttnkitError, match="kvpress is not installed"):
         as_recipe("kvpress:SnapKVPress")
     with pytest.raises(AttnkitError, match="kvpress is not installed"):
@@ -246,8 +246,8 @@ def test_peer_without_kvpress_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_peer_budgets_and_tasks(monkeypatch):
-    if peers.kvpress_python() is None:
-        monkeypatch.setenv(peers.ENV_VAR, sys.executable)  # parsing only: nothing is started
+    if peer.kvpress_python() is None:
+        monkeypatch.setenv(peer.ENV_VAR, sys.executable)  # parsing only: nothing is started
     r = as_recipe("kvpress:SnapKVPress:window_size=8")
     assert r.takes_budget() and r.with_budget(0.25).peer == ("SnapKVPress", {"window_size": 8, "compression_ratio": 0.75})
     with pytest.raises(AttnkitError, match="fractional budgets"):
@@ -256,7 +256,7 @@ def test_peer_budgets_and_tasks(monkeypatch):
         sweep_from_dict(dict(SWEEP, tasks=["perplexity"], recipes=["kvpress:SnapKVPress"]))
 
 
-@pytest.mark.skipif(peers.kvpress_python() is None, reason="kvpress is not installed (.venv-kvpress)")
+@pytest.mark.skipif(peer.kvpress_python() is None, reason="kvpress is not installed (.venv-kvpress)")
 def test_kvpress_in_the_same_table(tmp_path):
     sweep = sweep_from_dict(dict(SWEEP, tasks=["passkey"], samples=1, budgets=[0.5],
                                  recipes=["snapkv:window_size=8,kernel_size=1", "kvpress:SnapKVPress:window_size=8,kernel_size=1"]))

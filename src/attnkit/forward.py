@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from attnkit.errors import AttnkitError
+from attnkit import validate
 from attnkit.model import LoadedModel
 from attnkit.session import Session, Step
 
@@ -59,15 +59,21 @@ def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size:
             all_positions: bool = False) -> torch.Tensor:
     """Feed the prompt (in chunks of `chunk_size` tokens if given); final hidden states of the last
     position ``[1, hidden]``, or of every position ``[n, hidden]``."""
+    return prefill_steps(model, ids, lambda pos, last: Step(session, "prefill", pos, last), chunk_size, all_positions)
+
+
+def prefill_steps(model: LoadedModel, ids: torch.Tensor, make_step: Callable[[torch.Tensor, bool], Step],
+                  chunk_size: int | None = None, all_positions: bool = False) -> torch.Tensor:
+    """:func:`prefill` with the step of each chunk from ``make_step(positions, last_chunk)`` (a step-like
+    object that feeds several sessions from one forward, for speculative decoding's shared prefill)."""
     n = ids.shape[0]
-    if chunk_size is not None and chunk_size <= 0:
-        raise AttnkitError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    validate.optional_whole("chunk_size", chunk_size, 1)
     chunk = chunk_size or n
     outputs = []
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        hidden = forward(model, ids[start:end], start,
-                         lambda pos, last=(end == n): Step(session, "prefill", pos, last), all_positions)
+        hidden = forward(model, ids[start:end], start, lambda pos, last=(end == n): make_step(pos, last),
+                         all_positions)
         if all_positions or end == n:
             outputs.append(hidden)
     return torch.cat(outputs) if all_positions else outputs[-1]

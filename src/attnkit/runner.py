@@ -123,7 +123,6 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
 def _prefill_all(model: LoadedModel, ids, method, params, chunk_size) -> tuple[torch.Tensor, torch.Tensor]:
     model = check_loaded_model(model)
     method = resolve_method(method, params)
-    chunk_size = GenerationConfig(chunk_size=chunk_size).chunk_size
     ids = encode_prompt(model, ids)
     check_length(model, ids.shape[0], 0)
     session = new_session(model, method, ids.shape[0], 0)

@@ -8,7 +8,7 @@ numbers here (``True`` is an ``int`` to Python, never a token count to a user).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from attnkit.errors import AttnkitError
 
@@ -102,13 +102,3 @@ def one_of_two(first: str, a, second: str, b, *, required: str | None = None) ->
         raise AttnkitError(f"give {first} or {second}, not both; got {first}={a!r} and {second}={b!r}")
     if required and a is None and b is None:
         raise AttnkitError(required)
-
-
-def names(name: str, values: Sequence, allowed: Iterable) -> list:
-    """A non-empty list whose every item is in `allowed`."""
-    allowed = tuple(allowed)
-    if isinstance(values, str) or not isinstance(values, Sequence) or not values:
-        raise AttnkitError(f"{name} must be a non-empty list of {', '.join(map(str, allowed))}; got {values!r}")
-    for v in values:
-        choice(name, v, allowed)
-    return list(values)

@@ -59,13 +59,12 @@ def sweep_filter_layer(model: LoadedModel, *, tasks: Sequence[str] = DEFAULT_TAS
 
     def run(method) -> tuple[list[float], float | None]:
         """Scores of the prompts, and the fraction of the context a select method kept over them."""
-        scores, kept, context = [], 0, 0
+        scores, stats = [], []
         for _info, sample, _ids in prompts:
             out = generate(model, sample.prompt, method, max_new_tokens=sample.max_new_tokens, stop="\n")
             scores.append(float(TASKS[sample.task].score(out.text, sample)))
-            kept += out.stats.method_stats.get("selection_kept", 0)
-            context += out.stats.method_stats.get("selection_context", 0)
-        return scores, kept_fraction({"selection_kept": kept, "selection_context": context})
+            stats.append(out.stats.method_stats)
+        return scores, kept_fraction(*stats)
 
     say("full")
     full_scores, _ = run("full")

@@ -22,6 +22,7 @@ from attnkit.eval.peers import KvpressRunner
 from attnkit.eval.results import SCHEMA, append_row, cell_key
 from attnkit.eval.table import column_label
 from attnkit.eval.tasks import NEEDLE_TASKS
+from attnkit.methods.select import kept_fraction
 from attnkit.model import LoadedModel
 from attnkit.recipe import Recipe
 
@@ -48,13 +49,6 @@ def depth_scores(task: str, items, scores: list[float]) -> list[list[float]] | N
     for item, score in zip(items, scores):
         by_depth.setdefault(round(float(item.depth), 6), []).append(score)
     return [[d, sum(v) / len(v)] for d, v in sorted(by_depth.items())]
-
-
-def kept_share(stats: list[dict]) -> float | None:
-    """Kept tokens / context tokens over the selections a token-selecting method (select) made in a cell's
-    generations, from their ``method_stats`` (None: no selection made)."""
-    context = sum(st.get("selection_context", 0) for st in stats)
-    return sum(st.get("selection_kept", 0) for st in stats) / context if context else None
 
 
 class Peers:
@@ -108,7 +102,7 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
         "prefill_s": mean_present(prefill), "decode_tokens_per_s": mean_present(decode_tps),
         "peak_kv_bytes": max(peak_kv, default=None), "final_kv_bytes": max(final_kv, default=None),
         "predictions": None if task == PERPLEXITY else predictions,
-        "kept_fraction": kept_share(method_stats),
+        "kept_fraction": kept_fraction(*method_stats),
     }
 
 

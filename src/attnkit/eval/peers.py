@@ -24,7 +24,6 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.generation import encode_prompt
 from attnkit.model import BUNDLED, bundled_path
-from attnkit.recipe.peer import ENV_VAR, PREFIX, check_press_name, kvpress_python, parse_peer_spec  # noqa: F401
 from attnkit.recipe.peer import require_kvpress as require_interpreter
 from attnkit.runner import Generation, GenerationStats
 

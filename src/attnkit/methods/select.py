@@ -125,10 +125,11 @@ class SelectRun(ShareRun):
     context: int = 0
 
 
-def kept_fraction(stats: dict) -> float | None:
-    """Mean fraction of the context the later layers saw at the decode steps (from :meth:`Select.run_stats`)."""
-    context = stats.get("selection_context")
-    return stats["selection_kept"] / context if context else None
+def kept_fraction(*stats: dict) -> float | None:
+    """Kept tokens / context tokens over the decode steps of one or more generations, from their
+    :meth:`Select.run_stats` (``method_stats``; a method that selects nothing adds none): None without any."""
+    context = sum(st.get("selection_context", 0) for st in stats)
+    return sum(st.get("selection_kept", 0) for st in stats) / context if context else None
 
 
 @register

@@ -7,12 +7,11 @@ from __future__ import annotations
 import torch
 
 from attnkit.attention import folded_attention, folded_bias
-from attnkit.forward import forward
+from attnkit.forward import prefill_steps
 from attnkit.methods.base import Method
 from attnkit.methods.full import Full
 from attnkit.model import LoadedModel
 from attnkit.session import Session, Step
-from attnkit.validate import optional_whole
 
 # Verification steps of at most this many tokens use the folded attention (attnkit.attention); longer
 # multi-token steps (the prompt) take the ordinary path.
@@ -92,25 +91,17 @@ def prefill_sessions(model: LoadedModel, sessions: list[Session], ids: torch.Ten
     session's forward); final hidden state of the last position ``[1, hidden]``. The other sessions'
     methods store and observe the prompt but compute no attention output of their own (their output
     would be discarded); a method that computes its prompt attention itself (``window``) still does."""
-    n = ids.shape[0]
-    optional_whole("chunk_size", chunk_size, 1)
-    chunk = chunk_size or n
-    hidden = None
     extra = sessions[1:]
     methods = [s.method for s in extra]
     for s in extra:
         s.method = _OutputDiscarded(s.method)
+
+    def step(pos, last):
+        steps = [Step(s, "prefill", pos, last) for s in sessions]
+        return steps[0] if len(steps) == 1 else _Tee(steps)
+
     try:
-        for start in range(0, n, chunk):
-            end = min(n, start + chunk)
-            last = end == n
-
-            def step(pos, last=last):
-                steps = [Step(s, "prefill", pos, last) for s in sessions]
-                return steps[0] if len(steps) == 1 else _Tee(steps)
-
-            hidden = forward(model, ids[start:end], start, step)
+        return prefill_steps(model, ids, step, chunk_size)
     finally:
         for s, m in zip(extra, methods):
             s.method = m
-    return hidden
