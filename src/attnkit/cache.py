@@ -5,6 +5,10 @@ Layout per layer: ``keys``/``values`` ``[batch, kv_heads, capacity, head_dim]``,
 same count in every head, but each head may hold different positions (per-head eviction). Keys are
 stored after RoPE at their original positions, so slot order is irrelevant to attention.
 
+A batch holds sequences of the same prompt length, which therefore hold the same number of entries
+at every step (their budgets resolve alike); sequences of other lengths live in other caches, so a
+batch is ragged across caches, and :meth:`KVCache.row_nbytes` is one sequence's share.
+
 Capacity is allocated up front (the runner knows the prompt length and the token budget), so
 decoding never reallocates. ``keep`` compacts a layer to a chosen subset per head into fresh, smaller
 tensors: evicted entries really leave memory, and :meth:`KVCache.nbytes` shows it. In ring mode a
@@ -101,6 +105,11 @@ class LayerKV:
         self.keys, self.values, self.positions, self.extras = new.keys, new.values, new.positions, new.extras
         self.length = n
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (sequences that go on generating); the others leave memory."""
+        self.keys, self.values, self.positions = self.keys[rows], self.values[rows], self.positions[rows]
+        self.extras = {name: stat[rows] for name, stat in self.extras.items()}
+
     def _grow(self, capacity: int) -> None:
         pad = capacity - self.capacity
         self.keys = torch.cat([self.keys, self.keys.new_zeros(self.keys.shape[:2] + (pad, self.keys.shape[3]))], 2)
@@ -118,10 +127,12 @@ class KVCache:
     the method needs per token, so :meth:`nbytes` counts them; :meth:`kv_nbytes` is keys and values only.
     """
 
-    def __init__(self, n_layers: int):
+    def __init__(self, n_layers: int, rows: int = 1):
         self.layers: list[LayerKV | None] = [None] * n_layers
         self.extra: dict[str, torch.Tensor] = {}
+        self.rows = rows  # sequences in the batch dimension (all hold the same number of entries)
         self.peak_bytes = 0
+        self.peak_row_bytes = 0  # the most one sequence held
 
     def kv_nbytes(self) -> int:
         """Bytes of key and value storage over all layers."""
@@ -135,9 +146,24 @@ class KVCache:
         """Everything the cache holds: keys, values and ``extra``."""
         return self.kv_nbytes() + self.extra_bytes()
 
+    def row_nbytes(self) -> int:
+        """What one sequence holds (every row of a layer holds as many entries as the others)."""
+        return self.nbytes() // self.rows if self.rows else 0
+
     def track_peak(self) -> None:
         """Record the current size as a candidate peak (call after every allocation change)."""
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        total = self.nbytes()
+        self.peak_bytes = max(self.peak_bytes, total)
+        if self.rows:
+            self.peak_row_bytes = max(self.peak_row_bytes, total // self.rows)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (indices, ascending) of every layer and of ``extra``."""
+        for layer in self.layers:
+            if layer is not None:
+                layer.keep_rows(rows)
+        self.extra = {name: t[rows] for name, t in self.extra.items()}
+        self.rows = int(rows.shape[0])
 
     def lengths(self) -> list[int]:
         return [0 if layer is None else layer.length for layer in self.layers]

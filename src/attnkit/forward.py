@@ -20,32 +20,46 @@ from attnkit.session import Session, Step
 
 def forward(model: LoadedModel, ids: torch.Tensor, start: int, step_factory: Callable[[torch.Tensor], Step],
             all_positions: bool = False) -> torch.Tensor:
-    """Run the decoder on `ids` ([n]) at positions start..; final-norm hidden states ``[n or 1, hidden]``
-    of every position (or only the last)."""
-    base = model.hf.model
-    positions = torch.arange(start, start + ids.shape[0], device=ids.device)
-    hidden = base.embed_tokens(ids[None])
+    """Run the decoder on `ids` at positions start..; final-norm hidden states of every position (or only
+    the last). `ids` ``[n]`` gives ``[n or 1, hidden]``; ``[rows, n]`` (sequences of one session, at the
+    same positions) gives ``[rows, n or 1, hidden]``."""
+    positions = torch.arange(start, start + ids.shape[-1], device=ids.device)
     step = step_factory(positions)
-    session = getattr(step, "session", None)  # a step-like object (speculative decoding's tee) has none
+    if ids.dim() == 1:
+        return forward_rows(model, ids[None], positions, step, all_positions)[0]
+    return forward_rows(model, ids, positions, step, all_positions)
+
+
+def forward_rows(model: LoadedModel, ids: torch.Tensor, positions: torch.Tensor, step,
+                 all_positions: bool = False) -> torch.Tensor:
+    """Run the decoder on a batch `ids` ``[rows, n]`` at `positions` (``[n]`` shared by the rows, or
+    ``[rows, n]`` each its own), attention through `step` (a :class:`Step`, or a
+    :class:`attnkit.session.RowsStep` over several sessions); final-norm hidden states
+    ``[rows, n or 1, hidden]``."""
+    base = model.hf.model
+    hidden = base.embed_tokens(ids)
+    session = getattr(step, "session", None)  # a RowsStep or speculative decoding's tee has none
     hook = None if session is None else session.method.run_layers
     if hook is None:
         hidden = run_decoder_layers(model, hidden, positions, step)
     else:  # model-level hook: the method runs the layers (it may change which tokens later layers see)
         hidden = hook(model, step, hidden, all_positions)
-    return base.norm(hidden[0] if all_positions else hidden[0, -1:])
+    return base.norm(hidden if all_positions else hidden[:, -1:])
 
 
 def run_decoder_layers(model: LoadedModel, hidden: torch.Tensor, positions: torch.Tensor, step: Step,
                        layers: Sequence[int] | None = None) -> torch.Tensor:
-    """Run decoder layers `layers` (default: all) on `hidden` ``[1, n, hidden]`` at the original
-    `positions` ``[n]`` (RoPE is applied at those positions, whatever they are), attention through `step`.
+    """Run decoder layers `layers` (default: all) on `hidden` ``[rows, n, hidden]`` at the original
+    `positions` (``[n]``, or ``[rows, n]`` per row; RoPE is applied at those positions, whatever they
+    are), attention through `step`.
 
     The building block of the ``run_layers`` hook: a method may run layers 0..L on the new tokens and the
     layers after L on another set of tokens (at their own positions, with another :class:`Step`)."""
     base = model.hf.model
-    position_embeddings = base.rotary_emb(hidden, positions[None])
+    position_ids = positions[None] if positions.dim() == 1 else positions
+    position_embeddings = base.rotary_emb(hidden, position_ids)
     for i in layers if layers is not None else range(len(base.layers)):
-        hidden = base.layers[i](hidden, attention_mask=None, position_ids=positions[None], past_key_values=None,
+        hidden = base.layers[i](hidden, attention_mask=None, position_ids=position_ids, past_key_values=None,
                                 use_cache=False, position_embeddings=position_embeddings, attnkit_step=step)
     return hidden
 
@@ -57,8 +71,9 @@ def logits_of(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
 
 def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size: int | None = None,
             all_positions: bool = False) -> torch.Tensor:
-    """Feed the prompt (in chunks of `chunk_size` tokens if given); final hidden states of the last
-    position ``[1, hidden]``, or of every position ``[n, hidden]``."""
+    """Feed the prompt `ids` ``[n]`` (or the prompts ``[rows, n]`` of a session's rows) in chunks of
+    `chunk_size` tokens if given; final hidden states of the last position ``[1, hidden]``, or of every
+    position ``[n, hidden]`` (with a leading ``rows`` axis for ``[rows, n]``)."""
     return prefill_steps(model, ids, lambda pos, last: Step(session, "prefill", pos, last), chunk_size, all_positions)
 
 
@@ -66,14 +81,14 @@ def prefill_steps(model: LoadedModel, ids: torch.Tensor, make_step: Callable[[to
                   chunk_size: int | None = None, all_positions: bool = False) -> torch.Tensor:
     """:func:`prefill` with the step of each chunk from ``make_step(positions, last_chunk)`` (a step-like
     object that feeds several sessions from one forward, for speculative decoding's shared prefill)."""
-    n = ids.shape[0]
+    n = ids.shape[-1]
     validate.optional_whole("chunk_size", chunk_size, 1)
     chunk = chunk_size or n
     outputs = []
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        hidden = forward(model, ids[start:end], start, lambda pos, last=(end == n): make_step(pos, last),
+        hidden = forward(model, ids[..., start:end], start, lambda pos, last=(end == n): make_step(pos, last),
                          all_positions)
         if all_positions or end == n:
             outputs.append(hidden)
-    return torch.cat(outputs) if all_positions else outputs[-1]
+    return torch.cat(outputs, dim=-2) if all_positions else outputs[-1]

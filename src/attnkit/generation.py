@@ -8,6 +8,7 @@ options with the same checks.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,45 +76,90 @@ class GenerationConfig:
         return getattr(tokenizer, "eos_token_id", None) if self.stop_at_eos else None
 
 
-def encode_prompt(model: LoadedModel, prompt) -> torch.Tensor:
+def encode_prompt(model: LoadedModel, prompt, what: str = "the prompt") -> torch.Tensor:
     """Prompt text or token ids -> a 1-D LongTensor of ids, with clear errors for what is not allowed."""
     if isinstance(prompt, str):
         if not prompt:
-            raise AttnkitError("the prompt is empty")
+            raise AttnkitError(f"{what} is empty")
         ids = model.tokenizer(prompt).input_ids
     elif isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2:
             if prompt.shape[0] != 1:
-                raise AttnkitError(f"batch size {prompt.shape[0]} is not supported yet; give one prompt at a time")
+                raise AttnkitError(f"{what} is a batch of {prompt.shape[0]}; this call takes one prompt")
             prompt = prompt[0]
+        if prompt.dim() != 1:
+            raise AttnkitError(f"{what} must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
         ids = prompt.tolist()
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
-            raise AttnkitError(f"batch size {len(prompt)} is not supported yet; give one prompt at a time")
-        return encode_prompt(model, prompt[0])
+            raise AttnkitError(f"{what} is a batch of {len(prompt)}; this call takes one prompt")
+        return encode_prompt(model, prompt[0], what)
     elif isinstance(prompt, Sequence):
         ids = list(prompt)
     else:
-        raise AttnkitError(f"prompt must be text or token ids, got {type(prompt).__name__}")
+        raise AttnkitError(f"{what} must be text or token ids, got {type(prompt).__name__}")
     if len(ids) == 0:
-        raise AttnkitError("the prompt is empty")
+        raise AttnkitError(f"{what} is empty")
     if not all(validate.is_whole(i) for i in ids):
         bad = next(i for i in ids if not validate.is_whole(i))
-        raise AttnkitError(f"token ids must be whole numbers, got {bad!r}")
+        raise AttnkitError(f"token ids must be whole numbers, got {bad!r} in {what}")
     vocab = model.geometry.vocab_size
     bad = [i for i in ids if not 0 <= int(i) < vocab]
     if bad:
-        raise AttnkitError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        raise AttnkitError(f"token id {bad[0]} in {what} is outside the vocabulary (0..{vocab - 1})")
     return torch.tensor(ids, dtype=torch.long, device=model.device)
 
 
-def check_length(model: LoadedModel, prompt_len: int, max_new_tokens: int) -> None:
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(validate.is_whole(i) for i in prompt)
+
+
+def encode_prompts(model: LoadedModel, prompt) -> tuple[list[torch.Tensor], bool]:
+    """One prompt or a batch -> (1-D id tensors, whether a batch was given).
+
+    A batch is a list of texts, a list of id lists, or a 2-D tensor ``[batch, n]``; one prompt is a
+    text, a list of ids or a 1-D tensor. Texts and id lists cannot be mixed in one batch."""
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
+        if prompt.shape[0] == 0:
+            raise AttnkitError("the batch of prompts is empty")
+        return [encode_prompt(model, row, f"prompt {i}") for i, row in enumerate(prompt)], True
+    if isinstance(prompt, str) or isinstance(prompt, torch.Tensor) or _is_ids(prompt) and len(prompt) > 0:
+        return [encode_prompt(model, prompt)], False
+    if isinstance(prompt, Sequence) and not isinstance(prompt, str):
+        if len(prompt) == 0:
+            raise AttnkitError("the batch of prompts is empty: give at least one text or list of token ids")
+        texts = [isinstance(p, str) for p in prompt]
+        if any(texts) and not all(texts):
+            first = texts.index(not texts[0])
+            raise AttnkitError(f"a batch mixes texts and token ids (prompt 0 is {'text' if texts[0] else 'ids'}, "
+                               f"prompt {first} is {'text' if texts[first] else 'ids'}); give all texts or all "
+                               f"token id lists")
+        return [encode_prompt(model, p, f"prompt {i}") for i, p in enumerate(prompt)], True
+    raise AttnkitError(f"prompt must be text, token ids, or a list of them, got {type(prompt).__name__}")
+
+
+def check_length(model: LoadedModel, prompt_len: int, max_new_tokens: int, what: str = "the prompt") -> None:
     limit = model.geometry.max_positions
     if prompt_len > limit:
-        raise AttnkitError(f"the prompt has {prompt_len} tokens; model {model.spec!r} allows at most {limit}")
+        raise AttnkitError(f"{what} has {prompt_len} tokens; model {model.spec!r} allows at most {limit}")
     if prompt_len + max_new_tokens > limit:
-        raise AttnkitError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+        raise AttnkitError(f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
                            f"{prompt_len + max_new_tokens} exceeds the {limit} positions model {model.spec!r} allows")
+
+
+def available_memory(device: torch.device | str) -> int:
+    """Bytes free for new tensors on `device`: CUDA's free memory, or the host's available memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def sync(device: torch.device | str) -> None:

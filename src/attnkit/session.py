@@ -5,6 +5,7 @@
   both typed by the method (dataclasses), never string-keyed dictionaries shared between methods.
 - :class:`Step`: one forward pass (prefill chunk or decoding step): its phase, the original positions of
   its tokens, and what the layers of this forward share (e.g. a mask built on the first layer).
+- :class:`RowsStep`: one forward over rows of several sessions (a batch of prompts of different lengths).
 - :class:`LayerContext`: one layer's view of a step, passed to every method hook.
 
 The method is anything with the hooks of :class:`attnkit.methods.base.Method`; this module sits below
@@ -41,6 +42,22 @@ class Session:
     def __post_init__(self):
         self.layer_state = [self.method.new_layer_state() for _ in range(self.n_layers)]
         self.state = self.method.new_session_state()
+
+    @property
+    def rows(self) -> int:
+        """Sequences this session generates side by side (the batch dimension of its cache)."""
+        return self.cache.rows
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Go on with the batch rows `rows` only (the others finished): their cache entries and the method's
+        per-row state are kept, the rest released."""
+        index = torch.tensor(rows, dtype=torch.long)
+        for layer in self.cache.layers:
+            if layer is not None:
+                index = index.to(layer.keys.device)
+                break
+        self.cache.keep_rows(index)
+        self.method.keep_rows(self.layer_state, self.state, index)
 
 
 @dataclass
@@ -86,6 +103,29 @@ class Step:
 
 
 @dataclass
+class RowsStep:
+    """One forward over a batch whose rows belong to several sessions (sequences of different prompt
+    lengths, or of different draft lengths): rows ``start:end`` of the batch are the rows of one
+    session's :class:`Step`, whose tokens are the last ``tokens`` columns (the columns before them are
+    padding, which no session sees and whose outputs are zeros). Each layer's attention is split by
+    parts, so no sequence's attention, cache or eviction touches another's."""
+
+    parts: list  # (start, end, tokens, Step), rows in order, covering the batch
+
+    def attention(self, layer: int, q, k, v, scaling: float, native_window: int | None) -> torch.Tensor:
+        n = q.shape[2]
+        outs = []
+        for start, end, tokens, step in self.parts:
+            cols = slice(n - tokens, n)
+            out = step.attention(layer, q[start:end, :, cols], k[start:end, :, cols], v[start:end, :, cols],
+                                 scaling, native_window)
+            if tokens < n:
+                out = torch.cat([out.new_zeros(out.shape[:2] + (n - tokens,) + out.shape[3:]), out], dim=2)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@dataclass
 class LayerContext:
     """One layer's view of a step. The hooks see the method's state for this layer (:attr:`state`) and
     for the generation (:attr:`session_state`); a composed method gives each of its parts their own
@@ -126,7 +166,15 @@ class LayerContext:
         return LayerContext(self.step, self.index, self.scaling, self.native_window, state_of, session_state_of)
 
 
-def new_session(model: LoadedModel, method, prompt_len: int, max_new_tokens: int) -> Session:
-    """A fresh session of `method` for one generation on `model` (an empty cache per layer)."""
+def new_session(model: LoadedModel, method, prompt_len: int, max_new_tokens: int, rows: int = 1) -> Session:
+    """A fresh session of `method` for `rows` generations side by side on `model` (prompts of the same
+    length `prompt_len`; an empty cache per layer)."""
     n_layers = model.geometry.n_layers
-    return Session(method, KVCache(n_layers), n_layers, prompt_len, max_new_tokens, rope=Rope.from_model(model))
+    return Session(method, KVCache(n_layers, rows), n_layers, prompt_len, max_new_tokens, rope=Rope.from_model(model))
+
+
+def layer_contexts(session: Session) -> list[LayerContext]:
+    """A context per layer of `session` before its first forward (no tokens yet), for checks a method makes
+    ahead of any work (:meth:`attnkit.methods.base.Method.planned_slots`)."""
+    step = Step(session, "prefill", torch.zeros(0, dtype=torch.long))
+    return [LayerContext(step, i, 1.0, None) for i in range(session.n_layers)]

@@ -45,6 +45,10 @@ class Method:
     # model-level hook ``run_layers(model, step, hidden, all_positions) -> hidden`` (see the module
     # docstring); None = the runner runs every decoder layer on the new tokens
     run_layers: ClassVar[Any] = None
+    # whether one session may hold several sequences (of the same prompt length) in its batch dimension;
+    # a method whose prefill or token choice is per sequence (sparse prefill indexes, Select's chosen
+    # tokens) says False and the runner gives each sequence its own session
+    batches: ClassVar[bool] = True
 
     # ---- state ---------------------------------------------------------------------------------
     def new_layer_state(self):
@@ -56,6 +60,10 @@ class Method:
         """This method's state for one generation, shared by its layers (``ctx.session_state``)."""
         return None
 
+    def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` of any per-row tensors in this method's states (the session drops
+        sequences that finished; the cache's own rows are already kept). Default: the states hold none."""
+
     def run_stats(self, session) -> dict:
         """What this method measured during the generation `session` ran (numbers by name), for the
         run's statistics (:attr:`attnkit.runner.GenerationStats.method_stats`)."""
@@ -65,6 +73,13 @@ class Method:
     def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
         s = ctx.session
         return s.prompt_len + s.max_new_tokens, False
+
+    def planned_slots(self, ctx: LayerContext) -> int:
+        """Slots per kv head this layer will hold once the prompt is processed, asked of every layer before
+        any work (a batch's memory check); raises AttnkitError when the method's parameters do not fit
+        this session's prompt. Default: the layer's capacity."""
+        capacity = self.layer_capacity(ctx)
+        return 0 if capacity is None else capacity[0]
 
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         return self._store_and_attend(ctx, q, k, v)

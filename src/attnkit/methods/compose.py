@@ -131,6 +131,17 @@ class Compose(Method):
     def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
         return self._cache.layer_capacity(_cache_part(ctx))
 
+    def planned_slots(self, ctx: LayerContext) -> int:
+        return self._cache.planned_slots(_cache_part(ctx))
+
+    def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
+        self._cache.keep_rows([s.cache for s in layer_states], session_state.cache, rows)
+        self._prefill.keep_rows([s.prefill for s in layer_states], session_state.prefill, rows)
+
+    @property
+    def batches(self) -> bool:
+        return self._cache.batches and self._prefill.batches
+
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         own = ctx.session.layer_state[ctx.index]
         own.routed = False

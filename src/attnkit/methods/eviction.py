@@ -111,6 +111,14 @@ class EvictionMethod(Method):
         limit = self.decode_limit(ctx)
         return (total if limit is None else min(limit, total)), False
 
+    def planned_slots(self, ctx: LayerContext) -> int:
+        s = ctx.session
+        total = s.prompt_len + s.max_new_tokens
+        if not self.evicts(ctx):
+            return total
+        limit = self.decode_limit(ctx)
+        return min(total, self.prefill_keep(ctx) if limit is None else limit)
+
     def spare_after_prefill(self, ctx: LayerContext, kept: int) -> int:
         limit = self.decode_limit(ctx)
         return ctx.session.max_new_tokens if limit is None else max(0, limit - kept)

@@ -68,6 +68,7 @@ class GemFilter(Method):
     positions: str = "reindexed"
 
     name = "gemfilter"
+    batches = False  # each sequence's later forward runs on its own chosen tokens: one session per sequence
     summary = "GemFilter: top-k prompt tokens from an early layer, then prefill+decode on them (Shi et al. 2024)"
 
     def __post_init__(self):

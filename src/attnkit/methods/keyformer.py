@@ -135,6 +135,11 @@ class Keyformer(RecentWindowEviction):
     def new_session_state(self) -> KeyformerRun:
         return KeyformerRun()
 
+    def keep_rows(self, layer_states: list, session_state: KeyformerRun, rows: torch.Tensor) -> None:
+        if session_state.score is not None:
+            session_state.score = session_state.score[rows]
+            session_state.pending = session_state.pending[rows]
+
     def _decode_noise(self, ctx: LayerContext, heads: int) -> DecodeNoise:
         """This generation's :class:`DecodeNoise` (one for all layers)."""
         run = ctx.session_state

@@ -120,6 +120,7 @@ class SparsePrefill(Method):
     Subclasses give the patterns, ``block`` and ``last_q``."""
 
     compile: bool = True
+    batches = False  # the sparse index is built from one sequence's own attention: one session per sequence
 
     def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[HeadPattern]:
         raise NotImplementedError

@@ -146,6 +146,7 @@ class Select(Method):
     share_config: str | dict | None = None
 
     name = "select"
+    batches = False  # each sequence's later layers see its own chosen tokens: one session per sequence
     summary = "Select-Attention: top-p tokens of a filter layer feed cache-free later layers (Taniguchi et al.)"
 
     def __post_init__(self):

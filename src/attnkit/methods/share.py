@@ -307,6 +307,7 @@ class Share(Method):
     fused_prefill: bool = True
 
     name = "share"
+    batches = False  # head clusters are chosen from one sequence's own attention: one session per sequence
     summary = "Share-Attention: heads share an essential head's softmax (Taniguchi et al., eq. 9 clusters)"
 
     def __post_init__(self):
