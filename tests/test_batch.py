@@ -121,7 +121,7 @@ def test_a_finished_row_leaves_its_session_and_the_others_go_on(models):
                     session.keep_rows([0, 2])
                     token = token[[0, 2]]
                     assert session.cache.rows == 2 and session.cache.layers[0].keys.shape[0] == 2
-                hidden = forward(model, token[:, None], 90 + i, lambda p: Step(session, "decode", p))
+                hidden = forward(model, token[:, None], 90 + i, lambda p, s=session: Step(s, "decode", p))
                 token = logits_of(model, hidden[:, -1]).argmax(-1)
         rows = [[int(t[r]) for t in tokens[:5]] + [int(t[j]) for t in tokens[5:]] for r, j in ((0, 0), (2, 1))]
         for r, got in zip((0, 2), rows):

@@ -181,7 +181,7 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
         logits = logits_of(model, hidden[:, -1])
         sync(device)
         prefill_s = time.perf_counter() - t_group
-        for row, seq in enumerate(group.members):
+        for seq in group.members:
             seq.prefill_s = prefill_s
         _choose(group, logits, sampling, t0, first=True)
     t_decode = time.perf_counter()

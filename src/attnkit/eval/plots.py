@@ -2,7 +2,8 @@
 
 Score vs KV budget per method for each task (where a recipe has no budget, its measured KV bytes
 relative to full stand in), a needle heatmap (depth x length) per column for each needle task, speed
-and memory bars relative to full, and score vs decode speed with the Pareto front. The figures are
+and memory bars relative to full, score vs decode speed with the Pareto front, and (from
+``benchmarks/bench_batch.py``) sequences and tokens/s under a KV memory cap. The figures are
 drawn on :class:`matplotlib.figure.Figure` objects directly (no pyplot), so plotting neither switches
 the process's matplotlib backend nor keeps figures alive.
 """
@@ -169,6 +170,25 @@ def plot_pareto(summary: list[dict]) -> bytes | None:
     ax.set_ylabel("score relative to full (mean)")
     ax.set_title("score vs decode speed")
     ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def plot_capacity(rows: list[dict]) -> bytes | None:
+    """Under one KV memory cap (:mod:`attnkit.bench.capacity` rows): sequences that fit and the batch's
+    decoding tokens/s per method, side by side."""
+    rows = [r for r in rows if r.get("sequences") is not None]
+    if not rows:
+        return None
+    fig = Figure(figsize=(max(6.0, 1.1 * len(rows) + 3), 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    labels = [r["spec"] for r in rows]
+    for ax, key, name in ((left, "sequences", "sequences that fit"), (right, "tokens_per_s", "decode tokens/s")):
+        ax.bar(range(len(rows)), [r[key] or 0 for r in rows], color=["tab:gray"] + ["tab:blue"] * (len(rows) - 1))
+        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(name, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    cap = rows[0].get("kv_cap_bytes")
+    fig.suptitle(f"a KV cache of {cap / 2**20:.0f} MiB, {rows[0].get('length')}-token prompts" if cap else "KV cap")
     return _png(fig)
 
 

@@ -30,11 +30,12 @@ from pathlib import Path
 
 from attnkit.errors import AttnkitError
 from attnkit.eval.cells import mean_present
-from attnkit.eval.plots import figures, is_full
+from attnkit.eval.plots import figures, is_full, plot_capacity
 from attnkit.eval.results import latest_rows, read_results
 from attnkit.eval.table import format_table
 
 REPORT_FILE = "report.html"
+CAPACITY_FILE = "capacity.json"  # benchmarks/bench_batch.py's rows, shown when present
 PLOT_DIR = "report"
 KEEP_LEVELS = (0.95, 0.9)
 
@@ -173,6 +174,33 @@ td:first-child,th:first-child{text-align:left}th{background:#f2f2f2}pre{backgrou
 img{max-width:100%;border:1px solid #eee;margin:6px 0}.note{color:#555;font-size:90%}"""
 
 
+def _capacity_section(base: Path, plot_dir: Path) -> list[str]:
+    """The batch benchmark's table and plot under a KV memory cap, when ``DIR/capacity.json`` exists
+    (``benchmarks/bench_batch.py --out DIR``)."""
+    path = base / CAPACITY_FILE
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text(encoding="utf-8")).get("capacity") or []
+    if not rows:
+        return []
+    head = ("<tr><th>method</th><th>KV bytes / sequence</th><th>sequences</th><th>vs full</th>"
+            "<th>decode tokens/s</th><th>vs full</th></tr>")
+    body = "".join(f"<tr><td>{html.escape(r['spec'])}</td><td>{r['kv_bytes_per_sequence']}</td>"
+                   f"<td>{r['sequences']}</td><td>{_fmt(r.get('sequences_vs_full'))}</td>"
+                   f"<td>{r['tokens_per_s']:.1f}</td><td>{_fmt(r.get('tokens_per_s_vs_full'))}</td></tr>" for r in rows)
+    out = [f"<h2>Batches under a KV memory cap of {rows[0]['kv_cap_bytes'] / 2**20:.1f} MiB</h2>",
+           f"<table>{head}{body}</table>",
+           "<p class='note'>sequences of the same prompt length that fit in the cap (from one sequence's measured "
+           "peak KV bytes) and the tokens per second that batch decodes, medians over repeats, methods "
+           "interleaved (benchmarks/bench_batch.py).</p>"]
+    png = plot_capacity(rows)
+    if png:
+        (plot_dir / "capacity.png").write_bytes(png)
+        out.append(f"<div><img alt='sequences and tokens per second under the KV cap' "
+                   f"src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'></div>")
+    return out
+
+
 def write_report(results_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the HTML page (default ``DIR/report.html``), its PNGs (``DIR/report/``) and
     ``DIR/summary.csv`` / ``summary.json`` from ``DIR/results.jsonl``; returns the page's path."""
@@ -209,6 +237,7 @@ def write_report(results_dir: str | Path, out: str | Path | None = None) -> Path
              "and KV ratios: medians over cells, against full on the same cell (above 1 is faster; below 1 is less "
              "memory). Pareto &#9733;: no other column is both faster and better.</p>",
              "<h2>Scores</h2>", f"<pre>{html.escape(format_table(rows))}</pre>"]
+    parts += _capacity_section(base, plot_dir)
     section = None
     for sec, name, png in plots:
         if sec != section:
