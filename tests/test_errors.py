@@ -43,11 +43,12 @@ def test_prompt_too_long():
         attnkit.generate(model, random_ids(100), max_new_tokens=50)
 
 
-def test_batch_of_prompts_refused(small_llama):
-    with pytest.raises(AttnkitError, match="batch size 2"):
-        attnkit.generate(small_llama, ["a", "b"])
-    with pytest.raises(AttnkitError, match="batch size 2"):
-        attnkit.generate(small_llama, torch.zeros(2, 5, dtype=torch.long))
+def test_a_batch_where_one_prompt_is_expected_is_refused(small_llama):
+    """Calls that take one prompt (score_tokens, token_nll) name the batch they were given."""
+    with pytest.raises(AttnkitError, match="a batch of 2; this call takes one prompt"):
+        attnkit.score_tokens(small_llama, ["a", "b"])
+    with pytest.raises(AttnkitError, match="a batch of 2; this call takes one prompt"):
+        attnkit.token_nll(small_llama, torch.zeros(2, 5, dtype=torch.long))
 
 
 def test_token_outside_vocabulary(small_llama):

@@ -139,13 +139,15 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def bench_speculative(model: str | LoadedModel, config: SpeculativeConfig, *, context: int, new_tokens: int,
-                      repeats: int = 3, seed: int = 0, log=sys.stderr) -> list[dict]:
+                      repeats: int = 3, seed: int = 0, log="stderr") -> list[dict]:
     """``attnkit bench --speculate ...``: a code prompt of `context` tokens (seeded by `seed`), `repeats`
     interleaved runs of plain and speculative greedy decoding of `new_tokens` tokens; the rows of
     :func:`run_speculative_bench` (print them with :func:`format_rows` or as JSON). `model` is a model spec
-    (loaded for ``context + new_tokens`` positions) or a loaded model; progress goes to `log` (None: quiet)."""
+    (loaded for ``context + new_tokens`` positions) or a loaded model; progress goes to `log` (a file; the default "stderr" is the current sys.stderr; None: quiet)."""
     check_benchmark_tokens(new_tokens)
     whole("context", context, 1)
+    if log == "stderr":  # the stream of the moment (not the one at import time, which may be closed since)
+        log = sys.stderr
     if not isinstance(model, LoadedModel):
         model = load_model_for_length(model, context + new_tokens)
     prompt = code_prompt(model, context, seed)
