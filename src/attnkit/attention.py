@@ -143,7 +143,8 @@ _DEFERRED = threading.local()
 
 def defer_attention(handler, layer_idx: int, key: torch.Tensor) -> None:
     """Route the next attention call (in this thread) whose key tensor *is* `key` to
-    ``handler.layer_attention(layer_idx, query, key, value, scaling, sliding_window, attention_mask)``."""
+    ``handler.layer_attention(layer_idx, query, key, value, scaling, sliding_window, attention_mask,
+    position_ids)`` (the position ids the model rotated q and k with, None where the model does not pass them)."""
     pending = getattr(_DEFERRED, "call", None)
     if pending is not None and pending[0] is handler:
         raise AttnkitError(
@@ -168,7 +169,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         handler, layer_idx = deferred
         out = handler.layer_attention(layer_idx, query, key, value,
                                       query.shape[-1] ** -0.5 if scaling is None else scaling,
-                                      kwargs.get("sliding_window"), attention_mask)
+                                      kwargs.get("sliding_window"), attention_mask, kwargs.get("position_ids"))
         return out.transpose(1, 2).contiguous(), None
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
