@@ -7,7 +7,8 @@ generation loop.
   sources; :mod:`.factory`: a source from a config; :mod:`.rollback`: undoing a round's cache writes;
   :mod:`.int8_weights`: a draft's int8 weights;
 - :mod:`.acceptance`: the acceptance rule; :mod:`.gamma`: how many tokens to draft; :mod:`.target`:
-  the target's verification attention and shared prompt pass; :mod:`.generate`: the loop;
+  the target's verification attention and shared prompt pass; :mod:`.generate`: the loop (one prompt
+  or a batch); :mod:`.rows`: a batch's verification and draft feeds, one forward for all its sequences;
 - :mod:`.bench`: speed against plain decoding.
 """
 

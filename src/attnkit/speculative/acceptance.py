@@ -148,11 +148,18 @@ def greedy_accept(draft_tokens: torch.Tensor | list[int], target_logits: torch.T
     `draft_tokens` ``[gamma]`` (a tensor or a list of ids). The argmaxes come back to Python in one
     transfer and the prefix is compared there (a handful of ids: cheaper than tensor ops, which the
     speculative loop would pay once per round)."""
-    gamma = _check_shapes(draft_tokens, None, target_logits)
+    _check_shapes(draft_tokens, None, target_logits)
     drafted = draft_tokens.tolist() if isinstance(draft_tokens, torch.Tensor) else draft_tokens
-    best = target_logits.argmax(-1).tolist()
+    return greedy_prefix(drafted, target_logits.argmax(-1).tolist())
+
+
+def greedy_prefix(drafted: list[int], best: list[int]) -> Acceptance:
+    """:func:`greedy_accept` from the target's argmaxes `best` (``gamma + 1`` ids, one per position):
+    a batch finds every row's argmaxes in one transfer, then each row's prefix here."""
+    if len(best) != len(drafted) + 1:
+        raise AttnkitError(f"greedy verification needs gamma + 1 = {len(drafted) + 1} target tokens, got {len(best)}")
     accepted = 0
-    while accepted < gamma and drafted[accepted] == best[accepted]:
+    while accepted < len(drafted) and drafted[accepted] == best[accepted]:
         accepted += 1
     return Acceptance(accepted, best[accepted])
 

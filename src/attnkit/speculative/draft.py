@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnkit.errors import AttnkitError
 from attnkit.model import LoadedModel
 from attnkit.sampling import SamplingConfig
 from attnkit.session import Session
@@ -84,6 +85,14 @@ class DraftSource:
         """Whether the source chooses how many tokens to propose (gamma is then only a cap), instead of
         the loop's :class:`attnkit.speculative.gamma.GammaController`."""
         return False
+
+    def fork(self) -> DraftSource:
+        """A fresh source with the same settings and none of this one's state, for another sequence of a
+        batch (each sequence drafts with its own source: its own cache, index, statistics). A source
+        that does not say how to copy itself cannot draft for a batch."""
+        raise AttnkitError(f"a batch of prompts needs one draft source per prompt, and the {type(self).__name__} "
+                           f"source ({self.describe()}) has no fork() to make them; give one prompt, or name the "
+                           f"source (draft_model, prompt_lookup, self)")
 
     def describe(self) -> str:
         return self.kind

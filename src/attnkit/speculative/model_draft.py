@@ -29,6 +29,8 @@ state is already right and nothing is restored.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
+
 import torch
 
 from attnkit.errors import AttnkitError
@@ -80,6 +82,18 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
             f"map tokens to different ids: speculative decoding needs the same tokenizer for both")
 
 
+def run_plan(plan: Generator[tuple[list[int], int], torch.Tensor, Proposal],
+             feed: Callable[[list[int], int], torch.Tensor]) -> Proposal:
+    """Run a draft's plan (:meth:`ModelDraft.proposing`) with ``feed(tokens, start) -> logits`` for each
+    of its feeds; its proposal."""
+    try:
+        request = next(plan)
+        while True:
+            request = plan.send(feed(*request))
+    except StopIteration as done:
+        return done.value
+
+
 class ModelDraft(DraftSource):
     """A model drafting token by token with its own cache under `method` (``full`` for a separate
     draft model; an eviction method for self-speculation, then `model` is None = the target itself).
@@ -96,7 +110,9 @@ class ModelDraft(DraftSource):
         self.model = model
         self.confidence = check_confidence("draft_confidence", confidence)
         self.weights = check_draft_weights(weights)
-        self._int8: tuple[LoadedModel, LoadedModel] | None = None  # (model, its int8 view), made on first use
+        # [(model, its int8 view)], made on first use; one list shared with this source's forks (a batch's
+        # sequences draft with one view)
+        self._int8: list[tuple[LoadedModel, LoadedModel]] = []
         self.method = parse_method_spec(method) if isinstance(method, str) else resolve_method(method)
         if lookup is not None:
             check_lookup_cache(self.method)
@@ -125,13 +141,22 @@ class ModelDraft(DraftSource):
         """The model the draft runs: `model`, or its int8 view (made once per model object)."""
         if self.weights == "same":
             return model
-        if self._int8 is None or self._int8[0] is not model:
-            self._int8 = (model, int8_weight_view(model))
-        return self._int8[1]
+        if not self._int8 or self._int8[0][0] is not model:
+            self._int8[:] = [(model, int8_weight_view(model))]
+        return self._int8[0][1]
 
     def weight_bytes(self) -> int:
         own = 0 if self.model is None else sum(p.nbytes for p in self.model.hf.parameters())
-        return own + (int8_bytes(self._int8[1]) if self._int8 is not None else 0)
+        return own + (int8_bytes(self._int8[0][1]) if self._int8 else 0)
+
+    def fork(self) -> ModelDraft:
+        """A fresh source with the same model, method and options (its own cache and lookup index), for
+        another sequence of a batch; the int8 view, once made, is shared."""
+        twin = ModelDraft(self.model, self.method, share_prefill=self.share_prefill, kind=self.kind,
+                          lookup=None if self.lookup is None else self.lookup.fork(), confidence=self.confidence,
+                          weights=self.weights)
+        twin._int8 = self._int8
+        return twin
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self, run: DraftRun) -> Session | None:
@@ -244,6 +269,13 @@ class ModelDraft(DraftSource):
         return float(prob) < self.confidence
 
     def propose(self, context: list[int], gamma: int) -> Proposal:
+        return run_plan(self.proposing(context, gamma), self._feed)
+
+    def proposing(self, context: list[int], gamma: int) -> Generator[tuple[list[int], int], torch.Tensor, Proposal]:
+        """:meth:`propose` as a plan: it yields every feed ``(tokens, start)`` it needs, is sent the logits
+        ``[len(tokens), V]`` after each of those tokens, and returns the proposal. :meth:`propose` runs it
+        with :meth:`_feed`; a batch runs its sequences' plans side by side, one forward per feed over all
+        of them (:mod:`attnkit.speculative.rows`)."""
         if self.session is None:
             raise AttnkitError("the draft source was not started")
         L = len(context)
@@ -252,8 +284,8 @@ class ModelDraft(DraftSource):
         self._round_start = L
         self._snapshots = []
         if self.lookup is not None:
-            return self._propose_with_lookup(context, gamma)
-        logits = self._feed(context[self.cached:], self.cached)[-1]
+            return (yield from self._propose_with_lookup(context, gamma))
+        logits = (yield context[self.cached:], self.cached)[-1]
         self.cached = L
         snapshot = not self.method.decode_only_appends()
         tokens, probs = [], []
@@ -267,11 +299,12 @@ class ModelDraft(DraftSource):
             if i < gamma - 1:
                 if snapshot:
                     self._snapshots.append(snapshot_session(self.session))  # state after token L - 1 + i
-                logits = self._feed([tok], L + i)[-1]
+                logits = (yield [tok], L + i)[-1]
                 self.cached = L + i + 1
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
-    def _propose_with_lookup(self, context: list[int], gamma: int) -> Proposal:
+    def _propose_with_lookup(self, context: list[int], gamma: int) -> Generator[tuple[list[int], int], torch.Tensor,
+                                                                                  Proposal]:
         """TriForce's hierarchy (Sun et al. 2024, section 4.2) with prompt lookup at the bottom: the
         draft verifies n-gram guesses in one forward of several tokens, as the target verifies the
         draft, instead of one forward per drafted token. Every drafted token is still distributed as the
@@ -288,7 +321,7 @@ class ModelDraft(DraftSource):
         while len(tokens) < gamma and not unsure:
             start = self.cached  # position of unseen[0]
             guesses = self.lookup.lookup_after(context, tokens, gamma - len(tokens))
-            rows = self._feed(unseen + guesses, start)
+            rows = yield unseen + guesses, start
             first = len(unseen) - 1  # rows[first + j]: the draft's logits for the place of guesses[j]
             kept = 0
             for j in range(len(guesses) + 1):

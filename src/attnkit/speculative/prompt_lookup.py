@@ -5,6 +5,7 @@ model runs; the draft is deterministic (a point-mass ``p`` in the acceptance rul
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from attnkit.errors import AttnkitError
@@ -99,6 +100,10 @@ class PromptLookupDraft(DraftSource):
         except ValueError:
             raise AttnkitError(f"prompt_lookup options must be whole numbers, got {spec!r}") from None
         return cls(**values)
+
+    def fork(self) -> PromptLookupDraft:
+        """A fresh source with the same options (an empty index and acceptance model)."""
+        return dataclasses.replace(self)
 
     def describe(self) -> str:
         return f"prompt_lookup(max_ngram={self.max_ngram}, min_ngram={self.min_ngram}, max_match={self.max_match})"
