@@ -132,9 +132,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.prompts_file is not None:
         ids = prompt_ids(model, prompts, args.prompts_file, args.max_new_tokens)
-        run_prompts(run, ids, args.batch_size, args.seed,
-                    lambda i, gen: print_result(i, prompts[i], gen, args.json,
-                                                lambda stats: print_generation_stats(stats, speculative, f"prompt {i}: ")))
+
+        def emit(i, gen):
+            print_result(i, prompts[i], gen, args.json)
+            if not args.json:
+                print_generation_stats(gen.stats, speculative, prefix=f"prompt {i}: ")
+                sys.stderr.flush()
+
+        run_prompts(run, ids, args.batch_size, args.seed, emit)
         return 0
     stream = None if args.json else (lambda _tok, delta: print(delta, end="", flush=True))
     out = run(prompt, on_token=stream)

@@ -12,7 +12,6 @@ stderr as for one prompt).
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,8 +124,8 @@ def run_prompts(generate: Callable, ids: list[list[int]], batch_size: int | None
             emit(start + offset, gen)
 
 
-def print_result(index: int, prompt: FilePrompt, gen, as_json: bool, print_stats: Callable) -> None:
-    """One prompt's result: a JSON line, or a header, the text, and the statistics on stderr."""
+def print_result(index: int, prompt: FilePrompt, gen, as_json: bool) -> None:
+    """One prompt's result on stdout: a JSON line, or a header naming the prompt and its text."""
     if as_json:
         print(json.dumps({"index": index, **prompt.extra, "text": gen.text, "token_ids": gen.token_ids,
                           "stats": gen.stats.as_dict()}), flush=True)
@@ -134,5 +133,3 @@ def print_result(index: int, prompt: FilePrompt, gen, as_json: bool, print_stats
     tags = "".join(f", {k}={json.dumps(v)}" for k, v in prompt.extra.items())
     print(f"--- prompt {index} (line {prompt.line}{tags}) ---")
     print(gen.text, flush=True)
-    print_stats(gen.stats)
-    sys.stderr.flush()

@@ -82,12 +82,17 @@ def batches_samples(recipe: Recipe) -> bool:
     return not recipe.is_peer and recipe.decode is None
 
 
+def stop_of(item) -> str:
+    """Where a sample's answer ends: its own stop string, or the end of the first line."""
+    return item.meta.get("stop", "\n")
+
+
 def generation_calls(items, batch_size: int) -> list[list[int]]:
     """The samples of each generate call, by index: samples that share their token limit and stop string
     (every sample of a task, as a rule), `batch_size` at a time, in order."""
     by_setting: dict[tuple, list[int]] = {}
     for i, item in enumerate(items):
-        by_setting.setdefault((item.max_new_tokens, item.meta.get("stop", "\n")), []).append(i)
+        by_setting.setdefault((item.max_new_tokens, stop_of(item)), []).append(i)
     return [idx[s:s + batch_size] for idx in by_setting.values() for s in range(0, len(idx), batch_size)]
 
 
@@ -97,7 +102,7 @@ def _generate(model: LoadedModel, recipe: Recipe, items, batch_size: int, progre
     batched = batches_samples(recipe)
     for idx in generation_calls(items, batch_size if batched else 1):
         first = items[idx[0]]
-        stop = first.meta.get("stop", "\n")
+        stop = stop_of(first)
         if recipe.is_peer:
             gens = [peers.runner(recipe).generate(first.prompt, recipe.peer, first.max_new_tokens, stop)]
         elif batched:
