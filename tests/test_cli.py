@@ -51,6 +51,90 @@ def test_generate_recipe_and_prompt_file(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["stats"]["method"] == "window(window=4)"
 
 
+# ---- generate --prompts-file: a batch of prompts from a JSONL file --------------------------------------------
+
+PROMPT_LINES = ['{"id": "a", "prompt": "abcabcabc abc"}', "", '{"prompt": [1, 70, 71, 72, 73], "id": 7, "tag": [1]}',
+                '{"id": "c", "prompt": "a longer prompt than the others"}']
+
+
+def _prompts_file(tmp_path, lines=PROMPT_LINES, name="prompts.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("batch", [[], ["--batch-size", "2"]])
+def test_generate_prompts_file_json(tmp_path, capsys, small_llama, batch):
+    """One JSON line per prompt, in file order, with the line's other keys; each prompt's tokens are those it
+    gets alone, whatever the batch size."""
+    assert main(["generate", "--model", MODEL, "--prompts-file", _prompts_file(tmp_path), "--max-new-tokens", "5",
+                 "--method", "window:window=8", "--json", *batch]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["index"] for r in out] == [0, 1, 2]
+    assert [set(r) for r in out] == [{"index", "id", "text", "token_ids", "stats"},
+                                     {"index", "id", "tag", "text", "token_ids", "stats"},
+                                     {"index", "id", "text", "token_ids", "stats"}]
+    assert [r["id"] for r in out] == ["a", 7, "c"] and out[1]["tag"] == [1]
+    alone = [attnkit.generate(small_llama, p, "window", params={"window": 8}, max_new_tokens=5)
+             for p in ("abcabcabc abc", [1, 70, 71, 72, 73], "a longer prompt than the others")]
+    assert [r["token_ids"] for r in out] == [g.token_ids for g in alone]
+    assert [r["text"] for r in out] == [g.text for g in alone]
+    assert [r["stats"]["prompt_tokens"] for r in out] == [14, 5, 32]
+    assert [r["stats"]["batch_size"] for r in out] == ([2, 2, 1] if batch else [3, 3, 3])
+
+
+def test_generate_prompts_file_text_and_seeds(tmp_path, capsys):
+    path = _prompts_file(tmp_path)
+    assert main(["generate", "--model", MODEL, "--prompts-file", path, "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    heads = [line for line in captured.out.splitlines() if line.startswith("--- prompt")]
+    assert heads == ['--- prompt 0 (line 1, id="a") ---', '--- prompt 1 (line 3, id=7, tag=[1]) ---',
+                     '--- prompt 2 (line 4, id="c") ---']
+    stats = captured.err.strip().splitlines()
+    assert [line.split(" [")[0] for line in stats] == ["prompt 0:", "prompt 1:", "prompt 2:"]
+    assert "[full] 14 prompt tokens" in stats[0]
+    sampled = []
+    for batch in ([], ["--batch-size", "1"]):  # prompt i samples with seed + i, whatever the batches
+        assert main(["generate", "--model", MODEL, "--prompts-file", path, "--max-new-tokens", "6", "--do-sample",
+                     "--seed", "11", "--json", *batch]) == 0
+        sampled.append([json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()])
+    assert sampled[0] == sampled[1]
+
+
+@pytest.mark.parametrize("lines,fragments", [
+    (['{"prompt": "x"}', '{"prompt": "y"'], ["line 2: not valid JSON", "Expecting ',' delimiter"]),
+    (['{"prompt": "x"}', "", "[1, 2]"], ["line 3: expected a JSON object", "got a JSON list"]),
+    (['{"id": 1}'], ['line 1: the object has no "prompt" key', "'id'"]),
+    (['{"prompt": 5}'], ['line 1: "prompt" must be a non-empty string or a non-empty list of token ids', "got 5"]),
+    (['{"prompt": [1, 2.5]}'], ['"prompt" must be', "got [1, 2.5]"]),
+    (['{"prompt": ""}'], ["line 1: the prompt is empty"]),
+    (['{"prompt": "x", "text": "y"}'], ["line 1: key 'text' is a name the output uses"]),
+    (["", "  "], ["holds no prompts"]),
+    (['{"prompt": "x"}', '{"prompt": [1, 99999]}'], ["token id 99999 in prompts file", "line 2 is outside the vocabulary"]),
+])
+def test_generate_prompts_file_errors(tmp_path, capsys, lines, fragments):
+    path = _prompts_file(tmp_path, lines)
+    _one_line_error(capsys, ["generate", "--model", MODEL, "--prompts-file", path], f"prompts file {path!r}",
+                    *fragments)
+
+
+def test_generate_prompts_file_refusals(tmp_path, capsys):
+    path = _prompts_file(tmp_path)
+    base = ["generate", "--model", MODEL]
+    _one_line_error(capsys, [*base, "--prompts-file", str(tmp_path / "none.jsonl")], "none.jsonl", "does not exist")
+    _one_line_error(capsys, [*base, "--prompts-file", path, "--prompt", "hi"],
+                    "give exactly one of --prompt TEXT, --prompt-file FILE or --prompts-file", "--prompt and --prompts-file")
+    _one_line_error(capsys, [*base, "--prompt", "hi", "--batch-size", "2"], "--batch-size splits the prompts of --prompts-file")
+    _one_line_error(capsys, [*base, "--prompts-file", path, "--batch-size", "0"], "--batch-size must be a whole number >= 1")
+    _one_line_error(capsys, [*base, "--prompts-file", path, "--speculate", "prompt_lookup"],
+                    "--prompts-file runs its prompts as a batch", "speculative decoding")
+    recipe = tmp_path / "spec.json"
+    recipe.write_text('{"decode": {"speculate": "prompt_lookup"}}')
+    _one_line_error(capsys, [*base, "--prompts-file", path, "--recipe", str(recipe)], "speculative decoding")
+    long = _prompts_file(tmp_path, ['{"prompt": "x"}', '{"prompt": "' + "y" * 5000 + '"}'], "long.jsonl")
+    _one_line_error(capsys, [*base, "--prompts-file", long], f"prompts file {long!r} line 2", "allows at most")
+
+
 def test_errors_are_one_line(capsys):
     assert main(["generate", "--model", MODEL, "--prompt", "hi", "--method", "window", "--param", "window=0"]) == 2
     err = capsys.readouterr().err.strip()
@@ -74,6 +158,32 @@ def test_bench_reports_ratios(capsys):
         assert main(["bench", "--model", MODEL, "--context", "300", "--new-tokens", "1", *extra]) == 2
         err = capsys.readouterr().err
         assert "--new-tokens must be a whole number >= 2" in err and "got 1" in err
+
+
+def test_bench_batch_sizes(capsys):
+    """Every method at every batch size, ratios to full at the same batch size; the batch's decode rate is
+    the tokens of all its sequences per second, its KV per sequence and in total."""
+    assert main(["bench", "--model", MODEL, "--context", "120", "--new-tokens", "4", "--methods",
+                 "full,window:window=32", "--repeats", "1", "--batch-sizes", "1,3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["batch_size"], r["method"]) for r in rows] == [(1, "full"), (1, "window:window=32"),
+                                                              (3, "full"), (3, "window:window=32")]
+    for full, win in (rows[:2], rows[2:]):
+        b = full["batch_size"]
+        assert full["kv_ratio"] == 1.0 and full["decode_speedup"] == 1.0
+        assert win["decode_speedup"] == pytest.approx(win["decode_tokens_per_s"] / full["decode_tokens_per_s"])
+        assert win["prefill_speedup"] == pytest.approx(full["prefill_s"] / win["prefill_s"])
+        assert win["final_kv_bytes"] * (124 / 32) == full["final_kv_bytes"]  # per sequence: as at batch 1
+        for r in (full, win):
+            assert r["final_kv_bytes_total"] == b * r["final_kv_bytes"]
+            assert r["peak_kv_bytes_total"] == b * r["peak_kv_bytes"]
+    assert rows[2]["final_kv_bytes"] == rows[0]["final_kv_bytes"]
+    assert main(["bench", "--model", MODEL, "--context", "120", "--new-tokens", "4", "--methods", "full",
+                 "--repeats", "1", "--batch-sizes", "2", "--bandwidth-mib", "0"]) == 0
+    captured = capsys.readouterr()
+    head, _, row = captured.out.splitlines()[:3]
+    assert head.split()[:2] == ["method", "batch"] and row.split()[:2] == ["full", "2"]
+    assert "batch sizes 2" in captured.err and "full x2" in captured.err
 
 
 # ---- first contact: every mistake is one line on stderr, before any model loads ----------------------------
@@ -111,6 +221,10 @@ def _one_line_error(capsys, argv, *fragments, status=2):
     (["eval", "--lengths", "1024,-5"], ["--lengths must hold whole numbers >= 1", "-5"]),
     (["eval", "--lengths", "1k"], ["--lengths must be comma-separated integers", "'1k'"]),
     (["eval", "--tasks", " , "], ["--tasks is empty"]),
+    (["eval", "--batch-size", "0"], ["--batch-size must be a whole number >= 1", "got 0"]),
+    (["bench", "--batch-sizes", "1,0"], ["--batch-sizes must hold whole numbers >= 1", "0"]),
+    (["bench", "--batch-sizes", "4,4"], ["--batch-sizes has duplicates", "[4, 4]"]),
+    (["bench", "--batch-sizes", "1,4", "--speculate", "prompt_lookup"], ["--speculate decodes one prompt at a time"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'", "generate"]),
     ([], ["required", "COMMAND"]),
 ])

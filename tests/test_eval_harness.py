@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnkit import AttnkitError, load_model
-from attnkit.eval import corpus, harness, tasks
+from attnkit.eval import cells, corpus, harness, tasks
 from attnkit.eval import results as results_store
 from attnkit.eval.table import format_table
 from attnkit.eval.tasks import GENERATED_TASKS, TASKS, Sample, edit_similarity, string_match_score
@@ -53,6 +53,10 @@ def test_rows_have_every_field(rows_and_dir):
         assert row["peak_kv_bytes"] > 0 and row["final_kv_bytes"] > 0
     by_method = {r["method"]: r for r in passkey}
     assert by_method["window"]["peak_kv_bytes"] < by_method["full"]["peak_kv_bytes"]
+    # the default batch holds both samples; perplexity is scored by a prefill per sample
+    assert [r["batch_size"] for r in rows] == [2, 2, 1, 1]
+    assert all(r["throughput_tokens_per_s"] > 0 for r in passkey)
+    assert all(r["throughput_tokens_per_s"] is None for r in rows if r["task"] == "perplexity")
 
 
 def test_full_row_is_relative_one(rows_and_dir):
@@ -113,12 +117,48 @@ def test_explicit_depths(model):
     (dict(lengths=[10**6]), "exceeds"),
     (dict(methods=["nope"]), "unknown method"),
     (dict(depths=[1.5]), "depths"),
+    (dict(batch_size=0), "batch_size must be a whole number >= 1, got 0"),
 ])
 def test_bad_input(model, kwargs, message):
     args = dict(tasks=["passkey"], lengths=[256], methods=["full"], samples=1, progress=False)
     args.update(kwargs)
     with pytest.raises(AttnkitError, match=message):
         harness.run_eval(model, **args)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+def _outcome(rows):
+    return [(r["task"], r["method_spec"], r["scores"], r["predictions"]) for r in rows]
+
+
+@pytest.mark.parametrize("methods", [["full", "window:window=64"], ["snapkv:budget=0.3", "h2o:budget=0.3"]])
+def test_batched_eval_scores_as_one_at_a_time(tiny, methods):
+    """Samples generated 4 at a time (batches of 4 and 1) score and predict exactly as one at a time, on the
+    bundled model, for full attention and window, and for eviction methods (whose choices are per sequence)."""
+    args = dict(tasks=["passkey", "kv_retrieval"], lengths=[256], methods=methods, samples=5, seed=1,
+                progress=False)
+    one = harness.run_eval(tiny, batch_size=1, **args)
+    four = harness.run_eval(tiny, batch_size=4, **args)
+    assert _outcome(four) == _outcome(one)
+    assert [r["batch_size"] for r in one] == [1] * len(one) and [r["batch_size"] for r in four] == [4] * len(four)
+    assert all(len(set(r["predictions"])) > 1 for r in one)  # real answers, sample by sample
+    if "full" in methods:
+        assert any(any(r["scores"]) for r in one)  # tiny finds some: scores that could differ
+    for row in four:
+        assert row["prefill_s"] > 0 and row["decode_tokens_per_s"] > 0 and row["throughput_tokens_per_s"] > 0
+        assert row["peak_kv_bytes"] == next(r for r in one if r["cell"] == row["cell"])["peak_kv_bytes"]
+
+
+def test_generation_calls_keep_settings_apart():
+    """Samples with another token limit or stop string go into another generate call; order is kept."""
+    Item = dataclasses.make_dataclass("Item", ["max_new_tokens", "meta"])
+    items = [Item(8, {}), Item(8, {}), Item(16, {}), Item(8, {"stop": "."}), Item(8, {}), Item(16, {})]
+    assert cells.generation_calls(items, 2) == [[0, 1], [4], [2, 5], [3]]
+    assert cells.generation_calls(items, 8) == [[0, 1, 4], [2, 5], [3]]
 
 
 def test_unknown_task_lists_available(model):

@@ -131,6 +131,8 @@ def test_example_sweep_parses():
     ({"samples": 0}, "samples must be"),
     ({"colour": "red"}, "unknown key"),
     ({"recipes": ["kvpress:snapkv"]}, "press is named by its class"),
+    ({"batch_size": 0}, "batch_size must be a whole number >= 1, got 0"),
+    ({"batch_size": "4"}, "batch_size must be a whole number >= 1, got '4'"),
 ])
 def test_bad_sweeps(change, match):
     data = dict(SWEEP, **change)
@@ -156,6 +158,17 @@ def test_sweep_rows(reference):
     code_full = next(r for r in rows if r["task"] == "code_completion" and r["method_spec"] == "full")
     assert code_full["score_rel_full"] == 1.0 and code_full["depth_scores"] is None
     assert (out / "table.txt").is_file() and json.loads((out / "sweep.json").read_text())["budgets"] == [0.25, 0.5]
+    # the default batch of 8 holds both samples; speculative decoding (pl) takes one prompt per call
+    assert window["batch_size"] == 2 and next(r for r in rows if r["method_spec"] == "pl")["batch_size"] == 1
+    assert json.loads((out / "sweep.json").read_text())["batch_size"] == 8
+
+
+def test_sweep_batch_size_keeps_the_scores(reference, tmp_path):
+    """A sweep file's batch_size changes how the samples are generated, not what they score."""
+    rows, _ = reference
+    one = run_sweep(sweep_from_dict(dict(SWEEP, batch_size=1)), tmp_path, progress=False)
+    assert {r["batch_size"] for r in one} == {1}
+    assert _stable(one) == _stable(rows)
 
 
 def test_interrupted_sweep_resumes_to_the_same_results(reference, tmp_path, monkeypatch):
@@ -164,12 +177,12 @@ def test_interrupted_sweep_resumes_to_the_same_results(reference, tmp_path, monk
     real = cells.run_cell
     calls = []
 
-    def interrupted(model, task, recipe, items, bar, peers_):
+    def interrupted(model, task, recipe, items, bar, peers_, *batch_size):
         calls.append(recipe.label)
         if len(calls) == 4:  # the interruption comes in the middle of the fourth cell
-            real(model, task, recipe, items[:1], bar, peers_)
+            real(model, task, recipe, items[:1], bar, peers_, *batch_size)
             raise KeyboardInterrupt
-        return real(model, task, recipe, items, bar, peers_)
+        return real(model, task, recipe, items, bar, peers_, *batch_size)
 
     monkeypatch.setattr(cells, "run_cell", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -268,6 +281,16 @@ def test_kvpress_in_the_same_table(tmp_path):
     assert ours["method_spec"] == "snapkv:window_size=8,kernel_size=1@0.5"
 
 
+@pytest.mark.parametrize("sizes,match", [([], "batch_sizes must be a non-empty list"),
+                                         ([1, 0], "every one of batch_sizes must be a whole number >= 1, got 0"),
+                                         ([2, 2], "batch_sizes has duplicates"),
+                                         ([1, 2], "pl decodes speculatively, one prompt at a time")])
+def test_bench_batch_sizes_refused(small_llama, sizes, match):
+    pl = {"name": "pl", "decode": {"speculate": "prompt_lookup", "gamma": 3}}
+    with pytest.raises(AttnkitError, match=match):
+        run_bench(small_llama, 40, 3, ["full", pl], repeats=1, batch_sizes=sizes)
+
+
 # ---- the decode floor ----------------------------------------------------------------------------
 
 
@@ -278,11 +301,16 @@ def test_bandwidth_and_decode_floor(small_llama, capsys):
     all_params = sum(p.numel() * 4 for p in small_llama.hf.parameters())
     emb = small_llama.hf.get_input_embeddings().weight
     assert weights == all_params - emb.numel() * 4 + emb.shape[1] * 4
-    rows = run_bench(small_llama, 64, 4, ["full", "window:window=16"], repeats=1, bandwidth=bw)
-    for row in rows:
+    rows = run_bench(small_llama, 64, 4, ["full", "window:window=16"], repeats=1, bandwidth=bw, batch_sizes=[1, 2])
+    for row in rows[:2]:
         expected = 1000 * (weights + row["final_kv_bytes"]) / bw
         assert row["decode_floor_ms_per_token"] == pytest.approx(expected)
+    for row in rows[2:]:  # a batch's step reads the weights once and yields a token per sequence
+        assert row["batch_size"] == 2 and row["final_kv_bytes_total"] == 2 * row["final_kv_bytes"]
+        expected = 1000 * (weights + row["final_kv_bytes_total"]) / bw / 2
+        assert row["decode_floor_ms_per_token"] == pytest.approx(expected)
     assert rows[1]["decode_floor_ms_per_token"] < rows[0]["decode_floor_ms_per_token"]
+    assert rows[2]["decode_floor_ms_per_token"] < rows[0]["decode_floor_ms_per_token"]
     assert "floor ms" in format_bench(rows)
     assert main(["bench", "--model", SPEC, "--context", "64", "--new-tokens", "3", "--repeats", "1",
                  "--bandwidth-mib", "8", "--methods", "full"]) == 0

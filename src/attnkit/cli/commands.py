@@ -8,7 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from attnkit.cli.options import positive_finite
+from attnkit.cli.options import int_list, positive_finite
+from attnkit.cli.prompts import print_result, prompt_ids, read_prompts_file, refuse_batched_speculation, run_prompts
 from attnkit.cli.speculation import speculation_from_options
 from attnkit.errors import AttnkitError
 from attnkit.methods import METHODS
@@ -97,9 +98,15 @@ def check_sampling_options(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     speculation = speculation_from_options(args)
     check_sampling_options(args)
-    if (args.prompt is None) == (args.prompt_file is None):
-        raise AttnkitError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
+    given = [flag for flag, value in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                                      ("--prompts-file", args.prompts_file)) if value is not None]
+    if len(given) != 1:
+        raise AttnkitError("give exactly one of --prompt TEXT, --prompt-file FILE or --prompts-file FILE.jsonl"
+                           + (f" (got {' and '.join(given)})" if given else ""))
+    if args.batch_size is not None:
+        if args.prompts_file is None:
+            raise AttnkitError("--batch-size splits the prompts of --prompts-file FILE.jsonl into batches; give one")
+        whole("--batch-size", args.batch_size, minimum=1)
     recipe = recipe_from_options(args.method, args.param, args.recipe)
     method = recipe.method()
     if speculation is not None and recipe.decode is not None:
@@ -107,26 +114,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if speculation is not None and getattr(method, "name", None) != "full":
         raise AttnkitError(f"--speculate verifies with full attention; --method {method.describe()} is not used "
                            f"(for self-speculation give the draft's method with --draft)")
-    model = load(args.model)
-    stream = None if args.json else (lambda _tok, delta: print(delta, end="", flush=True))
-    sampling = dict(max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, do_sample=args.do_sample,
-                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                    on_token=stream)
-    if speculation is not None:
-        out = speculative_generate(model, prompt, speculation, **sampling)
+    speculative = speculation is not None or recipe.decode is not None
+    if args.prompts_file is not None:
+        refuse_batched_speculation(speculative)
+        prompts = read_prompts_file(args.prompts_file)  # checked before the model loads
     else:
-        out = recipe.generate(model, prompt, **sampling)
+        prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
+    model = load(args.model)
+    sampling = dict(max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, do_sample=args.do_sample,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+
+    def run(prompt, **options):
+        options = {**sampling, **options}
+        if speculation is not None:
+            return speculative_generate(model, prompt, speculation, **options)
+        return recipe.generate(model, prompt, **options)
+
+    if args.prompts_file is not None:
+        ids = prompt_ids(model, prompts, args.prompts_file, args.max_new_tokens)
+
+        def emit(i, gen):
+            print_result(i, prompts[i], gen, args.json)
+            if not args.json:
+                print_generation_stats(gen.stats, speculative, prefix=f"prompt {i}: ")
+                sys.stderr.flush()
+
+        run_prompts(run, ids, args.batch_size, args.seed, emit)
+        return 0
+    stream = None if args.json else (lambda _tok, delta: print(delta, end="", flush=True))
+    out = run(prompt, on_token=stream)
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.as_dict()}))
     else:
         print()
-        print_generation_stats(out.stats, speculative=speculation is not None or recipe.decode is not None)
+        print_generation_stats(out.stats, speculative=speculative)
     return 0
 
 
-def print_generation_stats(s, speculative: bool) -> None:
-    """The one-line summary of a generation (and of its speculation) on stderr."""
-    print(f"[{s.method}] {s.prompt_tokens} prompt tokens, {s.new_tokens} new; prefill {s.prefill_s:.3f} s, "
+def print_generation_stats(s, speculative: bool, prefix: str = "") -> None:
+    """The one-line summary of a generation (and of its speculation) on stderr, after `prefix`."""
+    print(f"{prefix}[{s.method}] {s.prompt_tokens} prompt tokens, {s.new_tokens} new; prefill {s.prefill_s:.3f} s, "
           f"decode {s.decode_tokens_per_s:.1f} tok/s, peak KV {s.peak_kv_bytes / 2**20:.2f} MiB, "
           f"final KV {s.final_kv_bytes / 2**20:.2f} MiB ({s.finish_reason})", file=sys.stderr)
     if speculative:
@@ -139,33 +166,45 @@ def print_generation_stats(s, speculative: bool) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from attnkit.bench.speculative import bench_speculative, format_rows
-    from attnkit.bench.speed import check_benchmark_tokens, format_bench, measure_bandwidth, run_bench
+    from attnkit.bench.speed import (
+        check_batch_sizes,
+        check_benchmark_tokens,
+        format_bench,
+        measure_bandwidth,
+        run_bench,
+    )
 
     speculation = speculation_from_options(args)
     check_benchmark_tokens(args.new_tokens, name="--new-tokens")  # before the model loads
     whole("--context", args.context, minimum=1)
     whole("--repeats", args.repeats, minimum=1)
     whole("--bandwidth-mib", args.bandwidth_mib, minimum=0)
+    batch_sizes = int_list(args.batch_sizes, "--batch-sizes", minimum=1)
     if speculation is not None:
+        if batch_sizes != [1]:
+            raise AttnkitError("--speculate decodes one prompt at a time; give --batch-sizes 1 with it")
         rows = bench_speculative(args.model, speculation, context=args.context, new_tokens=args.new_tokens,
                                  repeats=args.repeats, seed=args.seed)
         print(json.dumps(rows) if args.json else format_rows(rows))
         return 0
     methods = split_spec_list(args.methods) + recipe_files(args.recipe)
+    check_batch_sizes(batch_sizes, [as_recipe(m, "--methods") for m in methods], "--batch-sizes")  # before the model loads
     model = load(args.model, context=args.context + args.new_tokens)
 
-    def progress(r, spec, stats):
-        print(f"  repeat {r + 1}/{args.repeats} {spec}: prefill {stats.prefill_s:.3f} s, "
-              f"decode {stats.decode_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+    def progress(r, spec, run):
+        batch = f" x{run.batch_size}" if len(batch_sizes) > 1 or run.batch_size > 1 else ""
+        print(f"  repeat {r + 1}/{args.repeats} {spec}{batch}: prefill {run.prefill_s:.3f} s, "
+              f"decode {run.decode_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
 
+    batches = f", batch sizes {', '.join(map(str, batch_sizes))}" if batch_sizes != [1] else ""
     print(f"bench {model.spec}: {args.context} prompt tokens, {args.new_tokens} new tokens, "
-          f"{args.repeats} interleaved repeats", file=sys.stderr)
+          f"{args.repeats} interleaved repeats{batches}", file=sys.stderr)
     bandwidth = None
     if args.bandwidth_mib > 0:
         bandwidth = measure_bandwidth(model.device, args.bandwidth_mib * 2**20)
         print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s (median of copies/sums of {args.bandwidth_mib} MiB)",
               file=sys.stderr)
     rows = run_bench(model, args.context, args.new_tokens, methods, args.repeats, args.seed, progress,
-                     bandwidth=bandwidth)
+                     bandwidth=bandwidth, batch_sizes=batch_sizes)
     print(json.dumps(rows) if args.json else format_bench(rows))
     return 0

@@ -20,6 +20,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from attnkit.eval.harness import LONGBENCH_PREFIX, format_table, run_eval
 
     whole("--samples", args.samples, minimum=1)
+    if args.batch_size is not None:
+        whole("--batch-size", args.batch_size, minimum=1)
     if args.sweep:
         return eval_sweep(args)
     lengths = int_list(args.lengths, "--lengths", minimum=1)
@@ -34,8 +36,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         data = LongBenchData.load(args.data)
     if tasks is None:
         tasks = [LONGBENCH_PREFIX + d for d in data.datasets()] if data is not None else ["passkey"]
+    batch = {} if args.batch_size is None else {"batch_size": args.batch_size}
     rows = run_eval(model, tasks, lengths, methods, args.samples, seed=args.seed,
-                    out_dir=Path(args.out) if args.out else None, progress=not args.no_progress, data=data)
+                    out_dir=Path(args.out) if args.out else None, progress=not args.no_progress, data=data, **batch)
     print(format_table(rows))
     if args.out:
         print(f"results: {Path(args.out) / 'results.jsonl'}", file=sys.stderr)
@@ -55,6 +58,8 @@ def eval_sweep(args: argparse.Namespace) -> int:
     sweep = load_sweep(args.sweep)
     if args.model:
         sweep.model = args.model
+    if args.batch_size is not None:
+        sweep.batch_size = args.batch_size
     print(f"sweep {args.sweep}: {sweep.cell_count()} cells on {sweep.model} ({len(sweep.tasks)} tasks x "
           f"{len(sweep.lengths)} lengths x recipes/budgets, {sweep.samples} samples each) -> {args.out}",
           file=sys.stderr)

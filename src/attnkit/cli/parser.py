@@ -6,6 +6,7 @@ from attnkit.cli.commands import cmd_bench, cmd_generate, cmd_methods
 from attnkit.cli.evaluate import cmd_calibrate, cmd_demo, cmd_eval, cmd_report
 from attnkit.cli.options import Parser
 from attnkit.cli.speculation import add_speculation_options
+from attnkit.eval.cells import DEFAULT_BATCH_SIZE
 from attnkit.eval.tasks import ALL_TASKS, GENERATED_TASKS
 
 MODEL_HELP = "tiny, tiny-draft, random:<arch>[:k=v,..], a model directory or hub id, any of them with :yarn=F"
@@ -43,6 +44,11 @@ def _generate_parser(sub) -> None:
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
     p.add_argument("--prompt", help="the prompt text (or --prompt-file)")
     p.add_argument("--prompt-file", metavar="FILE", help="a UTF-8 text file holding the prompt (or --prompt)")
+    p.add_argument("--prompts-file", metavar="FILE.jsonl",
+                   help='many prompts as one batch: one JSON object per line with a "prompt" (text or token ids); '
+                        "other keys (e.g. an id) are copied into that prompt's output")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="with --prompts-file: run the prompts in batches of N, in order (default: all in one batch)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (>= 1)")
     p.add_argument("--method", default="full", metavar="SPEC", help=METHOD_HELP)
     p.add_argument("--param", action="append", metavar="KEY=VALUE",
@@ -56,7 +62,8 @@ def _generate_parser(sub) -> None:
                                                                "(0 < P <= 1; nucleus sampling)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats (with "
+                                                       "--prompts-file: one per line, with the prompt's index)")
     add_speculation_options(p)
     p.set_defaults(func=cmd_generate)
 
@@ -68,6 +75,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (>= 2)")
     p.add_argument("--methods", default="full,window:window=1024", help="comma-separated method specs")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every method (>= 1)")
+    p.add_argument("--batch-sizes", default="1", metavar="B,...",
+                   help="comma-separated batch sizes, each method measured at each (prompts of --context tokens "
+                        "decoded side by side; tok/s of the whole batch, KV per sequence and in total)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument("--recipe", action="append", metavar="FILE", help="a recipe file to bench too (repeatable)")
     p.add_argument("--bandwidth-mib", type=int, default=256,
@@ -90,6 +100,11 @@ def _eval_parser(sub) -> None:
     p.add_argument("--data", metavar="FILE.jsonl", help="LongBench-format items: tasks longbench:DATASET")
     p.add_argument("--samples", type=int, default=20, help="prompts per task and length (>= 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help=f"samples per generate call (default: {DEFAULT_BATCH_SIZE}, or the sweep's batch_size); the "
+                        f"scores are those of one at a time; in a row, prefill_s is the prefill a sample shared with "
+                        f"its batch, decode_tokens_per_s the mean rate of one sequence, throughput_tokens_per_s the "
+                        f"cell's decode tokens of all sequences per second")
     p.add_argument("--out", default=None, help="directory for results.jsonl and table.txt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)

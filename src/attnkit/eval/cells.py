@@ -4,7 +4,9 @@
 of :mod:`attnkit.eval.sweep`: it takes a plan (groups of cells sharing their samples), skips cells whose
 rows it is handed, and appends each finished row to ``results.jsonl``
 (:func:`attnkit.eval.results.append_row`), so an interruption never leaves a half-written row that counts.
-``full`` runs first in each group so that every row can carry its score relative to full.
+``full`` runs first in each group so that every row can carry its score relative to full. A cell's
+samples go through :func:`attnkit.generate` ``batch_size`` at a time (:data:`DEFAULT_BATCH_SIZE`); the
+scores are those of one sample at a time, and :func:`run_cell` says what the timings of a batch mean.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from attnkit.eval.tasks import NEEDLE_TASKS
 from attnkit.methods.select import kept_fraction
 from attnkit.model import LoadedModel
 from attnkit.recipe import Recipe
+from attnkit.validate import whole
+
+# samples per generate call unless told otherwise: enough to share each decoding forward, few enough that
+# the KV cache of a batch of long prompts still fits (the runner refuses a batch that does not)
+DEFAULT_BATCH_SIZE = 8
 
 
 def mean_present(values: list) -> float | None:
@@ -68,38 +75,92 @@ class Peers:
             self.kvpress = None
 
 
-def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar, peers: Peers) -> dict:
-    """Scores, predictions and statistics of one (task, length, recipe) cell."""
-    scores, predictions, prefill, decode_tps, peak_kv, final_kv = [], [], [], [], [], []
-    method_stats = []
-    for item in items:
-        if task == PERPLEXITY:
-            t0 = time.perf_counter()
-            scores.append(bits_per_byte(model, item, recipe.method()))
-            prefill.append(time.perf_counter() - t0)
-            predictions.append(None)
+def batches_samples(recipe: Recipe) -> bool:
+    """Whether a cell's samples go through :func:`attnkit.generate` as batches. A peer runs in its own
+    worker one prompt at a time, and speculative decoding (a recipe's ``decode``) takes one prompt per call:
+    this is the one place to lift once it takes a batch (issue #28)."""
+    return not recipe.is_peer and recipe.decode is None
+
+
+def stop_of(item) -> str:
+    """Where a sample's answer ends: its own stop string, or the end of the first line."""
+    return item.meta.get("stop", "\n")
+
+
+def generation_calls(items, batch_size: int) -> list[list[int]]:
+    """The samples of each generate call, by index: samples that share their token limit and stop string
+    (every sample of a task, as a rule), `batch_size` at a time, in order."""
+    by_setting: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        by_setting.setdefault((item.max_new_tokens, stop_of(item)), []).append(i)
+    return [idx[s:s + batch_size] for idx in by_setting.values() for s in range(0, len(idx), batch_size)]
+
+
+def _generate(model: LoadedModel, recipe: Recipe, items, batch_size: int, progress_bar, peers: Peers) -> list[list]:
+    """Every sample's generation, grouped by the call that made it (the calls in order)."""
+    calls = []
+    batched = batches_samples(recipe)
+    for idx in generation_calls(items, batch_size if batched else 1):
+        first = items[idx[0]]
+        stop = stop_of(first)
+        if recipe.is_peer:
+            gens = [peers.runner(recipe).generate(first.prompt, recipe.peer, first.max_new_tokens, stop)]
+        elif batched:
+            gens = recipe.generate(model, [items[i].prompt for i in idx], max_new_tokens=first.max_new_tokens,
+                                   stop=stop)
         else:
-            stop = item.meta.get("stop", "\n")
-            if recipe.is_peer:
-                gen = peers.runner(recipe).generate(item.prompt, recipe.peer, item.max_new_tokens, stop)
-            else:
-                gen = recipe.generate(model, item.prompt, max_new_tokens=item.max_new_tokens, stop=stop)
-            scores.append(score_prediction(task, gen.text, item))
-            predictions.append(gen.text)
+            gens = [recipe.generate(model, first.prompt, max_new_tokens=first.max_new_tokens, stop=stop)]
+        calls.append(list(zip(idx, gens, strict=True)))
+        if progress_bar is not None:
+            progress_bar.update(len(idx))
+    return calls
+
+
+def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar, peers: Peers,
+             batch_size: int = 1) -> dict:
+    """Scores, predictions and statistics of one (task, length, recipe) cell; its samples are generated
+    `batch_size` at a time (:func:`batches_samples`: where the recipe allows it; a sequence gets the same
+    tokens in a batch as alone, so the scores do not depend on the batch size).
+
+    Timings of a batched cell: ``prefill_s`` is the mean over samples of the prefill their sequence took
+    part in (a batch's prompts of one length are prefilled together: what a sample waited before its
+    first token); ``decode_tokens_per_s`` is the mean over samples of each sequence's own decode rate (what
+    one request sees; it falls as the batch grows); ``throughput_tokens_per_s`` is the cell's: the decode
+    tokens of all its sequences over the decode wall time of its calls (it rises with the batch size)."""
+    n = len(items)
+    scores, predictions, prefill, decode_tps = [None] * n, [None] * n, [None] * n, [None] * n
+    peak_kv, final_kv, method_stats = [], [], []
+    steps = decode_wall = 0.0
+    calls = []
+    if task == PERPLEXITY:  # scored by a prefill each: nothing to batch
+        for i, item in enumerate(items):
+            t0 = time.perf_counter()
+            scores[i] = bits_per_byte(model, item, recipe.method())
+            prefill[i] = time.perf_counter() - t0
+            if progress_bar is not None:
+                progress_bar.update(1)
+    else:
+        calls = _generate(model, recipe, items, batch_size, progress_bar, peers)
+    for call in calls:
+        for i, gen in call:
+            scores[i] = score_prediction(task, gen.text, items[i])
+            predictions[i] = gen.text
             st = gen.stats
-            prefill.append(st.prefill_s)
+            prefill[i] = st.prefill_s
             # a generation of one token has no decode rate; it does not count towards the mean
-            decode_tps.append(st.decode_tokens_per_s if st.decode_tokens_per_s > 0 else None)
+            decode_tps[i] = st.decode_tokens_per_s if st.decode_tokens_per_s > 0 else None
+            steps += round(st.decode_tokens_per_s * st.decode_s)
             peak_kv.append(st.peak_kv_bytes)
             final_kv.append(st.final_kv_bytes)
             method_stats.append(st.method_stats)
-        if progress_bar is not None:
-            progress_bar.update(1)
+        decode_wall += max(gen.stats.decode_s for _, gen in call)  # a batch's sequences decode side by side
     peak_kv = [v for v in peak_kv if v is not None]
     final_kv = [v for v in final_kv if v is not None]
     return {
         "score": mean_present(scores), "scores": scores, "depth_scores": depth_scores(task, items, scores),
         "prefill_s": mean_present(prefill), "decode_tokens_per_s": mean_present(decode_tps),
+        "throughput_tokens_per_s": steps / decode_wall if steps and decode_wall > 0 else None,
+        "batch_size": max((len(call) for call in calls), default=1),
         "peak_kv_bytes": max(peak_kv, default=None), "final_kv_bytes": max(final_kv, default=None),
         "predictions": None if task == PERPLEXITY else predictions,
         "kept_fraction": kept_fraction(*method_stats),
@@ -126,9 +187,11 @@ def method_of(recipe: Recipe) -> tuple[str, dict]:
 
 def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: Path | None = None,
               progress: bool = True, done: dict[str, dict] | None = None, run_id: str | None = None,
-              desc: str = "eval") -> list[dict]:
-    """Run every cell of `groups` in order; a cell whose key is in `done` is not run again (its row is
-    reused). Each new row is appended to `out_path` as soon as its cell finishes. Returns all rows."""
+              desc: str = "eval", batch_size: int = DEFAULT_BATCH_SIZE) -> list[dict]:
+    """Run every cell of `groups` in order, generating `batch_size` samples at a time; a cell whose key is
+    in `done` is not run again (its row is reused: the batch size changes timings, not scores). Each new row
+    is appended to `out_path` as soon as its cell finishes. Returns all rows."""
+    whole("batch_size", batch_size, minimum=1)
     done = done or {}
 
     def key(group: Group, recipe: Recipe) -> str:
@@ -153,7 +216,7 @@ def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: P
                     if bar is not None:
                         bar.set_postfix_str(f"{group.task} {group.length} {label}", refresh=False)
                     t0 = time.perf_counter()
-                    result = run_cell(model, group.task, recipe, group.items, bar, peers)
+                    result = run_cell(model, group.task, recipe, group.items, bar, peers, batch_size)
                     wall = time.perf_counter() - t0
                     method_name, method_params = method_of(recipe)
                     items = group.items
@@ -167,6 +230,8 @@ def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: P
                         "score": result["score"], "scores": result["scores"], "depth_scores": result["depth_scores"],
                         "higher_is_better": higher, "score_rel_full": None,
                         "prefill_s": result["prefill_s"], "decode_tokens_per_s": result["decode_tokens_per_s"],
+                        "throughput_tokens_per_s": result["throughput_tokens_per_s"],
+                        "batch_size": result["batch_size"],
                         "peak_kv_bytes": result["peak_kv_bytes"], "final_kv_bytes": result["final_kv_bytes"],
                         "kept_fraction": result["kept_fraction"], "wall_s": wall, "versions": run_versions,
                         "git_commit": commit, "timestamp": provenance.now(), "predictions": result["predictions"],

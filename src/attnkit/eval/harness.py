@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.eval.cells import Group, run_cells
+from attnkit.eval.cells import DEFAULT_BATCH_SIZE, Group, run_cells
 from attnkit.eval.items import LONGBENCH_PREFIX, PERPLEXITY, task_items
 from attnkit.eval.longbench import as_longbench_data
 from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, repair_tail
@@ -28,7 +28,7 @@ from attnkit.eval.table import format_table
 from attnkit.eval.tasks import ALL_TASKS
 from attnkit.model import LoadedModel
 from attnkit.recipe import Recipe, as_recipe
-from attnkit.validate import is_number, is_whole
+from attnkit.validate import is_number, is_whole, whole
 
 
 def _check_list(label: str, values) -> None:
@@ -115,19 +115,22 @@ def full_first(recipes: list[Recipe]) -> list[Recipe]:
 
 def run_eval(model: LoadedModel, tasks: list[str], lengths: list[int], methods: list, samples: int,
              seed: int = 0, out_dir: Path | str | None = None, progress: bool = True,
-             depths: list[float] | None = None, data=None) -> list[dict]:
+             depths: list[float] | None = None, data=None, batch_size: int = DEFAULT_BATCH_SIZE) -> list[dict]:
     """Evaluate every (task, length, method) cell on `samples` seeded eval samples; one row per cell.
 
     `methods` are specs such as ``"full"`` or ``"window:window=512"``, recipes (:class:`attnkit.recipe.Recipe`
     or mappings) or method instances. `data` (:class:`attnkit.eval.longbench.LongBenchData` or a path)
     provides ``longbench:DATASET`` tasks. With `out_dir`, each row is appended to
     ``out_dir/results.jsonl`` as its cell finishes and ``out_dir/table.txt`` is written at the end.
-    Rows come in run order (tasks, then lengths, then methods with ``full`` first).
+    Rows come in run order (tasks, then lengths, then methods with ``full`` first). A cell's samples are
+    generated `batch_size` at a time (the same scores as one at a time; what the timings of a batch mean:
+    :func:`attnkit.eval.cells.run_cell`); each row records its ``batch_size``.
     """
     if data is not None:
         data = as_longbench_data(data)
     tasks, lengths, methods = list(tasks), list(lengths), list(methods)
     recipes, depth_values = _check_request(model, tasks, lengths, methods, samples, depths, data)
+    whole("batch_size", batch_size, minimum=1)
     recipes = full_first(recipes)
     # build every sample before running anything: a bad length fails at once, not an hour in
     groups = [Group(task, length, task_items(model, task, length, seed, samples, depth_values, data), recipes)
@@ -138,7 +141,7 @@ def run_eval(model: LoadedModel, tasks: list[str], lengths: list[int], methods: 
         out_dir.mkdir(parents=True, exist_ok=True)
         out_path = out_dir / RESULTS_FILE
         repair_tail(out_path)
-    rows = run_cells(model, groups, seed=seed, out_path=out_path, progress=progress)
+    rows = run_cells(model, groups, seed=seed, out_path=out_path, progress=progress, batch_size=batch_size)
     if out_dir is not None:
         (out_dir / TABLE_FILE).write_text(format_table(rows) + "\n", encoding="utf-8")
     return rows

@@ -24,11 +24,12 @@ SCHEMA = 2
 ROW_FIELDS = (
     "schema", "run_id", "cell", "model", "task", "length", "method", "method_params", "method_spec", "recipe",
     "recipe_name", "budget", "samples", "depths", "seeds", "score", "scores", "depth_scores", "higher_is_better",
-    "score_rel_full", "prefill_s", "decode_tokens_per_s", "peak_kv_bytes", "final_kv_bytes", "kept_fraction", "wall_s",
-    "versions", "git_commit", "timestamp", "predictions",
+    "score_rel_full", "prefill_s", "decode_tokens_per_s", "throughput_tokens_per_s", "batch_size", "peak_kv_bytes",
+    "final_kv_bytes", "kept_fraction", "wall_s", "versions", "git_commit", "timestamp", "predictions",
 )
-# fields that differ between two runs of the same cell (timings and provenance of the run)
-VOLATILE_FIELDS = ("run_id", "timestamp", "prefill_s", "decode_tokens_per_s", "wall_s")
+# fields that differ between two runs of the same cell (timings, batch size and provenance of the run)
+VOLATILE_FIELDS = ("run_id", "timestamp", "prefill_s", "decode_tokens_per_s", "throughput_tokens_per_s", "batch_size",
+                   "wall_s")
 
 
 def cell_key(model: str, task: str, length: int, recipe_name: str, budget, samples: int, seed: int) -> str:

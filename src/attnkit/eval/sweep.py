@@ -13,6 +13,7 @@ A sweep file (YAML or JSON)::
       - {name: sparse+snap, prefill: minference, cache: snapkv}
       - kvpress:SnapKVPress             # a peer (needs kvpress, see attnkit.eval.peers)
     data: longbench.jsonl               # optional: LongBench-format items; task "longbench" = all its datasets
+    batch_size: 8                       # optional: samples per generate call (the scores do not depend on it)
 
 Every recipe that leaves its budget open runs once per budget; one that sets its own (or takes none)
 runs once. ``full`` runs once per (task, length) as the reference, first. The cells run in order
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
-from attnkit.eval.cells import Group, run_cells
+from attnkit.eval.cells import DEFAULT_BATCH_SIZE, Group, run_cells
 from attnkit.eval.harness import check_lengths, check_peer_tasks, check_samples, check_tasks, depth_list
 from attnkit.eval.items import LONGBENCH_PREFIX, task_items
 from attnkit.eval.longbench import LongBenchData
@@ -42,7 +43,7 @@ from attnkit.recipe import Recipe, as_recipe, check_budget_value
 from attnkit.validate import is_whole, text, whole
 
 SWEEP_KEYS = ("model", "recipes", "budgets", "tasks", "lengths", "samples", "seed", "depths", "data", "name",
-              "description")
+              "description", "batch_size")
 SWEEP_FILE = "sweep.json"
 
 
@@ -60,11 +61,13 @@ class Sweep:
     name: str | None = None
     description: str | None = None
     source: str = "sweep"
+    batch_size: int = DEFAULT_BATCH_SIZE
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "model": self.model, "samples": self.samples,
                 "seed": self.seed, "tasks": self.tasks, "lengths": self.lengths, "budgets": self.budgets,
-                "depths": self.depths, "data": self.data, "recipes": [r.to_dict() for r in self.recipes]}
+                "depths": self.depths, "data": self.data, "batch_size": self.batch_size,
+                "recipes": [r.to_dict() for r in self.recipes]}
 
     def entries(self, length: int) -> list[Recipe]:
         """The recipes of one (task, length) pair, budgets applied, ``full`` first and once."""
@@ -125,6 +128,7 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
     samples = data["samples"]
     check_samples(samples)
     seed = whole(f"{source}: seed", data.get("seed", 0), minimum=None)
+    batch_size = whole(f"{source}: batch_size", data.get("batch_size", DEFAULT_BATCH_SIZE), minimum=1)
     lengths = _int_list(data["lengths"], "lengths", source, 2)
     data_path = data.get("data")
     lb = None
@@ -159,7 +163,7 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
         if data.get(key) is not None:
             text(f"{source}: {key}", data[key], empty=True)
     sweep = Sweep(recipes, expanded, lengths, samples, model, budgets, seed, depths, data_path, data.get("name"),
-                  data.get("description"), source)
+                  data.get("description"), source, batch_size)
     for n in lengths:  # budgets that do not fit a recipe fail now, not an hour in
         sweep.entries(n)
     return sweep
@@ -198,6 +202,6 @@ def run_sweep(sweep: Sweep | str | Path, out_dir: str | Path, *, model=None, pro
             groups.append(Group(task, length, items, sweep.entries(length)))
     (out_dir / SWEEP_FILE).write_text(json.dumps(sweep.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
     rows = run_cells(model, groups, seed=sweep.seed, out_path=results, progress=progress, done=done,
-                             desc="sweep")
+                     desc="sweep", batch_size=sweep.batch_size)
     (out_dir / TABLE_FILE).write_text(format_table(rows) + "\n", encoding="utf-8")
     return rows
