@@ -26,9 +26,9 @@ def model():
 
 def test_batch_run_counts_every_sequence(model):
     run = batch_run(model, parse_method_spec("full"), prompts_of(model, 40, 3), 5)
-    assert run.batch == 3 and run.tokens_per_s > 0
-    assert run.peak_kv_bytes_per_sequence == (40 + 5) * per_token_bytes(model)
-    assert run.peak_kv_bytes_total == 3 * run.peak_kv_bytes_per_sequence == run.held_kv_bytes_total
+    assert run.batch_size == 3 and run.decode_tokens_per_s > 0
+    assert run.peak_kv_bytes == (40 + 5) * per_token_bytes(model)
+    assert run.peak_kv_bytes_total == 3 * run.peak_kv_bytes == run.final_kv_bytes_total
 
 
 def test_sequences_that_fit_a_cap(model):

@@ -118,6 +118,24 @@ def test_generate_prompts_file_errors(tmp_path, capsys, lines, fragments):
                     *fragments)
 
 
+def test_generate_prompts_file_with_speculation(tmp_path, capsys):
+    """A prompts file through speculative decoding (--speculate or a recipe's decode) is one batch whose greedy
+    tokens are plain greedy's."""
+    path = _prompts_file(tmp_path)
+    recipe = tmp_path / "spec.json"
+    recipe.write_text('{"decode": {"speculate": "prompt_lookup", "gamma": 3}}')
+    outs = []
+    for flags in ([], ["--speculate", "prompt_lookup", "--gamma", "3"], ["--recipe", str(recipe)]):
+        assert main(["generate", "--model", MODEL, "--prompts-file", path, "--max-new-tokens", "6", "--json",
+                     *flags]) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        outs.append([r["token_ids"] for r in rows])
+        assert all(r["stats"]["batch_size"] == 3 for r in rows)
+        if flags:
+            assert all("acceptance_rate" in r["stats"] for r in rows)
+    assert outs[0] == outs[1] == outs[2]
+
+
 def test_generate_prompts_file_refusals(tmp_path, capsys):
     path = _prompts_file(tmp_path)
     base = ["generate", "--model", MODEL]
@@ -126,11 +144,6 @@ def test_generate_prompts_file_refusals(tmp_path, capsys):
                     "give exactly one of --prompt TEXT, --prompt-file FILE or --prompts-file", "--prompt and --prompts-file")
     _one_line_error(capsys, [*base, "--prompt", "hi", "--batch-size", "2"], "--batch-size splits the prompts of --prompts-file")
     _one_line_error(capsys, [*base, "--prompts-file", path, "--batch-size", "0"], "--batch-size must be a whole number >= 1")
-    _one_line_error(capsys, [*base, "--prompts-file", path, "--speculate", "prompt_lookup"],
-                    "--prompts-file runs its prompts as a batch", "speculative decoding")
-    recipe = tmp_path / "spec.json"
-    recipe.write_text('{"decode": {"speculate": "prompt_lookup"}}')
-    _one_line_error(capsys, [*base, "--prompts-file", path, "--recipe", str(recipe)], "speculative decoding")
     long = _prompts_file(tmp_path, ['{"prompt": "x"}', '{"prompt": "' + "y" * 5000 + '"}'], "long.jsonl")
     _one_line_error(capsys, [*base, "--prompts-file", long], f"prompts file {long!r} line 2", "allows at most")
 

@@ -11,25 +11,14 @@ under the same cap. Methods run in turn within each repeat (interleaved) and fig
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
 
 import torch
 
+from attnkit.bench.speed import BenchRun
 from attnkit.methods.base import Method, resolve_method
 from attnkit.methods.spec import parse_method_spec
 from attnkit.model import LoadedModel
 from attnkit.runner import generate
-
-
-@dataclass
-class BatchRun:
-    """One batched decoding run: the whole batch's decoding throughput and its KV bytes."""
-
-    batch: int
-    tokens_per_s: float  # decoded tokens of every sequence (after each one's first) per second of decoding
-    peak_kv_bytes_per_sequence: int  # the most one sequence held at once (prefill included)
-    peak_kv_bytes_total: int
-    held_kv_bytes_total: int  # what the batch holds at the end of decoding
 
 
 def prompts_of(model: LoadedModel, length: int, count: int, seed: int = 0) -> list[list[int]]:
@@ -39,14 +28,9 @@ def prompts_of(model: LoadedModel, length: int, count: int, seed: int = 0) -> li
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
 
-def batch_run(model: LoadedModel, method: Method, prompts: list[list[int]], new_tokens: int) -> BatchRun:
+def batch_run(model: LoadedModel, method: Method, prompts: list[list[int]], new_tokens: int) -> BenchRun:
     """Decode `new_tokens` after each of `prompts` (one batch, EOS ignored) and measure the batch."""
-    out = generate(model, prompts, method, max_new_tokens=new_tokens, stop_at_eos=False)
-    steps = sum(max(0, g.stats.new_tokens - 1) for g in out)
-    wall = max(g.stats.decode_s for g in out)
-    per_seq = max(g.stats.peak_kv_bytes for g in out)
-    return BatchRun(len(prompts), steps / wall if wall > 0 else 0.0, per_seq,
-                    sum(g.stats.peak_kv_bytes for g in out), sum(g.stats.final_kv_bytes for g in out))
+    return BenchRun.of(generate(model, prompts, method, max_new_tokens=new_tokens, stop_at_eos=False))
 
 
 def _method(spec: str | Method) -> Method:
@@ -62,8 +46,8 @@ def capacity_rows(model: LoadedModel, methods: list[str], length: int, new_token
     fits = {}
     for spec, method in built:  # one sequence's peak, measured
         one = batch_run(model, method, prompts_of(model, length, 1), new_tokens)
-        fits[spec] = (one.peak_kv_bytes_per_sequence, min(max_batch, kv_cap_bytes // max(1, one.peak_kv_bytes_per_sequence)))
-    runs: dict[str, list[BatchRun]] = {spec: [] for spec, _ in built}
+        fits[spec] = (one.peak_kv_bytes, min(max_batch, kv_cap_bytes // max(1, one.peak_kv_bytes)))
+    runs: dict[str, list[BenchRun]] = {spec: [] for spec, _ in built}
     for r in range(repeats):
         for spec, method in built:
             batch = fits[spec][1]
@@ -72,7 +56,7 @@ def capacity_rows(model: LoadedModel, methods: list[str], length: int, new_token
     rows = []
     for spec, method in built:
         per_seq, batch = fits[spec]
-        tps = statistics.median(run.tokens_per_s for run in runs[spec]) if runs[spec] else 0.0
+        tps = statistics.median(run.decode_tokens_per_s for run in runs[spec]) if runs[spec] else 0.0
         rows.append({"method": method.describe(), "spec": spec, "length": length, "new_tokens": new_tokens,
                      "kv_cap_bytes": kv_cap_bytes, "kv_bytes_per_sequence": per_seq, "sequences": batch,
                      "tokens_per_s": tps, "repeats": len(runs[spec])})
@@ -88,7 +72,7 @@ def fixed_batch_rows(model: LoadedModel, methods: list[str], length: int, batch:
     """Per method, one batch of `batch` prompts of `length` tokens: decoding tokens/s and KV bytes, with
     ratios to the first method's (``full``)."""
     built = [(spec, _method(spec)) for spec in methods]
-    runs: dict[str, list[BatchRun]] = {spec: [] for spec, _ in built}
+    runs: dict[str, list[BenchRun]] = {spec: [] for spec, _ in built}
     for r in range(repeats):
         for spec, method in built:
             runs[spec].append(batch_run(model, method, prompts_of(model, length, batch, seed=r), new_tokens))
@@ -96,9 +80,10 @@ def fixed_batch_rows(model: LoadedModel, methods: list[str], length: int, batch:
     for spec, method in built:
         last = runs[spec][-1]
         rows.append({"method": method.describe(), "spec": spec, "length": length, "batch": batch,
-                     "new_tokens": new_tokens, "tokens_per_s": statistics.median(x.tokens_per_s for x in runs[spec]),
-                     **{k: v for k, v in asdict(last).items() if k.endswith("bytes_total") or k.startswith("peak")},
-                     "repeats": repeats})
+                     "new_tokens": new_tokens,
+                     "tokens_per_s": statistics.median(x.decode_tokens_per_s for x in runs[spec]),
+                     "peak_kv_bytes_per_sequence": last.peak_kv_bytes, "peak_kv_bytes_total": last.peak_kv_bytes_total,
+                     "held_kv_bytes_total": last.final_kv_bytes_total, "repeats": repeats})
     base = rows[0]
     for row in rows:
         row["tokens_per_s_vs_full"] = row["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
@@ -117,7 +102,7 @@ def scaling_rows(model: LoadedModel, methods: list[str], length: int, batches: l
         for spec, method in built:
             for b in batches:
                 run = batch_run(model, method, prompts_of(model, length, b, seed=r), new_tokens)
-                runs.setdefault((spec, b), []).append(run.tokens_per_s)
+                runs.setdefault((spec, b), []).append(run.decode_tokens_per_s)
     rows = []
     for spec, method in built:
         first = statistics.median(runs[(spec, batches[0])])

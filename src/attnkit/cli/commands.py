@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from attnkit.cli.options import int_list, positive_finite
-from attnkit.cli.prompts import print_result, prompt_ids, read_prompts_file, refuse_batched_speculation, run_prompts
+from attnkit.cli.prompts import print_result, prompt_ids, read_prompts_file, run_prompts
 from attnkit.cli.speculation import speculation_from_options
 from attnkit.errors import AttnkitError
 from attnkit.methods import METHODS
@@ -116,7 +116,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            f"(for self-speculation give the draft's method with --draft)")
     speculative = speculation is not None or recipe.decode is not None
     if args.prompts_file is not None:
-        refuse_batched_speculation(speculative)
         prompts = read_prompts_file(args.prompts_file)  # checked before the model loads
     else:
         prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt

@@ -36,16 +36,6 @@ class FilePrompt:
         return f"prompts file {name!r} line {self.line}"
 
 
-def refuse_batched_speculation(speculative: bool) -> None:
-    """Speculative decoding (:func:`attnkit.speculative_generate`) takes one prompt per call, so a prompts
-    file cannot go through it as a batch yet. This is the one place that says so: drop the check once
-    speculative decoding takes a batch of prompts (issue #28)."""
-    if speculative:
-        raise AttnkitError("--prompts-file runs its prompts as a batch, which speculative decoding does not take "
-                           "yet; drop --speculate (or the recipe's 'decode'), or give one prompt with "
-                           "--prompt/--prompt-file")
-
-
 def _line_error(name: str, line: int, message: str) -> AttnkitError:
     return AttnkitError(f"prompts file {name!r} line {line}: {message}")
 
