@@ -11,6 +11,9 @@ Three measurements, each side by side in one process (methods in turn within eve
 3. **A KV memory cap** (`--kv-cap-mib`, default: what full attention needs for `--cap-full-sequences`
    sequences): how many sequences of `--context` tokens each method fits in the cap (from one sequence's
    measured peak), and the tokens/s of that batch, relative to full attention under the same cap.
+4. **Batched evaluation** (`--eval-model`, `--eval-tasks`, `--eval-length`, `--eval-samples`,
+   `--eval-batch`): `attnkit eval`'s harness at batch 1 and at `--eval-batch`, interleaved: wall time of
+   each and whether every cell's score and predictions are the same.
 
 Writes `OUT/capacity.json` (all rows), `OUT/capacity.md` (the three tables) and `OUT/capacity.png`;
 `attnkit report DIR` shows the cap table and plot when `DIR/capacity.json` exists. The default model has
@@ -21,17 +24,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from attnkit.bench.capacity import capacity_rows, fixed_batch_rows, format_rows, scaling_rows
+from attnkit.eval.harness import run_eval
 from attnkit.eval.plots import plot_capacity
 from attnkit.methods.spec import split_spec_list
 from attnkit.model import load_model
 
 TINY_GEOMETRY = "random:llama:layers=6,hidden=256,heads=8,kv_heads=2,head_dim=32,intermediate=768,context=16384"
+
+
+def eval_rows(model, tasks: list[str], methods: list[str], length: int, samples: int, batch: int,
+              repeats: int) -> list[dict]:
+    """The eval harness at batch 1 and at `batch`, interleaved; medians of wall time, scores compared."""
+    walls: dict[int, list[float]] = {1: [], batch: []}
+    outcome: dict[int, list] = {}
+    for _ in range(repeats):
+        for size in (1, batch):
+            start = time.perf_counter()
+            rows = run_eval(model, tasks, [length], methods, samples, progress=False, batch_size=size)
+            walls[size].append(time.perf_counter() - start)
+            outcome[size] = [(r["task"], r["recipe"], r["score"], r.get("predictions")) for r in rows]
+    base = statistics.median(walls[1])
+    return [{"batch_size": size, "wall_s": statistics.median(walls[size]),
+             "speedup": base / statistics.median(walls[size]), "same_scores": outcome[size] == outcome[1]}
+            for size in (1, batch)]
 
 
 def main(argv=None) -> int:
@@ -51,7 +74,13 @@ def main(argv=None) -> int:
                                                                       "many sequences of --context tokens")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: fixed, scaling, cap")
+    p.add_argument("--eval-model", default="tiny")
+    p.add_argument("--eval-tasks", default="passkey,kv_retrieval")
+    p.add_argument("--eval-methods", default="full,snapkv:budget=0.3")
+    p.add_argument("--eval-length", type=int, default=2048)
+    p.add_argument("--eval-samples", type=int, default=8)
+    p.add_argument("--eval-batch", type=int, default=8)
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: fixed, scaling, cap, eval")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True, help="directory for capacity.json / .md / .png")
@@ -95,6 +124,15 @@ def main(argv=None) -> int:
         png = plot_capacity(rows)
         if png:
             (out / "capacity.png").write_bytes(png)
+    if "eval" not in skip:
+        rows = eval_rows(load_model(args.eval_model, device=args.device), args.eval_tasks.split(","),
+                         split_spec_list(args.eval_methods), args.eval_length, args.eval_samples, args.eval_batch,
+                         args.repeats)
+        result["eval"] = rows
+        tables.append(f"### `attnkit eval` of {args.eval_model} at {args.eval_length} tokens, {args.eval_samples} "
+                      f"samples per cell\n\n" + format_rows(rows, [
+                          ("batch_size", "batch size"), ("wall_s", "wall s"), ("speedup", "vs batch 1"),
+                          ("same_scores", "same scores and predictions as batch 1")]))
     (out / "capacity.json").write_text(json.dumps(result, indent=1) + "\n")
     text = f"Model {args.model} on {args.device}, {torch.get_num_threads()} threads, medians of {args.repeats}\n\n" \
         + "\n\n".join(tables) + "\n"

@@ -55,13 +55,16 @@ def test_script_writes_tables_plot_and_the_report_shows_them(results, tmp_path, 
     out = _fresh_dir(tmp_path, results)
     argv = ["bench_batch.py", "--model", f"random:llama:{SMALL}", "--context", "64", "--batch", "2",
             "--budget-tokens", "40", "--new-tokens", "3", "--short-context", "16", "--batches", "1,2",
-            "--short-new-tokens", "3", "--repeats", "1", "--out", str(out)]
+            "--short-new-tokens", "3", "--repeats", "1", "--eval-model", f"random:llama:{SMALL}", "--eval-tasks",
+            "passkey", "--eval-methods", "full,h2o:budget_tokens=40", "--eval-length", "256", "--eval-samples", "3",
+            "--eval-batch", "2", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as done:
         runpy.run_path("benchmarks/bench_batch.py", run_name="__main__")
     assert done.value.code == 0
     data = json.loads((out / "capacity.json").read_text())
-    assert {"fixed", "scaling", "capacity"} <= set(data)
+    assert {"fixed", "scaling", "capacity", "eval"} <= set(data)
+    assert [(r["batch_size"], r["same_scores"]) for r in data["eval"]] == [(1, True), (2, True)]
     assert (out / "capacity.png").read_bytes()[:4] == b"\x89PNG"
     assert "### A KV cap of" in (out / "capacity.md").read_text()
     from attnkit.eval.report import write_report
