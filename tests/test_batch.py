@@ -2,6 +2,8 @@
 tolerance, the logits) of that prompt alone, at an unlimited budget and at a small one; sequences stay
 independent (budgets per prompt, rows that finish leave the batch); bad input is refused in one line."""
 
+import json
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ import attnkit
 from attnkit import AttnkitError, generation
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.methods.budget import resolve_budget
-from attnkit.methods.spec import parse_method_spec
+from attnkit.methods.spec import METHODS, parse_method_spec
 from attnkit.session import Step, new_session
 from helpers import SMALL, per_token_bytes, random_ids
 
@@ -71,6 +73,23 @@ def test_unlimited_budget_batch_equals_alone_and_full(models, spec):
     batch = assert_batch_equals_alone(model, spec)
     full = attnkit.generate(model, prompts(), "full", max_new_tokens=NEW, stop_at_eos=False)
     assert [b.token_ids for b in batch] == [f.token_ids for f in full]
+
+
+def test_every_registered_method_is_covered():
+    named = {part.split(":")[0] for spec in UNLIMITED + SMALL_BUDGET for part in spec.split("+")}
+    assert set(METHODS) - {"compose", "minference_static"} <= named  # compose: "A+B"; static: below
+
+
+def test_static_patterns_from_a_file(models, tmp_path):
+    def config(name, head):
+        path = tmp_path / name
+        path.write_text(json.dumps({"format": "attnkit.minference-patterns/1", "block_size": 16, "last_q": 16,
+                                    "layers": [[head] * 4] * 2}))
+        return str(path)
+    assert_batch_equals_alone(models["llama"], "minference_static:config=" +
+                              config("all.json", {"pattern": "vertical_slash", "k_v": 0, "k_s": 999}))
+    assert_batch_equals_alone(models["llama"], "minference_static:config=" +
+                              config("sparse.json", {"pattern": "block_sparse", "k_b": 2}))
 
 
 @pytest.mark.parametrize("spec", SMALL_BUDGET)

@@ -135,10 +135,12 @@ def _outcome(rows):
     return [(r["task"], r["method_spec"], r["scores"], r["predictions"]) for r in rows]
 
 
-@pytest.mark.parametrize("methods", [["full", "window:window=64"], ["snapkv:budget=0.3", "h2o:budget=0.3"]])
+@pytest.mark.parametrize("methods", [["full", "window:window=64"], ["snapkv:budget=0.3", "h2o:budget=0.3"],
+                                     [{"name": "lookup", "decode": {"speculate": "prompt_lookup", "gamma": 3}}]])
 def test_batched_eval_scores_as_one_at_a_time(tiny, methods):
     """Samples generated 4 at a time (batches of 4 and 1) score and predict exactly as one at a time, on the
-    bundled model, for full attention and window, and for eviction methods (whose choices are per sequence)."""
+    bundled model, for full attention and window, for eviction methods (whose choices are per sequence) and
+    for speculative decoding (each sequence accepts its own drafts)."""
     args = dict(tasks=["passkey", "kv_retrieval"], lengths=[256], methods=methods, samples=5, seed=1,
                 progress=False)
     one = harness.run_eval(tiny, batch_size=1, **args)

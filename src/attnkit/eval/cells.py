@@ -76,10 +76,10 @@ class Peers:
 
 
 def batches_samples(recipe: Recipe) -> bool:
-    """Whether a cell's samples go through :func:`attnkit.generate` as batches. A peer runs in its own
-    worker one prompt at a time, and speculative decoding (a recipe's ``decode``) takes one prompt per call:
-    this is the one place to lift once it takes a batch (issue #28)."""
-    return not recipe.is_peer and recipe.decode is None
+    """Whether a cell's samples are generated as batches (:func:`attnkit.generate`, or
+    :func:`attnkit.speculative_generate` for a recipe's ``decode``): all but a peer, which runs in its own
+    worker one prompt at a time."""
+    return not recipe.is_peer
 
 
 def stop_of(item) -> str:

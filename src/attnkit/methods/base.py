@@ -21,7 +21,15 @@ attention call; the step wraps the layer in a :class:`attnkit.session.LayerConte
   runner runs every decoder layer on every new token). A method that changes which tokens a layer sees
   (Select-Attention, GemFilter) runs the layers itself with :func:`attnkit.forward.run_decoder_layers`.
 
+- ``planned_slots(ctx) -> int``: slots the layer will hold once the prompt is processed, asked of every
+  layer before any work (a batch's memory check; a parameter that does not fit the prompt raises here).
+- ``keep_rows(layer_states, session_state, rows)``: keep the rows of any per-row tensors in the states
+  when finished sequences leave a batch.
+
 q is ``[b, q_heads, n, d]``, k and v ``[b, kv_heads, n, d]``, all after RoPE, at positions ``ctx.q_pos``.
+The ``b`` rows of a session are sequences of the same prompt length (same positions, same budgets), so a
+hook that works row by row serves a batch; a method whose choices cannot be shared by rows sets
+``batches = False`` and the runner gives each sequence a session of its own.
 """
 
 from __future__ import annotations
