@@ -16,8 +16,9 @@ after max_steps. Then the context is lengthened up to 4096 tokens, the longest e
 found no length generalisation). The learning rate decays (cosine to 10 %) over the final phase only.
 
 CPU: the trainer shares 2 cores with other work; OMP_WAIT_POLICY=PASSIVE (set here before torch loads)
-stops idle OpenMP threads from spinning; bf16 autocast is about 1.6x faster than fp32 on CPUs with
-avx512_bf16. With a GPU (cuda), the same script trains there.
+stops idle OpenMP threads from spinning. bf16 autocast is used on a GPU and on CPUs with native bf16
+(about 1.6x faster than fp32 there); on AVX2-only CPUs it would be many times slower, so fp32. With a GPU
+(cuda), the same script trains there.
 """
 
 from __future__ import annotations
@@ -46,6 +47,22 @@ from tokenizer_v2 import train_bpe  # noqa: E402
 HERE = Path(__file__).resolve().parent
 PROBE_TASKS = ("needle_heldout", "needle_multikey_heldout", "needle_multivalue_heldout", "kv_listing_heldout",
                "variable_chain_heldout", "passkey", "niah_multikey", "kv_retrieval", "variable_tracking")
+
+
+def fast_bf16(device: str) -> bool:
+    """bf16 autocast on a GPU, or on a CPU with native bf16 matrix instructions; elsewhere (AVX2 CPUs)
+    PyTorch runs bf16 matrix products through a slow reference kernel, far slower than fp32."""
+    if device == "cuda":
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def autocast(device: str):
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=fast_bf16(device))
 
 
 def load_tokenizer(run_dir: Path, config: dict) -> PreTrainedTokenizerFast:
@@ -88,7 +105,7 @@ def probe(model, tok, length: int, n: int, device: str) -> dict:
             prompt = [BOS] + tok.encode(s.prompt, add_special_tokens=False)
             target = tok.encode(s.target.split("\n")[0], add_special_tokens=False)
             ids = torch.tensor([prompt + target], device=device)
-            with torch.autocast(device, dtype=torch.bfloat16):
+            with autocast(device):
                 logits = model(ids[:, :-1]).logits
             pred = logits[0, len(prompt) - 1 :].argmax(-1).tolist()
             first += pred[0] == target[0]
@@ -127,7 +144,8 @@ def main() -> None:
         st = state["state"]
         print(f"resumed at step {st['step']} ({st['seconds'] / 60:.1f} min trained)", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{config['name']}: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}, device {device}", flush=True)
+    print(f"{config['name']}: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}, device {device}, "
+          f"{'bf16 autocast' if fast_bf16(device) else 'fp32'}", flush=True)
 
     rows = Rows(tok, config)
     log = (args.run_dir / "log.jsonl").open("a")
@@ -160,7 +178,7 @@ def main() -> None:
             group["lr"] = lr
         ids, weights, answer, kinds = rows.batch(phase, step)
         ids, weights = ids.to(device), weights.to(device)
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with autocast(device):
             logits = model(ids[:, :-1]).logits
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                              reduction="none").view(ids.shape[0], -1)
@@ -178,7 +196,7 @@ def main() -> None:
                 value = ce[r][answer[r]].mean().item()
                 window[kind].append(value)
                 recent[kind].append(value)
-        if step % 25 == 0:
+        if step % 25 == 0 or step in (1, 5, 10):
             record({"step": step, "phase": phase["name"], "lr": round(lr, 6), "loss": round(loss.item(), 4),
                     "answer_loss": {k: round(sum(v) / len(v), 3) for k, v in sorted(window.items())},
                     "tok_per_s": round(ids.numel() / (time.time() - t0)), "minutes": round(st["seconds"] / 60, 1)})
