@@ -94,7 +94,8 @@ def lr_at(step: int, opt_cfg: dict, final_start: int | None, final_steps: int) -
 def probe(model, tok, length: int, n: int, device: str) -> dict:
     """Exact-answer accuracy on evaluation samples (held-out phrasings and filler for the v2 tasks, the
     eval split of the acceptance tasks), teacher-forced: every answer token is the argmax, which is
-    exactly when greedy decoding writes the answer. Also the first answer token's accuracy."""
+    exactly when greedy decoding writes the answer. Also the accuracy of the answer's first token with
+content (finding the needle comes before copying all of it)."""
     model.eval()
     out = {}
     for name in PROBE_TASKS:
@@ -108,7 +109,9 @@ def probe(model, tok, length: int, n: int, device: str) -> dict:
             with autocast(device):
                 logits = model(ids[:, :-1]).logits
             pred = logits[0, len(prompt) - 1 :].argmax(-1).tolist()
-            first += pred[0] == target[0]
+            # the first token with content: with digits split, " 4821" starts with a bare space token
+            k = next((i for i, t in enumerate(target) if tok.decode([t]).strip()), 0)
+            first += pred[k] == target[k]
             exact += pred == target
         out[name] = [round(first / n, 2), round(exact / n, 2)]
     model.train()
