@@ -1,0 +1,64 @@
+"""Model v2's training rows (training/data_v2.py): a batch is a pure function of (seed, phase, step), rows
+have the phase's shape with the loss on answers, and no held-out documentation prose reaches training."""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnkit.eval import corpus
+from attnkit.eval import retrieval_templates as T
+from attnkit.tokenizer import build_byte_tokenizer
+
+TRAINING = Path(__file__).resolve().parents[1] / "training"
+sys.path.insert(0, str(TRAINING))
+import data_v2  # noqa: E402
+
+TOK = build_byte_tokenizer()
+CONFIG = json.loads((TRAINING / "config_v2.json").read_text())
+
+
+def test_config_phases_are_well_formed():
+    rows = data_v2.Rows(TOK, CONFIG)
+    lengths = [p["seq_len"] for p in CONFIG["phases"]]
+    assert lengths == sorted(lengths) and lengths[-1] == 4096  # trained at the longest evaluated length
+    for phase in CONFIG["phases"]:
+        mix = rows.mix(phase)
+        for kind in mix:
+            assert kind in ("code", "docs", "copy") or kind.startswith("task:") or kind in data_v2.R.GENERATORS
+        if phase.get("gate"):
+            assert phase["gate"][0] in mix
+
+
+@pytest.mark.parametrize("phase", [CONFIG["phases"][0], dict(CONFIG["phases"][1], batch=12)])
+def test_batches_are_deterministic_and_weighted_on_answers(phase):
+    rows = data_v2.Rows(TOK, CONFIG)
+    ids, weights, answer, kinds = rows.batch(phase, 17)
+    again = rows.batch(phase, 17)
+    assert (ids == again[0]).all() and (weights == again[1]).all() and kinds == again[3]
+    assert not (ids == rows.batch(phase, 18)[0]).all()
+    n = phase["seq_len"]
+    assert ids.shape == (phase["batch"], n + 1) and weights.shape == answer.shape == (phase["batch"], n)
+    assert (ids[:, 0] == data_v2.BOS).all()
+    for r, kind in enumerate(kinds):
+        assert answer[r].any(), kind
+        if kind not in ("code", "docs"):
+            # answers carry the answer weight; other targets at most the prompt weight
+            assert (weights[r][answer[r]] == CONFIG["answer_weight"]).all(), kind
+            assert (weights[r][~answer[r]] <= phase["prompt_weight"]).all(), kind
+
+
+def test_task_rows_from_the_documentation_topics_file_are_redrawn():
+    rows = data_v2.Rows(TOK, CONFIG)
+    # the mark is on nearly every line of the topics file (which tasks.py's training filler includes)
+    topics_source = (corpus.stdlib_root() / "pydoc_data" / "topics.py").read_text(encoding="utf-8")
+    assert topics_source.count(data_v2._TOPICS_MARK) > 0.5 * topics_source.count("\n")
+    held_paragraphs = [p for p in T.doc_prose("eval").split("\n\n") if len(p) > 200][:40]
+    rng = random.Random(5)
+    for _ in range(30):
+        ids, _, _ = rows.row("task:passkey", 512, 1.0, rng)
+        text = TOK.decode(ids[1:])
+        assert data_v2._TOPICS_MARK not in text
+        assert not any(p[:100] in text for p in held_paragraphs)

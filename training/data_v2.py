@@ -1,0 +1,99 @@
+"""Training rows of model v2: the mixing of attnkit.eval.retrieval_data's generators, the acceptance tasks
+of attnkit.eval.tasks (training split), plain language-model windows and a copy warm-up.
+
+A batch is a pure function of (config seed, step, phase), so a resumed run sees exactly the batches an
+uninterrupted one would. Every row is (ids, weights, answer): seq_len + 1 ids starting with <s>, a loss
+weight per target and which targets are answers (where the per-kind answer loss is measured).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from attnkit.eval import retrieval_data as R
+from attnkit.eval import retrieval_templates as T
+from attnkit.eval.tasks import TASKS
+
+BOS, PAD = 0, 2
+
+# tasks.py draws training filler from every training standard-library file, the documentation topics
+# file included, whose held-out topics are evaluation prose here: a window of that file has many lines
+# ending in a backslash-n and a quote. Such samples are redrawn, so no held-out prose reaches training.
+_TOPICS_MARK = "\\n'\n"
+_TASK_RESERVE = {"niah_multivalue": 34, "variable_tracking": 40}
+
+
+class Rows:
+    def __init__(self, tokenizer, config: dict):
+        self.tok = tokenizer
+        self.seed = config["seed"]
+        self.answer_weight = config["answer_weight"]
+        self.mixes = config.get("mixes", {})
+
+    def mix(self, phase: dict) -> dict:
+        return self.mixes[phase["mix"]] if isinstance(phase["mix"], str) else phase["mix"]
+
+    def batch(self, phase: dict, step: int):
+        rng = random.Random(f"v2|{self.seed}|{phase['name']}|{step}")
+        mix = self.mix(phase)
+        kinds = rng.choices(list(mix), weights=list(mix.values()), k=phase["batch"])
+        rows = [self.row(k, phase["seq_len"], phase["prompt_weight"], rng) for k in kinds]
+        ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        weights = torch.tensor([r[1] for r in rows], dtype=torch.float32)
+        answer = torch.tensor([r[2] for r in rows], dtype=torch.bool)
+        return ids, weights, answer, kinds
+
+    def row(self, kind: str, seq_len: int, prompt_weight: float, rng: random.Random):
+        for _ in range(20):
+            try:
+                return self._row(kind, seq_len, prompt_weight, rng)
+            except ValueError:  # too short for this draw (or a rejected filler window): draw again
+                continue
+        return self._row("code", seq_len, prompt_weight, rng)
+
+    def _row(self, kind: str, seq_len: int, prompt_weight: float, rng: random.Random):
+        n = seq_len  # targets; ids are n + 1 with <s>
+        if kind in ("code", "docs"):
+            body = R.filler(self.tok, kind, "train", n, rng)
+            return [BOS] + body, [1.0] * n, [True] * n
+        if kind == "copy":
+            return self._copy(n, rng)
+        if kind.startswith("task:"):
+            return self._task(kind[5:], n, prompt_weight, rng)
+        ex = R.example(kind, self.tok, n, rng, "train")
+        ids = [BOS] + list(ex.ids)
+        weights = [self.answer_weight if a else prompt_weight for a in ex.answer]
+        return ids, weights, list(ex.answer)
+
+    def _task(self, name: str, n: int, prompt_weight: float, rng: random.Random):
+        sample = TASKS[name].make(self.tok, n + 1 - _TASK_RESERVE.get(name, 16), rng.random(),
+                                  rng.randrange(2**31), "train")
+        if _TOPICS_MARK in sample.prompt:
+            raise ValueError("filler window from the documentation topics file")
+        prompt = [BOS] + self.tok.encode(sample.prompt, add_special_tokens=False)
+        ids = (prompt + self.tok.encode(sample.target, add_special_tokens=False))[: n + 1]
+        n_answer = len(ids) - len(prompt)
+        if n_answer <= 0:
+            raise ValueError("no room for the answer")
+        pad = n + 1 - len(ids)
+        weights = [prompt_weight] * (len(prompt) - 1) + [self.answer_weight] * n_answer + [0.0] * pad
+        answer = [False] * (len(prompt) - 1) + [True] * n_answer + [False] * pad
+        return ids + [PAD] * pad, weights, answer
+
+    def _copy(self, n: int, rng: random.Random):
+        """A random string of words and digits, a newline, the same string again: copying at a fixed
+        offset forms within a few hundred steps and seeds the induction mechanism."""
+        words: list[int] = []
+        while len(words) < n // 2:
+            piece = rng.choice(T.WORDS) if rng.random() < 0.6 else str(rng.randrange(10**rng.randint(1, 6)))
+            words += self.tok.encode(" " + piece, add_special_tokens=False)
+        half = words[: (n - 1) // 2]
+        sep = self.tok.encode("\n", add_special_tokens=False)[:1]
+        ids = [BOS] + half + sep + half
+        k = len(half)
+        weights = [0.0] * (k + 1) + [0.0] + [self.answer_weight] * (k - 1)
+        answer = [False] * (k + 2) + [True] * (k - 1)
+        pad = n + 1 - len(ids)
+        return ids + [PAD] * pad, weights + [0.0] * pad, answer + [False] * pad
