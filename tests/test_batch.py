@@ -2,13 +2,12 @@
 tolerance, the logits) of that prompt alone, at an unlimited budget and at a small one; sequences stay
 independent (budgets per prompt, rows that finish leave the batch); bad input is refused in one line."""
 
-import json
-
 import pytest
 import torch
 
 import attnkit
 from attnkit import AttnkitError, generation
+from attnkit.cli import main
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.methods.budget import resolve_budget
 from attnkit.methods.spec import METHODS, parse_method_spec
@@ -81,15 +80,12 @@ def test_every_registered_method_is_covered():
 
 
 def test_static_patterns_from_a_file(models, tmp_path):
-    def config(name, head):
-        path = tmp_path / name
-        path.write_text(json.dumps({"format": "attnkit.minference-patterns/1", "block_size": 16, "last_q": 16,
-                                    "layers": [[head] * 4] * 2}))
-        return str(path)
-    assert_batch_equals_alone(models["llama"], "minference_static:config=" +
-                              config("all.json", {"pattern": "vertical_slash", "k_v": 0, "k_s": 999}))
-    assert_batch_equals_alone(models["llama"], "minference_static:config=" +
-                              config("sparse.json", {"pattern": "block_sparse", "k_b": 2}))
+    """minference_static reads its per-head indices from a calibration file (written here by the command)."""
+    path = tmp_path / "static.json"
+    assert main(["calibrate", "patterns", "--model", f"random:llama:{SMALL}", "--length", "256", "--flops-budget",
+                 "0.5", "--block-size", "16", "--tasks", "passkey", "--samples", "1", "--static",
+                 "--out", str(path)]) == 0
+    assert_batch_equals_alone(models["llama"], f"minference_static:config={path},compile=false")
 
 
 @pytest.mark.parametrize("spec", SMALL_BUDGET)

@@ -158,8 +158,8 @@ def test_sweep_rows(reference):
     code_full = next(r for r in rows if r["task"] == "code_completion" and r["method_spec"] == "full")
     assert code_full["score_rel_full"] == 1.0 and code_full["depth_scores"] is None
     assert (out / "table.txt").is_file() and json.loads((out / "sweep.json").read_text())["budgets"] == [0.25, 0.5]
-    # the default batch of 8 holds both samples; speculative decoding (pl) takes one prompt per call
-    assert window["batch_size"] == 2 and next(r for r in rows if r["method_spec"] == "pl")["batch_size"] == 1
+    # the default batch of 8 holds both samples, speculative decoding (pl) included
+    assert window["batch_size"] == 2 and next(r for r in rows if r["method_spec"] == "pl")["batch_size"] == 2
     assert json.loads((out / "sweep.json").read_text())["batch_size"] == 8
 
 
