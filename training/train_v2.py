@@ -31,7 +31,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -43,6 +42,7 @@ from attnkit.eval import retrieval_data as R  # noqa: E402
 from attnkit.eval.tasks import TASKS  # noqa: E402
 from data_v2 import BOS, PAD, Rows  # noqa: E402
 from tokenizer_v2 import train_bpe  # noqa: E402
+from train_tiny import lr_at  # noqa: E402  (the same schedule: warm-up, peak held, cosine over the last phase)
 
 HERE = Path(__file__).resolve().parent
 PROBE_TASKS = ("needle_heldout", "needle_multikey_heldout", "needle_multivalue_heldout", "kv_listing_heldout",
@@ -78,16 +78,6 @@ def make_model(config: dict, vocab_size: int) -> LlamaForCausalLM:
                       tie_word_embeddings=True, attention_bias=False, mlp_bias=False, **config["model"])
     torch.manual_seed(config["seed"])
     return LlamaForCausalLM(cfg)
-
-
-def lr_at(step: int, opt_cfg: dict, final_start: int | None, final_steps: int) -> float:
-    peak, warmup = opt_cfg["lr"], opt_cfg["warmup"]
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if final_start is None or step < final_start:
-        return peak
-    t = min(1.0, (step - final_start) / max(1, final_steps))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 @torch.no_grad()
@@ -176,7 +166,7 @@ def main() -> None:
         t0 = time.time()
         phase, step = phases[st["phase_idx"]], st["step"]
         final_start = st["phase_start"] if st["phase_idx"] == len(phases) - 1 else None
-        lr = lr_at(step, oc, final_start, phase["steps"])
+        lr = lr_at(step, final_start, phase["steps"], oc["lr"], oc["warmup"])
         for group in opt.param_groups:
             group["lr"] = lr
         ids, weights, answer, kinds = rows.batch(phase, step)
