@@ -62,3 +62,20 @@ def test_task_rows_from_the_documentation_topics_file_are_redrawn():
         text = TOK.decode(ids[1:])
         assert data_v2._TOPICS_MARK not in text
         assert not any(p[:100] in text for p in held_paragraphs)
+
+
+def test_copy_rows_need_content_matching_not_a_fixed_offset():
+    rows = data_v2.Rows(TOK, CONFIG)
+    rng = random.Random(3)
+    offsets = set()
+    for _ in range(40):
+        ids, weights, answer = rows._copy(256, rng)
+        assert len(ids) == 257 and len(weights) == len(answer) == 256
+        scored = [t for t in range(256) if answer[t]]
+        assert scored == list(range(scored[0], scored[-1] + 1))
+        # the separator comes right before the first copied token (whose target is not scored)
+        assert ids[scored[0] - 1] == TOK.encode("\n", add_special_tokens=False)[0]
+        k = len(scored) + 1  # the copied string's length
+        assert all(ids[t + 1] == ids[t + 1 - (k + 1)] for t in scored)
+        offsets.add(k + 1)
+    assert len(offsets) > 20  # the distance back varies: no positional shortcut

@@ -83,17 +83,24 @@ class Rows:
         return ids + [PAD] * pad, weights, answer
 
     def _copy(self, n: int, rng: random.Random):
-        """A random string of words and digits, a newline, the same string again: copying at a fixed
-        offset forms within a few hundred steps and seeds the induction mechanism."""
-        words: list[int] = []
-        while len(words) < n // 2:
-            piece = rng.choice(T.WORDS) if rng.random() < 0.6 else str(rng.randrange(10**rng.randint(1, 6)))
-            words += self.tok.encode(" " + piece, add_special_tokens=False)
-        half = words[: (n - 1) // 2]
+        """Random words and digits, then a newline and the same string again, the pair at a random offset
+        among other random words (which are not scored). Its length varies from row to row, so the
+        distance back to the first copy varies too: no fixed-offset (positional) attention solves it, only
+        matching the previous token's content (the induction mechanism the retrieval tasks build on)."""
+        def words(count: int) -> list[int]:
+            out: list[int] = []
+            while len(out) < count:
+                piece = rng.choice(T.WORDS) if rng.random() < 0.6 else str(rng.randrange(10**rng.randint(1, 6)))
+                out += self.tok.encode(" " + piece, add_special_tokens=False)
+            return out[:count]
+        k = rng.randint(max(8, n // 8), (n - 1) // 2)
+        half = words(k)
+        prefix = words(rng.randint(0, n - 1 - 2 * k))
         sep = self.tok.encode("\n", add_special_tokens=False)[:1]
-        ids = [BOS] + half + sep + half
-        k = len(half)
-        weights = [0.0] * (k + 1) + [0.0] + [self.answer_weight] * (k - 1)
-        answer = [False] * (k + 2) + [True] * (k - 1)
-        pad = n + 1 - len(ids)
-        return ids + [PAD] * pad, weights + [0.0] * pad, answer + [False] * pad
+        ids = [BOS] + prefix + half + sep + half
+        lead = len(prefix) + k + 2  # targets up to and including the first copied token are not scored
+        rest = n + 1 - len(ids)  # filled with more random words, not scored
+        ids += words(rest)
+        weights = [0.0] * lead + [self.answer_weight] * (k - 1) + [0.0] * rest
+        answer = [False] * lead + [True] * (k - 1) + [False] * rest
+        return ids, weights, answer
