@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from attnkit import AttnkitError, load_model
-from attnkit.eval import cells, corpus, harness, tasks
+from attnkit.eval import cells, corpus, harness, task_registry, tasks
 from attnkit.eval import results as results_store
 from attnkit.eval.table import format_table
-from attnkit.eval.tasks import GENERATED_TASKS, TASKS, Sample, edit_similarity, string_match_score
+from attnkit.eval.tasks import TASKS, Sample, edit_similarity, string_match_score
 
 SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 METHODS = ["full", "window:window=64"]
@@ -69,7 +69,7 @@ def test_full_row_is_relative_one(rows_and_dir):
 
 def test_relative_for_higher_is_better_task(model, monkeypatch):
     fake = dataclasses.replace(TASKS["passkey"], score=lambda prediction, sample: 0.5)
-    monkeypatch.setitem(TASKS, "passkey", fake)
+    monkeypatch.setitem(task_registry.TASKS, "passkey", fake)
     rows = harness.run_eval(model, ["passkey"], [256], ["window:window=64", "full"], samples=1, progress=False)
     assert [r["method"] for r in rows] == ["full", "window"]  # full runs first
     assert all(r["score_rel_full"] == 1.0 for r in rows)
@@ -216,7 +216,7 @@ def test_eval_and_train_samples_differ(model, monkeypatch):
         return real(tokenizer, split)
 
     monkeypatch.setattr(tasks, "_haystack_ids", haystack_ids)
-    for name in GENERATED_TASKS:
+    for name in TASKS:
         ev = TASKS[name].make(model.tokenizer, 512, depth=0.5, seed=0, split="eval")
         tr = TASKS[name].make(model.tokenizer, 512, depth=0.5, seed=0, split="train")
         assert ev.prompt != tr.prompt, name

@@ -2,6 +2,7 @@
 phrasings and filler never reach a training sample, and generation is deterministic and exact in length."""
 
 import itertools
+import json
 import random
 import re
 
@@ -115,3 +116,16 @@ def test_eval_tasks_make_exact_deterministic_samples(name):
     assert len(TOK.encode(s.prompt)) == 1024  # BOS included, as attnkit.eval.tasks counts
     assert task.score(s.target, s) == 1.0 and task.score(" nothing\n", s) == 0.0
     assert s.target.startswith(" ") and s.target.endswith("\n")
+
+
+def test_heldout_tasks_run_in_attnkit_eval(tmp_path, capsys):
+    """`attnkit eval` knows the held-out-template tasks: a needle cell and a key-value cell with the bundled
+    model, per-depth scores included (the answer sits at the sample's depth)."""
+    from attnkit.cli import main
+    out = tmp_path / "run"
+    assert main(["eval", "--model", "tiny", "--tasks", "needle_heldout,kv_listing_heldout", "--lengths", "256",
+                 "--samples", "2", "--methods", "full", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["task"] for r in rows) == ["kv_listing_heldout", "needle_heldout"]
+    assert all(r["samples"] == 2 and 0.0 <= r["score"] <= 1.0 for r in rows)
+    assert "needle_heldout" in capsys.readouterr().out

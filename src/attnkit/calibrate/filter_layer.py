@@ -21,7 +21,7 @@ from pathlib import Path
 from attnkit.calibrate import progress_to_stderr
 from attnkit.calibrate.samples import calibration_samples
 from attnkit.errors import AttnkitError
-from attnkit.eval.tasks import TASKS
+from attnkit.eval.task_registry import TASKS
 from attnkit.methods.select import Select, check_p, kept_fraction
 from attnkit.model import LoadedModel, load_model_for_length
 from attnkit.runner import generate

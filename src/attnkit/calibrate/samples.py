@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from attnkit.errors import AttnkitError
-from attnkit.eval.tasks import TASKS
+from attnkit.eval.task_registry import TASKS
 from attnkit.generation import encode_prompt
 from attnkit.model import LoadedModel
 from attnkit.validate import choice, whole

@@ -23,7 +23,7 @@ from attnkit.eval.items import PERPLEXITY, bits_per_byte, score_prediction
 from attnkit.eval.peers import KvpressRunner
 from attnkit.eval.results import SCHEMA, append_row, cell_key
 from attnkit.eval.table import column_label
-from attnkit.eval.tasks import NEEDLE_TASKS
+from attnkit.eval.task_registry import NEEDLE_TASKS
 from attnkit.methods.select import kept_fraction
 from attnkit.model import LoadedModel
 from attnkit.recipe import Recipe

@@ -25,7 +25,7 @@ from attnkit.eval.items import LONGBENCH_PREFIX, PERPLEXITY, task_items
 from attnkit.eval.longbench import as_longbench_data
 from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, repair_tail
 from attnkit.eval.table import format_table
-from attnkit.eval.tasks import ALL_TASKS
+from attnkit.eval.task_registry import ALL_TASKS
 from attnkit.model import LoadedModel
 from attnkit.recipe import Recipe, as_recipe
 from attnkit.validate import is_number, is_whole, whole

@@ -17,7 +17,8 @@ import random
 from attnkit.errors import AttnkitError
 from attnkit.eval import corpus
 from attnkit.eval.longbench import score_sample
-from attnkit.eval.tasks import TASKS, Sample
+from attnkit.eval.task_registry import TASKS
+from attnkit.eval.tasks import Sample
 from attnkit.methods.base import Method
 from attnkit.model import LoadedModel
 from attnkit.runner import token_nll

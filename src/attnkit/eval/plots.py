@@ -19,7 +19,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from attnkit.eval.table import is_reference
-from attnkit.eval.tasks import NEEDLE_TASKS
+from attnkit.eval.task_registry import NEEDLE_TASKS
 from attnkit.validate import is_number
 
 

@@ -338,14 +338,5 @@ TASKS: dict[str, Task] = {
                             "next line of held-out stdlib code, edit similarity (LongBench lcc)"),
 }
 
-GENERATED_TASKS = tuple(TASKS)
 # tasks whose answer sits at the sample's depth in the prompt (per-depth scores, the needle heatmap)
 NEEDLE_TASKS = ("passkey", "niah_multikey", "niah_multivalue", "kv_retrieval", "variable_tracking")
-ALL_TASKS = GENERATED_TASKS + ("perplexity",)
-
-
-def get_task(name: str) -> Task:
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; available: {', '.join(ALL_TASKS)}") from None
