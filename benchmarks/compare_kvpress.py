@@ -1,4 +1,4 @@
-"""attnkit's StreamingLLM and SnapKV side by side with kvpress (NVIDIA/kvpress): same model, prompts, parameters.
+"""attnkit's eviction methods side by side with kvpress (NVIDIA/kvpress): same model, prompts, parameters.
 
     python benchmarks/compare_kvpress.py --prompt-lens 2048,4096 --new-tokens 32 --repeats 3 \
         --out results/compare_kvpress.json
@@ -33,6 +33,9 @@ Parameter mapping (kvpress -> attnkit), exact:
   prefill, kvpress ``n - 1``; the one more is evicted before attnkit's first decode attention).
 - ``SnapKVPress(compression_ratio, window_size, kernel_size)`` -> ``snapkv(budget_tokens=n,
   window_size, kernel_size, pooling="avg", gqa_reduce="mean")``; both append every generated token.
+- ``KnormPress``, ``KeyDiffPress``, ``TOVAPress`` (``compression_ratio``) -> ``knorm``, ``keydiff``, ``tova``
+  (``budget_tokens=n``), :data:`PRESS_TWINS` (``--twins``). kvpress compresses the prompt once and appends;
+  attnkit's knorm and keydiff do the same (``decode_every=0``), its tova evicts one entry per decode step.
 - "snapkv+pad": attnkit's SnapKV with the average pooling counting the zero padding
   (``count_include_pad=True``, as ``F.avg_pool1d`` does by default in kvpress and in the SnapKV paper's
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
@@ -148,7 +151,9 @@ def attnkit_worker(setup_json: str) -> int:
 
 # ---- the driver ----------------------------------------------------------------------------------------
 def make_prompts(model, lens: list[int], kinds: list[str], seed: int) -> list[tuple[str, list[int]]]:
-    from attnkit.eval.tasks import make_passkey
+    """Token-id prompts of each kind and length: ``random`` ids, or the prompt of any generated task of
+    ``attnkit eval`` (``passkey``, ``code_completion``, ``needle_heldout``, ...): code, prose, key-value text."""
+    from attnkit.eval.task_registry import TASKS
 
     vocab = model.geometry.vocab_size
     bos = list(model.tokenizer("").input_ids)
@@ -159,10 +164,10 @@ def make_prompts(model, lens: list[int], kinds: list[str], seed: int) -> list[tu
                 g = torch.Generator().manual_seed(seed + n)
                 body = torch.randint(3, vocab, (n - len(bos),), generator=g).tolist()
                 ids = bos + body
-            elif kind == "passkey":
-                ids = list(model.tokenizer(make_passkey(model.tokenizer, n, seed=seed).prompt).input_ids)
+            elif kind in TASKS:
+                ids = list(model.tokenizer(TASKS[kind].make(model.tokenizer, n, seed=seed).prompt).input_ids)
             else:
-                raise SystemExit(f"unknown prompt kind {kind!r}; use random or passkey")
+                raise SystemExit(f"unknown prompt kind {kind!r}; use random or a task: {', '.join(TASKS)}")
             out.append((f"{kind}-{len(ids)}", ids))
     return out
 
@@ -176,6 +181,14 @@ def ratio_keeping(n_prompt: int, keep: int) -> float:
             return r
         r = math.nextafter(r, -math.inf if got < keep else math.inf)
     raise SystemExit(f"no compression_ratio keeps exactly {keep} of {n_prompt}")
+
+
+# attnkit methods whose prompt compression is kvpress's press of the same algorithm, at the same kept count
+PRESS_TWINS = {
+    "knorm": ("KnormPress", "both append while decoding"),
+    "keydiff": ("KeyDiffPress", "both append while decoding"),
+    "tova": ("TOVAPress", "kvpress prefill-only; attnkit evicts one entry per decode step (TOVA's rule)"),
+}
 
 
 def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
@@ -225,6 +238,13 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
                      {"method": "snapkv", "params": params, "pad_counting_pool": True, "diagnostic": True},
                      f"{name}/snapkv-w{w}-k{k}", k_case, "diagnostic: attnkit pooling with count_include_pad=True",
                      )
+        for twin in [t for t in args.twins.split(",") if t]:
+            if twin not in PRESS_TWINS:
+                raise SystemExit(f"--twins: no kvpress twin for {twin!r}; known: {', '.join(PRESS_TWINS)}")
+            press, note = PRESS_TWINS[twin]
+            pair(twin, f"{name}/{twin}", {"method": twin, "params": {"budget_tokens": keep}}, f"{name}/{press}",
+                 {"press": {"kind": "class", "name": press, "params": {"compression_ratio": args.compression_ratio},
+                            "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep}}, note)
     return rows, list(ours.values()), list(theirs.values())
 
 
@@ -317,9 +337,9 @@ def eviction_stats(attended: list[dict[str, list[list[int]]]], n_sink: int) -> d
 
 
 def format_table(rows) -> str:
-    head = (f"{'prompt':<13} {'method':<26} {'kept':>5} {'prefill kept =':>15} {'attended =':>12} "
+    head = (f"{'prompt':<20} {'method':<26} {'kept':>5} {'prefill kept =':>15} {'attended =':>12} "
             f"{'tokens =':>9} {'1st':>4} {'|dlogit|':>8} {'prefill s':>19} {'decode s':>19} {'total':>6} {'cpu':>5}")
-    sub = (f"{'':<13} {'':<26} {'':>5} {'(layer x head)':>15} {'(steps)':>12} {'':>9} {'diff':>4} {'1st tok':>8} "
+    sub = (f"{'':<20} {'':<26} {'':>5} {'(layer x head)':>15} {'(steps)':>12} {'':>9} {'diff':>4} {'1st tok':>8} "
            f"{'ours/theirs=ratio':>19} {'ours/theirs=ratio':>19} {'ratio':>6} {'ratio':>5}")
     lines = [head, sub, "-" * len(head)]
     for r in rows:
@@ -332,7 +352,7 @@ def format_table(rows) -> str:
                      f"{to['decode_s']:>6.3f}/{tt['decode_s']:<6.3f}={r['ratio_decode_s']:<5.2f} "
                      f"{r['ratio_total_s']:>6.2f} {r['ratio_cpu_s']:>5.2f}")
         lines.append(
-            f"{r['prompt']:<13} {r['method']:<26} {r['kept']:>5} {pk['equal']:>4}/{pk['total']:<3}"
+            f"{r['prompt']:<20} {r['method']:<26} {r['kept']:>5} {pk['equal']:>4}/{pk['total']:<3}"
             f"{'(+' + str(pk['only_ours']) + '/-' + str(pk['only_theirs']) + ')':>8} "
             f"{at['equal']:>5}/{at['total']:<6} {tk['equal']:>3}/{tk['total']:<5} "
             f"{'-' if tk['first_diff'] is None else tk['first_diff']:>4} {r['max_abs_logit_diff']['first']:>8.1e} "
@@ -353,7 +373,10 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="random:llama:layers=2,hidden=256,heads=8,kv_heads=2,head_dim=32",
                    help="attnkit model spec (random:... gets context = longest prompt + new tokens)")
     p.add_argument("--prompt-lens", default="2048,4096")
-    p.add_argument("--prompts", default="random,passkey", help="prompt kinds: random token ids, passkey task")
+    p.add_argument("--prompts", default="random,passkey,code_completion,needle_heldout",
+                   help="prompt kinds: random token ids, or the prompt of a generated eval task")
+    p.add_argument("--twins", default=",".join(PRESS_TWINS),
+                   help=f"attnkit methods compared with their kvpress press (from {', '.join(PRESS_TWINS)})")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compression-ratio", type=float, default=0.75)
