@@ -176,6 +176,40 @@ def test_gemfilter_compresses_the_prompt(llama4):
         attnkit.score_tokens(llama4, ids, "gemfilter", params={"k": "10"})
 
 
+@pytest.mark.parametrize("pool", [1, 5])
+def test_gemfilter_scores_are_pooled_as_the_reference_code_does(llama4, monkeypatch, pool):
+    """The chosen tokens are the top-k of the last query's logits summed over heads and averaged over `pool`
+    neighbours (F.avg_pool1d, zero padding counted: GemFilter's reference), the last prompt token forced in."""
+    from attnkit.methods.gemfilter import GemFilter
+
+    n, k = 120, 20
+    seen, own = {}, GemFilter._choose
+
+    def spy(self, ctx, q):
+        seen["q"], seen["keys"] = q.clone(), ctx.kv.view()[0].clone()
+        seen["chosen"] = own(self, ctx, q)
+        return seen["chosen"]
+
+    monkeypatch.setattr(GemFilter, "_choose", spy)
+    gen(llama4, random_ids(n, seed=7), f"gemfilter:filter_layer=1,k={k},pool={pool}")
+    q, keys = seen["q"].double(), seen["keys"].double()  # [1, 4, 1, 16], [1, 2, n, 16]
+    logits = torch.matmul(q, keys.repeat_interleave(2, dim=1).transpose(-1, -2))[:, :, 0]  # [1, heads, n]
+    scores = torch.nn.functional.avg_pool1d(logits.sum(1, keepdim=True), pool, 1, pool // 2)[0, 0]
+    scores[-1] = float("inf")
+    assert seen["chosen"].tolist() == sorted(scores.topk(k).indices.tolist())
+    if pool == 5:
+        unpooled = logits.sum(1)[0]
+        unpooled[-1] = float("inf")
+        assert seen["chosen"].tolist() != sorted(unpooled.topk(k).indices.tolist())  # pooling changes the choice
+
+
+def test_gemfilter_pool_must_be_odd_and_positive():
+    with pytest.raises(AttnkitError, match="pool=4 must be odd"):
+        make_method("gemfilter", pool=4)
+    with pytest.raises(AttnkitError, match="pool must be a whole number >= 1"):
+        make_method("gemfilter", pool=0)
+
+
 # ---- the filter-layer sweep --------------------------------------------------------------------------------
 def test_cli_calibrate_filter_layer_smoke(tmp_path, capsys):
     out = tmp_path / "filter.json"

@@ -10,8 +10,10 @@ top-k at an early filter layer, then generating from those tokens only. Here:
    temporary cache;
 2. the last prompt query at layer ``L`` scores every prompt token, summed over the heads: by default the raw
    logits ``q . k`` (``score=logits``, what GemFilter's reference code sums), or the probabilities
-   (``score=probs``); the ``k`` best tokens are kept (the last prompt token always: its output is the first
-   generated token's distribution), in their original order;
+   (``score=probs``), then averaged over ``pool`` neighbouring tokens (the reference code's average pooling,
+   width 5, zero padding counted at the edges; ``pool=1`` scores each token alone); the ``k`` best tokens are
+   kept (the last prompt token always: its output is the first generated token's distribution), in their
+   original order;
 3. the temporary cache is released and the WHOLE model runs again on only those tokens, whose cache then
    serves an ordinary decode.
 
@@ -36,11 +38,12 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.forward import run_decoder_layers
 from attnkit.methods.base import Method
+from attnkit.methods.scoring import avg_or_max_pool
 from attnkit.methods.select import check_filter_layer, check_filter_layer_param
 from attnkit.methods.share import shared_positions
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext, Step
-from attnkit.validate import choice, is_number
+from attnkit.validate import choice, is_number, whole
 
 
 @dataclass
@@ -66,6 +69,7 @@ class GemFilter(Method):
     k: int | float = 1024
     score: str = "logits"
     positions: str = "reindexed"
+    pool: int = 5
 
     name = "gemfilter"
     batches = False  # each sequence's later forward runs on its own chosen tokens: one session per sequence
@@ -79,6 +83,9 @@ class GemFilter(Method):
                              f"(0 < k < 1)")
         choice("score", self.score, ("logits", "probs"))
         choice("positions", self.positions, ("reindexed", "original"))
+        whole("pool", self.pool, 1, what=" (tokens averaged around each score)")
+        if self.pool % 2 == 0:
+            raise AttnkitError(f"pool={self.pool} must be odd so the average is centred on its token")
 
     def new_session_state(self) -> GemFilterRun:
         return GemFilterRun()
@@ -135,7 +142,7 @@ class GemFilter(Method):
         logits = torch.matmul(q.view(b, kv, hq // kv, d), keys.transpose(-1, -2)).float()  # [b, kv, g, n]
         if self.score == "probs":
             logits = torch.softmax(logits * ctx.scaling, dim=-1)
-        scores = logits.sum(dim=(0, 1, 2))
+        scores = avg_or_max_pool(logits.sum(dim=(0, 1, 2))[None], self.pool, "avg")[0]
         k = self.kept_tokens(ctx.session.prompt_len)
         last = int(k_pos.argmax())
         scores[last] = float("inf")  # the last prompt token is always kept
