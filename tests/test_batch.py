@@ -26,7 +26,7 @@ UNLIMITED = [
     "minference:k_v=0,k_s=400", "a_shape:n_init=200,n_local=200,block_size=16",
     "minference:pattern=block_sparse,k_b=20,block_size=16",
     "share:config=none", "select:filter_layer=1,p_decode=1.0", "gemfilter:filter_layer=1,k=400",
-    "minference:k_v=0,k_s=400+h2o:budget_tokens=400",
+    "minference:k_v=0,k_s=400+h2o:budget_tokens=400", "h2o:budget_tokens=8000,layer_budgets=pyramid",
 ]
 SMALL_BUDGET = [
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
@@ -34,6 +34,7 @@ SMALL_BUDGET = [
     "snapkv:budget=0.4,window_size=8", "minference:k_v=4,k_s=16", "a_shape:n_init=16,n_local=32,block_size=16",
     "select:filter_layer=0,p_decode=0.5", "gemfilter:filter_layer=0,k=24",
     "a_shape:n_init=16,n_local=32,block_size=16+snapkv:budget_tokens=40,window_size=8",
+    "h2o:budget_tokens=40,layer_budgets=pyramid", "snapkv:budget=0.4,window_size=8,layer_budgets=pyramid",
 ]
 
 

@@ -41,7 +41,7 @@ import torch
 
 from attnkit.attention import attend, folded_attention, folded_bias, sdpa
 from attnkit.errors import AttnkitError
-from attnkit.methods.spec import make_method
+from attnkit.methods.spec import make_method, parse_method_spec
 from attnkit.session import LayerContext
 
 
@@ -158,7 +158,8 @@ class Method:
 
 
 def resolve_method(method, params: dict | None = None) -> Method:
-    """A method instance from a name (+ params), an instance, or None (= full)."""
+    """A method instance from a name (+ params), a one-line spec (``"h2o:budget=0.3"``, ``"PREFILL+CACHE"``),
+    an instance, or None (= full)."""
     if method is None:
         method = "full"
     if isinstance(method, Method):
@@ -168,5 +169,9 @@ def resolve_method(method, params: dict | None = None) -> Method:
     if isinstance(method, str):
         if params is not None and not isinstance(params, dict):
             raise AttnkitError(f"params must be a mapping of parameter names to values, got {params!r}")
+        if ":" in method or "+" in method:
+            if params:
+                raise AttnkitError(f"params are given with the spec {method!r}, which sets its own; use one of them")
+            return parse_method_spec(method)
         return make_method(method, **(params or {}))
     raise AttnkitError(f"method must be a name or a Method, got {type(method).__name__}")

@@ -11,6 +11,13 @@ StreamingLLM's cache size (Xiao et al., 2023, arXiv 2309.17453) is ``B``. SnapKV
 
 ``recent`` (a fraction of ``B``) or ``recent_tokens`` (a count) is the recent window H2O and Keyformer never
 evict; it must leave at least one slot, the incoming token's.
+
+``layer_budgets="pyramid"`` spreads the same total over the layers as PyramidKV does (Cai et al., 2024,
+"PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", arXiv 2406.02069,
+section 3.3): lower layers, whose attention is spread wide, get more, upper layers, whose attention has
+funnelled onto a few tokens, get less, in an arithmetic sequence from ``2 B' - B'/beta`` at the first layer
+to ``B'/beta`` at the last (``beta`` = 20, the paper's default), ``B'`` being the budget above what the method
+always keeps (SnapKV's observation window, StreamingLLM's sinks), so the mean over layers stays ``B``.
 """
 
 from __future__ import annotations
@@ -18,7 +25,22 @@ from __future__ import annotations
 import math
 
 from attnkit.errors import AttnkitError
-from attnkit.validate import fraction, is_number, one_of_two, per_layer, whole
+from attnkit.validate import choice, fraction, is_number, one_of_two, per_layer, whole
+
+LAYER_BUDGETS = ("uniform", "pyramid")
+PYRAMID_BETA = 20
+
+
+def pyramid_share(budget: int, floor: int, layer: int, n_layers: int, beta: int = PYRAMID_BETA) -> int:
+    """PyramidKV's slots for `layer` of `n_layers` when every layer's uniform share is `budget` slots, of which
+    `floor` are always kept (see the module docstring): ``floor`` plus the layer's term of the arithmetic
+    sequence from ``2 f - f / beta`` down to ``f / beta``, ``f = budget - floor`` (rounded, at least 1)."""
+    free = budget - floor
+    if n_layers == 1 or free <= 0:
+        return budget
+    low = free / beta
+    high = 2 * free - low
+    return floor + max(1, int(math.floor(high - layer * (high - low) / (n_layers - 1) + 0.5)))
 
 
 def smallest_tokens(budget_tokens) -> int | None:
@@ -39,8 +61,9 @@ def _token_count(name: str, value) -> int:
     return whole(name, value, 1, what=" (tokens per layer)")
 
 
-def check_budget(method: str, budget, budget_tokens) -> None:
-    """Validate ``budget`` (fraction(s) of the prompt) / ``budget_tokens`` (count(s)): exactly one given."""
+def check_budget(method: str, budget, budget_tokens, layer_budgets: str = "uniform") -> None:
+    """Validate ``budget`` (fraction(s) of the prompt) / ``budget_tokens`` (count(s)): exactly one given;
+    ``layer_budgets`` (uniform or pyramid) spreads a single value over the layers."""
     one_of_two("budget", budget, "budget_tokens", budget_tokens,
                required=f"{method} needs a cache budget: budget=<fraction of the prompt, 0 < f <= 1> or "
                         f"budget_tokens=<tokens per layer>")
@@ -48,6 +71,11 @@ def check_budget(method: str, budget, budget_tokens) -> None:
         per_layer("budget", budget, _prompt_fraction)
     if budget_tokens is not None:
         per_layer("budget_tokens", budget_tokens, _token_count)
+    choice("layer_budgets", layer_budgets, LAYER_BUDGETS)
+    given = budget if budget is not None else budget_tokens
+    if layer_budgets != "uniform" and isinstance(given, (list, tuple)):
+        raise AttnkitError(f"layer_budgets={layer_budgets} spreads one budget over the layers; give a single "
+                           f"value, not one per layer ({given!r})")
 
 
 def check_recent(recent, recent_tokens, budget_tokens) -> None:

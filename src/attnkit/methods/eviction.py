@@ -33,7 +33,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
-from attnkit.methods.budget import check_budget, check_recent, recent_window, resolve_budget
+from attnkit.methods.budget import check_budget, check_recent, pyramid_share, recent_window, resolve_budget
 from attnkit.methods.scoring import (
     GQA_REDUCTIONS,
     keep_top,
@@ -61,23 +61,35 @@ class EvictionMethod(Method):
 
     budget: float | list[float] | None = None
     budget_tokens: int | list[int] | None = None
+    layer_budgets: str = "uniform"
 
     name = "eviction-base"
     layer_state_type: ClassVar[type] = EvictionState
 
     def __post_init__(self):
-        check_budget(self.name, self.budget, self.budget_tokens)
+        check_budget(self.name, self.budget, self.budget_tokens, self.layer_budgets)
 
     def new_layer_state(self) -> EvictionState:
         return self.layer_state_type()
 
     # ---- sizes -------------------------------------------------------------------------------------
+    def budget_of_layer(self, layer: int, n_layers: int, prompt_len: int) -> int:
+        """``B`` of `layer`: the uniform share (:func:`resolve_budget`), or PyramidKV's (``layer_budgets``)."""
+        budget = resolve_budget(self.budget, self.budget_tokens, layer, n_layers, prompt_len)
+        if self.layer_budgets == "pyramid":
+            budget = pyramid_share(budget, min(budget, self.budget_floor()), layer, n_layers)
+        return budget
+
+    def budget_floor(self) -> int:
+        """Slots the method always keeps whatever the budget (PyramidKV spreads only the rest over the layers)."""
+        return 0
+
     def layer_budget(self, ctx: LayerContext) -> int:
         """``B``: slots per kv head of this layer while decoding (resolved once per generation)."""
         st = ctx.state
         if st.budget is None:
             s = ctx.session
-            st.budget = resolve_budget(self.budget, self.budget_tokens, ctx.index, s.n_layers, s.prompt_len)
+            st.budget = self.budget_of_layer(ctx.index, s.n_layers, s.prompt_len)
             self.check_layer(ctx, st.budget)
         return st.budget
 

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.budget import resolve_budget
 from attnkit.methods.eviction import EvictionState, RecentWindowEviction
 from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, keyformer_noise
 from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
@@ -185,7 +184,7 @@ class Keyformer(RecentWindowEviction):
             s = ctx.session
             total = s.prompt_len + s.max_new_tokens
             ctx.state.evicts = any(
-                resolve_budget(self.budget, self.budget_tokens, i, s.n_layers, s.prompt_len) < total
+                self.budget_of_layer(i, s.n_layers, s.prompt_len) < total
                 for i in range(s.n_layers))
         return super().evicts(ctx)
 

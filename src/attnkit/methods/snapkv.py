@@ -75,6 +75,9 @@ class SnapKV(EvictionMethod):
             raise AttnkitError(f"snapkv: the observation window ({self.window_size} tokens) does not fit in the "
                                f"{budget}-slot budget of layer {ctx.index}; lower window_size or raise the budget")
 
+    def budget_floor(self) -> int:
+        return self.window_size  # the observation window is always kept
+
     def decode_only_appends(self) -> bool:
         return self.decode_budget is None  # the prompt is compressed once; generated tokens are appended
 

@@ -66,6 +66,9 @@ class Streaming(EvictionMethod):
         if self.positions == "reindex" and ctx.session.rope is None:
             raise AttnkitError("streaming positions='reindex' needs the model's rotary embedding (session.rope)")
 
+    def budget_floor(self) -> int:
+        return self.sinks
+
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return ctx.kv.view()[2]  # newer is kept first
 
