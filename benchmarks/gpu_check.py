@@ -1,0 +1,169 @@
+"""The GPU check: what a CPU machine cannot measure, in one run on a CUDA device.
+
+    python benchmarks/gpu_check.py --out results/gpu_check                     # on a machine with CUDA
+    python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check  # keeps the script working (CI)
+
+Three parts, each written to ``OUT/gpu_check.json`` (every row) and ``OUT/gpu_check.md`` (the tables):
+
+1. **Exactness** in the device's inference dtype (bfloat16 on CUDA, float32 on a CPU): every registered method
+   at an unlimited budget against full attention on a batch of prompts of different lengths (greedy tokens
+   equal? the largest logit difference). In bfloat16 a method that computes attention its own way (blocked
+   scoring, sparse kernels) may round differently from SDPA: the table shows by how much, and where tokens part.
+2. **Sparse prefill**: prefill time of ``minference`` (compiled FlexAttention kernels on CUDA) and ``a_shape``
+   against full attention (SDPA, FlashAttention on CUDA) at each ``--prefill-lengths`` length.
+3. **Decode**: tokens/s of the whole batch and KV bytes per sequence of each ``--decode-methods`` method at
+   ``--decode-context`` tokens and each of ``--batch-sizes``, with the decode floor from the measured memory
+   bandwidth (:func:`attnkit.bench.speed.run_bench`: methods interleaved in every repeat, medians, ratios to full).
+
+The default model has the bundled ``tiny``'s geometry with random weights (timings do not depend on what
+weights learnt); ``--model`` takes any attnkit model spec. ``--quick`` shrinks every length, batch and repeat
+so the whole script runs in about a minute on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import attnkit
+from attnkit.bench.speed import format_bench, measure_bandwidth, run_bench
+from attnkit.methods.spec import METHODS, parse_method_spec, split_spec_list
+
+TINY_GEOMETRY = "random:llama:layers=6,hidden=256,heads=8,kv_heads=2,head_dim=32,intermediate=768"
+
+
+def unlimited_specs(total: int, static_config: str) -> dict[str, str]:
+    """One spec per registered method that keeps every one of `total` tokens (prompt + generated)."""
+    b = f"budget_tokens={total}"
+    specs = {
+        "full": "full", "window": f"window:window={total}", "streaming": f"streaming:{b}", "h2o": f"h2o:{b}",
+        "keyformer": f"keyformer:{b}", "snapkv": f"snapkv:{b}", "knorm": f"knorm:{b}", "keydiff": f"keydiff:{b}",
+        "tova": f"tova:{b}", "expected_attention": f"expected_attention:{b}",
+        "minference": f"minference:k_v=0,k_s={total}", "minference_static": f"minference_static:config={static_config}",
+        "a_shape": f"a_shape:n_init={total},n_local={total}", "share": "share:config=none",
+        "select": "select:filter_layer=1,p_decode=1.0", "gemfilter": f"gemfilter:filter_layer=1,k={total}",
+        "compose": f"minference:k_v=0,k_s={total}+h2o:{b}",
+    }
+    missing = sorted(set(METHODS) - set(specs))
+    if missing:
+        raise SystemExit(f"gpu_check: no unlimited-budget spec for {', '.join(missing)}; add one to unlimited_specs")
+    return {name: specs[name] for name in sorted(METHODS)}
+
+
+def static_patterns(model_spec: str, length: int, path: Path) -> str:
+    """A minference_static pattern file for the model (``attnkit calibrate patterns --static``)."""
+    from attnkit.cli import main as cli_main
+    rc = cli_main(["calibrate", "patterns", "--model", model_spec, "--length", str(length), "--flops-budget", "0.5",
+                   "--block-size", "16", "--tasks", "passkey", "--samples", "1", "--static", "--out", str(path)])
+    if rc != 0:
+        raise SystemExit("gpu_check: calibrating the static patterns failed")
+    return str(path)
+
+
+def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, compile_kernels: bool,
+                   tmp: Path) -> list[dict]:
+    """Every method at an unlimited budget on one batch of prompts of `lengths`, against full's batch."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.geometry.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    total = max(lengths) + new_tokens
+    specs = unlimited_specs(total, static_patterns(model_spec, max(256, max(lengths)), tmp / "static.json"))
+    if not compile_kernels:
+        specs = {k: (v + ",compile=false" if k in ("minference", "minference_static", "a_shape") else v)
+                 for k, v in specs.items()}
+        specs["compose"] = specs["compose"].replace("+", ",compile=false+", 1)
+
+    def run(spec):
+        return attnkit.generate(model, prompts, parse_method_spec(spec), max_new_tokens=new_tokens,
+                                stop_at_eos=False, keep_logits=True)
+
+    full = run("full")
+    rows = []
+    for name, spec in specs.items():
+        start = time.perf_counter()
+        try:
+            out = run(spec)
+        except attnkit.AttnkitError as exc:  # a refusal is a finding, not a crash of the check
+            rows.append({"method": name, "spec": spec, "error": str(exc)})
+            continue
+        first = [next((i for i, (a, b) in enumerate(zip(o.token_ids, f.token_ids)) if a != b), None)
+                 for o, f in zip(out, full)]
+        diff = max(float((a.float() - b.float()).abs().max()) for o, f in zip(out, full)
+                   for a, b in zip(o.logits, f.logits))
+        rows.append({"method": name, "spec": spec, "tokens_equal": all(i is None for i in first),
+                     "first_different_token": [i for i in first if i is not None][:1] or None,
+                     "max_abs_logit_diff": diff, "wall_s": time.perf_counter() - start})
+    return rows
+
+
+def format_exactness(rows: list[dict]) -> str:
+    lines = ["| method | spec | tokens equal to full | max abs logit diff |", "|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | `{r['spec']}` | refused: {r['error']} | |")
+        else:
+            first = "" if r["tokens_equal"] else f" (first differs at {r['first_different_token'][0]})"
+            lines.append(f"| {r['method']} | `{r['spec']}` | {'yes' if r['tokens_equal'] else 'no'}{first} | "
+                         f"{r['max_abs_logit_diff']:.3g} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=TINY_GEOMETRY)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="small lengths, batches and repeats (a CPU smoke run)")
+    p.add_argument("--exact-lengths", default="300,517,1024", help="prompt lengths of the exactness batch")
+    p.add_argument("--prefill-lengths", default="8192,32768,131072")
+    p.add_argument("--prefill-methods", default="full,minference,a_shape")
+    p.add_argument("--decode-context", type=int, default=32768)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--decode-methods", default="full,streaming:budget=0.1,h2o:budget=0.1,snapkv:budget=0.1")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"gpu_check: --device {args.device} but torch {torch.__version__} sees no CUDA device; on a CPU run "
+              f"--device cpu --quick", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.exact_lengths, args.prefill_lengths, args.decode_context = "70,95,130", "512,1024", 512
+        args.batch_sizes, args.new_tokens, args.repeats = "1,2", 4, 1
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    lengths = [int(x) for x in args.prefill_lengths.split(",")]
+    exact = [int(x) for x in args.exact_lengths.split(",")]
+    context = max(lengths + exact + [args.decode_context]) + args.new_tokens
+    spec = args.model if "context=" in args.model or not args.model.startswith("random:") \
+        else f"{args.model},context={context}"
+    model = attnkit.load_model(spec, device=args.device, dtype=dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    compiled = args.device.startswith("cuda")  # FlexAttention compiles for CUDA; on a CPU the eager kernels run
+    result = {"model": spec, "device": args.device, "dtype": str(dtype), "torch": torch.__version__,
+              "device_name": torch.cuda.get_device_name() if compiled else "cpu", "argv": sys.argv[1:]}
+    with tempfile.TemporaryDirectory() as tmp:
+        result["exactness"] = exactness_rows(model, spec, exact, args.new_tokens, compiled, Path(tmp))
+    sparse = [m if compiled or m == "full" else f"{m}:compile=false" for m in split_spec_list(args.prefill_methods)]
+    result["prefill"] = [row for n in lengths for row in run_bench(model, n, 2, sparse, repeats=args.repeats)]
+    bandwidth = measure_bandwidth(args.device)
+    sizes = tuple(int(x) for x in args.batch_sizes.split(","))
+    result["decode"] = run_bench(model, args.decode_context, args.new_tokens, split_spec_list(args.decode_methods),
+                                 repeats=args.repeats, bandwidth=bandwidth, batch_sizes=sizes)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    text = (f"{spec} on {result['device_name']} ({result['dtype']}, torch {result['torch']})\n\n"
+            f"### Exactness at an unlimited budget, prompts of {args.exact_lengths} tokens\n\n"
+            f"{format_exactness(result['exactness'])}\n\n### Sparse prefill\n\n```\n{format_bench(result['prefill'])}\n```\n\n"
+            f"### Decode at {args.decode_context} tokens\n\n```\n{format_bench(result['decode'])}\n```\n")
+    (out / "gpu_check.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
