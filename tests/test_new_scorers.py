@@ -295,6 +295,16 @@ def test_bad_parameters_are_refused_in_one_line(name, params, pattern):
     assert "\n" not in str(err.value)
 
 
+def test_a_window_larger_than_the_budget_is_refused_when_decoding_recompresses(models):
+    # a 20-token prompt at budget=1.0 is never compressed, but decode_every would compress to 20 slots while
+    # keeping a 32-query window
+    ids = random_ids(20, seed=2)
+    with pytest.raises(AttnkitError, match=r"observation window \(32 tokens\) does not fit in the 20-slot budget"):
+        attnkit.generate(models["llama"], ids, "snapkv", params={"budget": 1.0, "decode_every": 2}, max_new_tokens=8)
+    out = attnkit.generate(models["llama"], ids, "snapkv", params={"budget": 1.0}, max_new_tokens=8, stop_at_eos=False)
+    assert len(out.token_ids) == 8
+
+
 def test_specs_parse_and_describe():
     m = parse_method_spec("keydiff:budget_tokens=64/32,decode_every=8")
     assert (m.budget_tokens, m.decode_every, m.decode_only_appends()) == ([64, 32], 8, False)

@@ -79,7 +79,10 @@ class SnapKV(PromptScorer):
 
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
         n = ctx.session.prompt_len
-        if budget < n and min(self.window_size, n) > budget:
+        # the window is kept whenever the layer is compressed: after the prompt (a window of at most n queries)
+        # and, with decode_every, while decoding (a full window: a compression means more than `budget` seen)
+        recompresses = self.decode_every and budget + self.decode_every < n + ctx.session.max_new_tokens
+        if (budget < n and min(self.window_size, n) > budget) or (recompresses and self.window_size > budget):
             raise AttnkitError(f"snapkv: the observation window ({self.window_size} tokens) does not fit in the "
                                f"{budget}-slot budget of layer {ctx.index}; lower window_size or raise the budget")
 
