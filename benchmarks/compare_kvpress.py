@@ -33,9 +33,14 @@ Parameter mapping (kvpress -> attnkit), exact:
   prefill, kvpress ``n - 1``; the one more is evicted before attnkit's first decode attention).
 - ``SnapKVPress(compression_ratio, window_size, kernel_size)`` -> ``snapkv(budget_tokens=n,
   window_size, kernel_size, pooling="avg", gqa_reduce="mean")``; both append every generated token.
-- ``KnormPress``, ``KeyDiffPress``, ``TOVAPress`` (``compression_ratio``) -> ``knorm``, ``keydiff``, ``tova``
-  (``budget_tokens=n``), :data:`PRESS_TWINS` (``--twins``). kvpress compresses the prompt once and appends;
-  attnkit's knorm and keydiff do the same (``decode_every=0``), its tova evicts one entry per decode step.
+- ``KnormPress`` / ``KeyDiffPress`` (``compression_ratio``) -> ``knorm`` / ``keydiff(budget_tokens=n)``; both
+  append every generated token. With ``decode_every=N`` (``--decode-every``): kvpress's ``PrefillDecodingPress(
+  Press(compression_ratio), DecodingPress(Press(), compression_interval=N, target_size=n))``. In the first
+  layer a key's norm depends only on its token (RoPE is a rotation), so knorm's ties there may break either way.
+- ``TOVAPress(compression_ratio)`` -> ``tova(budget_tokens=n)``: kvpress compresses only the prompt, attnkit's
+  tova then drops one entry per step, so only the kept prompt positions must agree. "tova-rolling": against
+  ``PrefillDecodingPress(TOVAPress(ratio keeping n - 1), DecodingPress(TOVAPress(), compression_interval=1,
+  target_size=n - 1))``, attended sets equal at every step (as for streaming-rolling).
 - "snapkv+pad": attnkit's SnapKV with the average pooling counting the zero padding
   (``count_include_pad=True``, as ``F.avg_pool1d`` does by default in kvpress and in the SnapKV paper's
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
@@ -96,6 +101,22 @@ def _held(session) -> dict[str, list[list[int]]]:
     return out
 
 
+class AttendedTrace:
+    """`method` as the session's method, recording per layer the positions a decode step attended to, before
+    ``after_decode`` (which may re-compress the layer: ``decode_every``); everything else is the method's own."""
+
+    def __init__(self, method):
+        self._method = method
+        self.step: dict[str, list[list[int]]] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._method, name)
+
+    def after_decode(self, ctx) -> None:
+        self.step[str(ctx.index)] = [sorted(p.tolist()) for p in ctx.kv.view()[2][0]]
+        self._method.after_decode(ctx)
+
+
 def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: bool) -> dict:
     from attnkit.forward import forward, logits_of, prefill
     from attnkit.methods.spec import make_method
@@ -112,7 +133,8 @@ def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: 
                     "cpu_s": time.process_time() - c0}
         x = torch.tensor(ids)
         n = len(ids)
-        session = new_session(model, method, n, new_tokens)
+        traced = AttendedTrace(method)
+        session = new_session(model, traced, n, new_tokens)
         logits = logits_of(model, prefill(model, session, x))[-1]
         after_prefill = _held(session)
         tokens, all_logits, attended = [int(logits.argmax())], [logits.tolist()], []
@@ -121,7 +143,7 @@ def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: 
             logits = logits_of(model, hidden)[-1]
             tokens.append(int(logits.argmax()))
             all_logits.append(logits.tolist())
-            attended.append(_held(session))
+            attended.append(dict(traced.step))
         return {"tokens": tokens, "after_prefill": after_prefill, "attended": attended, "logits": all_logits,
                 "final_cache_len": [layer.length for layer in session.cache.layers]}
 
@@ -151,7 +173,7 @@ def attnkit_worker(setup_json: str) -> int:
 
 # ---- the driver ----------------------------------------------------------------------------------------
 def make_prompts(model, lens: list[int], kinds: list[str], seed: int) -> list[tuple[str, list[int]]]:
-    """Token-id prompts of each kind and length: ``random`` ids, or the prompt of any generated task of
+    """Token-id prompts of each kind and length: ``random`` ids, ``repeat`` (a random block repeated), or the prompt of any generated task of
     ``attnkit eval`` (``passkey``, ``code_completion``, ``needle_heldout``, ...): code, prose, key-value text."""
     from attnkit.eval.task_registry import TASKS
 
@@ -164,10 +186,14 @@ def make_prompts(model, lens: list[int], kinds: list[str], seed: int) -> list[tu
                 g = torch.Generator().manual_seed(seed + n)
                 body = torch.randint(3, vocab, (n - len(bos),), generator=g).tolist()
                 ids = bos + body
+            elif kind == "repeat":  # a random 40-token block repeated: many equal tokens, so many tied key norms
+                g = torch.Generator().manual_seed(seed + n)
+                block = torch.randint(3, vocab, (40,), generator=g).tolist()
+                ids = bos + (block * (n // 40 + 1))[:n - len(bos)]
             elif kind in TASKS:
                 ids = list(model.tokenizer(TASKS[kind].make(model.tokenizer, n, seed=seed).prompt).input_ids)
             else:
-                raise SystemExit(f"unknown prompt kind {kind!r}; use random or a task: {', '.join(TASKS)}")
+                raise SystemExit(f"unknown prompt kind {kind!r}; use random, repeat or a task: {', '.join(TASKS)}")
             out.append((f"{kind}-{len(ids)}", ids))
     return out
 
@@ -181,14 +207,6 @@ def ratio_keeping(n_prompt: int, keep: int) -> float:
             return r
         r = math.nextafter(r, -math.inf if got < keep else math.inf)
     raise SystemExit(f"no compression_ratio keeps exactly {keep} of {n_prompt}")
-
-
-# attnkit methods whose prompt compression is kvpress's press of the same algorithm, at the same kept count
-PRESS_TWINS = {
-    "knorm": ("KnormPress", "both append while decoding"),
-    "keydiff": ("KeyDiffPress", "both append while decoding"),
-    "tova": ("TOVAPress", "kvpress prefill-only; attnkit evicts one entry per decode step (TOVA's rule)"),
-}
 
 
 def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
@@ -238,14 +256,46 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
                      {"method": "snapkv", "params": params, "pad_counting_pool": True, "diagnostic": True},
                      f"{name}/snapkv-w{w}-k{k}", k_case, "diagnostic: attnkit pooling with count_include_pad=True",
                      )
-        for twin in [t for t in args.twins.split(",") if t]:
-            if twin not in PRESS_TWINS:
-                raise SystemExit(f"--twins: no kvpress twin for {twin!r}; known: {', '.join(PRESS_TWINS)}")
-            press, note = PRESS_TWINS[twin]
-            pair(twin, f"{name}/{twin}", {"method": twin, "params": {"budget_tokens": keep}}, f"{name}/{press}",
-                 {"press": {"kind": "class", "name": press, "params": {"compression_ratio": args.compression_ratio},
-                            "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep}}, note)
+        scorer_cases(pair, name, n, keep, args)
     return rows, list(ours.values()), list(theirs.values())
+
+
+PRESSES = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress"}
+
+
+def decoding_press(press: str, prefill_ratio: float, every: int, target: int) -> dict:
+    """kvpress's prompt compression followed by re-compression every `every` tokens to `target` entries."""
+    return {"name": "PrefillDecodingPress", "params": {
+        "prefilling_press": {"name": press, "params": {"compression_ratio": prefill_ratio}},
+        "decoding_press": {"name": "DecodingPress", "params": {"base_press": {"name": press, "params": {}},
+                                                               "compression_interval": every,
+                                                               "target_size": target}}}}
+
+
+def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
+    """The rows of knorm, keydiff and tova (``--scorers``), and of ``decode_every`` (``--decode-every``) for the
+    prompt `name` of `n` tokens, `keep` of them kept; ``pair`` adds a row (see :func:`build_cases`)."""
+    for method in filter(None, args.scorers.split(",")):
+        press = PRESSES[method]
+        k_case = {"press": {"kind": "class", "name": press, "params": {"compression_ratio": args.compression_ratio},
+                            "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep}}
+        a_case = {"method": method, "params": {"budget_tokens": keep}}
+        note = "kvpress prefill-only; attnkit drops one per step" if method == "tova" else ""
+        pair(method, f"{name}/{method}", a_case, f"{name}/{method}", k_case, note)
+        if method == "tova":
+            r_ratio = ratio_keeping(n, keep - 1)
+            pair("tova-rolling", f"{name}/{method}", a_case, f"{name}/tova_rolling",
+                 {"press": dict(decoding_press(press, r_ratio, 1, keep - 1), kind="class", compression_ratio=r_ratio,
+                                expect_prefill_kept=keep - 1)},
+                 "kvpress PrefillDecodingPress+DecodingPress(interval 1); prefill keeps n-1 by design")
+            continue
+        for every in (int(e) for e in args.decode_every.split(",") if e):
+            pair(f"{method} decode_every={every}", f"{name}/{method}-every{every}",
+                 {"method": method, "params": {"budget_tokens": keep, "decode_every": every}},
+                 f"{name}/{method}-every{every}",
+                 {"press": dict(decoding_press(press, args.compression_ratio, every, keep), kind="class",
+                                compression_ratio=args.compression_ratio, expect_prefill_kept=keep)},
+                 "kvpress PrefillDecodingPress+DecodingPress(interval N, target n)")
 
 
 def start_worker(side: str, args, model_dir: str, warmup: list[int], log) -> LineWorker:
@@ -276,12 +326,28 @@ def compare_sets(a: dict[str, list[list[int]]], b: dict[str, list[list[int]]]) -
     return {"equal": equal, "total": total, "only_ours": only_a, "only_theirs": only_b, "examples": examples}
 
 
-def summarize(rows, ours_trace, theirs_trace, ours_times, theirs_times, n_sink: int) -> None:
+def unequal_by_same_tokens(a_steps, b_steps, seq: list[int]) -> int:
+    """Unequal (step, layer, kv head) sets whose differences are positions holding the same tokens (`seq`: the
+    prompt and the generated tokens): with a key depending only on its token and position, as in the first
+    layer, a score that RoPE leaves unchanged (knorm's norm) ties there, and either side may keep either."""
+    count = 0
+    for x, y in zip(a_steps, b_steps):
+        for layer in x:
+            for pa, pb in zip(x[layer], y[layer]):
+                sa, sb = set(pa), set(pb)
+                count += sa != sb and sorted(seq[p] for p in sa - sb) == sorted(seq[p] for p in sb - sa)
+    return count
+
+
+def summarize(rows, ours_trace, theirs_trace, ours_times, theirs_times, n_sink: int, prompts=None) -> None:
     for row in rows:
         a, b = ours_trace[row["ours"]], theirs_trace[row["theirs"]]
         row["prefill_kept"] = compare_sets(a["after_prefill"], b["after_prefill"])
         steps = [compare_sets(x, y) for x, y in zip(a["attended"], b["attended"])]
+        seq = (prompts or {}).get(row["prompt"], []) + a["tokens"]
         row["attended"] = {"equal": sum(s["equal"] for s in steps), "total": sum(s["total"] for s in steps),
+                           "unequal_by_same_tokens": unequal_by_same_tokens(a["attended"], b["attended"], seq)
+                           if prompts and a["tokens"] == b["tokens"] else None,
                            "first_unequal_step": next((i + 1 for i, s in enumerate(steps) if s["equal"] < s["total"]),
                                                       None),
                            "only_ours": sum(s["only_ours"] for s in steps),
@@ -357,6 +423,11 @@ def format_table(rows) -> str:
             f"{at['equal']:>5}/{at['total']:<6} {tk['equal']:>3}/{tk['total']:<5} "
             f"{'-' if tk['first_diff'] is None else tk['first_diff']:>4} {r['max_abs_logit_diff']['first']:>8.1e} "
             f"{times}")
+    for r in rows:
+        at = r["attended"]
+        if at["equal"] < at["total"] and at.get("unequal_by_same_tokens"):
+            lines.append(f"{r['prompt']} {r['method']}: of the {at['total'] - at['equal']} unequal attended sets, "
+                         f"{at['unequal_by_same_tokens']} differ only by positions holding the same tokens (ties)")
     lines.append("prefill kept =: (layer, kv head) pairs whose kept prompt positions are the same set; (+a/-b): "
                  "positions only attnkit / only kvpress holds, summed. attended =: (decode step, layer, kv head) "
                  "triples attending to the same positions. tokens =: greedy tokens equal at the same index; 1st "
@@ -374,14 +445,15 @@ def main(argv=None) -> int:
                    help="attnkit model spec (random:... gets context = longest prompt + new tokens)")
     p.add_argument("--prompt-lens", default="2048,4096")
     p.add_argument("--prompts", default="random,passkey,code_completion,needle_heldout",
-                   help="prompt kinds: random token ids, or the prompt of a generated eval task")
-    p.add_argument("--twins", default=",".join(PRESS_TWINS),
-                   help=f"attnkit methods compared with their kvpress press (from {', '.join(PRESS_TWINS)})")
+                   help="prompt kinds: random token ids, repeat (a random block repeated), or the prompt of a "
+                        "generated eval task (code, held-out prose and code, ...)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compression-ratio", type=float, default=0.75)
     p.add_argument("--n-sink", type=int, default=4)
     p.add_argument("--snapkv", default="64:5,32:7", help="window_size:kernel_size sets, comma-separated")
+    p.add_argument("--scorers", default="knorm,keydiff,tova", help="of knorm, keydiff, tova (empty: none)")
+    p.add_argument("--decode-every", default="1,4", help="decode_every values for knorm and keydiff (empty: none)")
     p.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the diagnostic rows (snapkv +pad, streaming-rolling +sorted)")
     p.add_argument("--seed", type=int, default=0)
@@ -452,7 +524,8 @@ def main(argv=None) -> int:
                 w.close()
     ours_trace = {"meta": workers["attnkit"].meta, "results": ours_trace}
     theirs_trace = {"meta": workers["kvpress"].meta, "results": theirs_trace}
-    summarize(rows, ours_trace["results"], theirs_trace["results"], ours_times, theirs_times, args.n_sink)
+    summarize(rows, ours_trace["results"], theirs_trace["results"], ours_times, theirs_times, args.n_sink,
+              dict(prompts))
     table = format_table(rows)
     print(f"\n{args.model}, compression_ratio={args.compression_ratio}, n_sink={args.n_sink}, "
           f"{args.new_tokens} new tokens, {args.repeats} repeats, {args.threads} thread(s) "

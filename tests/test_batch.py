@@ -27,6 +27,8 @@ UNLIMITED = [
     "minference:pattern=block_sparse,k_b=20,block_size=16",
     "share:config=none", "select:filter_layer=1,p_decode=1.0", "gemfilter:filter_layer=1,k=400",
     "minference:k_v=0,k_s=400+h2o:budget_tokens=400", "h2o:budget_tokens=8000,layer_budgets=pyramid",
+    "knorm:budget_tokens=400", "keydiff:budget_tokens=400,decode_every=2", "tova:budget_tokens=400",
+    "snapkv:budget_tokens=400,window_size=8,decode_every=3",
 ]
 SMALL_BUDGET = [
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
@@ -35,6 +37,9 @@ SMALL_BUDGET = [
     "select:filter_layer=0,p_decode=0.5", "gemfilter:filter_layer=0,k=24",
     "a_shape:n_init=16,n_local=32,block_size=16+snapkv:budget_tokens=40,window_size=8",
     "h2o:budget_tokens=40,layer_budgets=pyramid", "snapkv:budget=0.4,window_size=8,layer_budgets=pyramid",
+    "knorm:budget_tokens=32", "knorm:budget=0.3,decode_every=1", "keydiff:budget_tokens=32,decode_every=4",
+    "keydiff:budget=0.3", "tova:budget_tokens=32", "tova:budget=0.3",
+    "snapkv:budget_tokens=40,window_size=8,decode_every=3",
 ]
 
 
@@ -96,7 +101,10 @@ def test_small_budget_batch_equals_alone(models, spec):
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])
 @pytest.mark.parametrize("spec", ["full", "h2o:budget_tokens=32", "snapkv:budget=0.4,window_size=8",
-                                  "streaming:budget_tokens=400", "keyformer:score=shared,budget_tokens=32"])
+                                  "streaming:budget_tokens=400", "keyformer:score=shared,budget_tokens=32",
+                                  "tova:budget_tokens=32", "knorm:budget_tokens=32",
+                                  "keydiff:budget_tokens=32,decode_every=3",
+                                  "snapkv:budget_tokens=40,window_size=8,decode_every=2"])
 def test_other_architectures(models, arch, spec):
     assert_batch_equals_alone(models[arch], spec)
 
@@ -124,7 +132,8 @@ def test_fractional_budget_is_a_fraction_of_each_prompt(models):
 def test_a_finished_row_leaves_its_session_and_the_others_go_on(models):
     """Dropping the middle row of a 3-row session mid-generation leaves rows 0 and 2 exactly as alone."""
     model = models["llama"]
-    for spec in ("h2o:budget_tokens=32", "keyformer:score=shared,budget_tokens=32", "snapkv:budget_tokens=40,window_size=8"):
+    for spec in ("h2o:budget_tokens=32", "keyformer:score=shared,budget_tokens=32", "snapkv:budget_tokens=40,window_size=8",
+                 "snapkv:budget_tokens=40,window_size=8,decode_every=3", "tova:budget_tokens=32"):
         method = parse_method_spec(spec)
         ids = torch.stack([random_ids(90, seed=s) for s in (1, 2, 3)])
         session = new_session(model, method, 90, 12, rows=3)

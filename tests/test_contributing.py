@@ -16,11 +16,15 @@ GUIDE = Path(__file__).resolve().parent.parent / "CONTRIBUTING.md"
 
 @pytest.fixture(scope="module")
 def knorm():
-    blocks = re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(), re.M | re.S)
-    module = types.ModuleType("attnkit.methods.knorm")
-    exec(compile(blocks[0], "CONTRIBUTING.md", "exec"), module.__dict__)
-    yield module.KNorm
-    METHODS.pop("knorm")
+    # attnkit ships its own `knorm` (the prompt-scorer one); the guide's example takes the name while it runs
+    shipped = METHODS.pop("knorm")
+    try:
+        blocks = re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(), re.M | re.S)
+        module = types.ModuleType("attnkit.methods.knorm")
+        exec(compile(blocks[0], "CONTRIBUTING.md", "exec"), module.__dict__)
+        yield module.KNorm
+    finally:
+        METHODS["knorm"] = shipped
 
 
 def test_the_example_method_registers(knorm):

@@ -12,8 +12,8 @@ untimed warm-up generation, prints one JSON line of versions, then answers one J
 line (``{"case": {"prompt": [ids], "press": {...}}, "mode": ...}``; optional ``new_tokens`` and
 ``stop_ids``, the tokens after which to stop) with one JSON line on stdout (``{"error": ...}`` for a bad
 press), until stdin closes. ``{"kind": "class", "name": "SnapKVPress", "params": {...}}`` builds any press
-by name (attnkit's ``kvpress:`` recipes). Every case is a greedy generation
-done the way kvpress's own pipeline does it: the prompt goes through the model inside ``with
+by name (attnkit's ``kvpress:`` recipes), presses given as parameters included. Every case is a greedy
+generation done the way kvpress's own pipeline does it: the prompt goes through the model inside ``with
 press(model):`` (a prefill-only press compresses each layer's cache in a forward hook right after that
 layer's prefill attention), then each new token is fed with explicit ``position_ids`` (the compressed
 cache is shorter than the sequence) outside the press context, or inside it for a decoding press.
@@ -67,6 +67,23 @@ def keep_temporal_order(press) -> None:
     press.compress = compress
 
 
+def press_by_name(spec: dict):
+    """``{"name": "KnormPress", "params": {...}}`` -> that press; a parameter written ``{"name": ..., "params":
+    ...}`` is itself built as a press (``PrefillDecodingPress(prefilling_press=..., decoding_press=
+    DecodingPress(base_press=...))``)."""
+    cls = getattr(kvpress, spec["name"], None)
+    if not isinstance(cls, type):
+        presses = sorted(n for n in dir(kvpress) if n.endswith("Press"))
+        raise ValueError(f"kvpress {getattr(kvpress, '__version__', '')} has no press {spec['name']!r}; "
+                         f"it has {', '.join(presses)}")
+    params = {k: press_by_name(v) if isinstance(v, dict) and "name" in v else v
+              for k, v in spec.get("params", {}).items()}
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(f"{spec['name']}: {exc}") from None
+
+
 def build_press(spec: dict, prompt_len: int):
     kind = spec["kind"]
     if kind == "none":
@@ -88,15 +105,7 @@ def build_press(spec: dict, prompt_len: int):
             keep_temporal_order(press.prefilling_press)
             keep_temporal_order(press.decoding_press.base_press)
     elif kind == "class":  # any press by class name (attnkit's sweeps: "kvpress:SnapKVPress:...")
-        cls = getattr(kvpress, spec["name"], None)
-        if not isinstance(cls, type):
-            presses = sorted(n for n in dir(kvpress) if n.endswith("Press"))
-            raise ValueError(f"kvpress {getattr(kvpress, '__version__', '')} has no press {spec['name']!r}; "
-                             f"it has {', '.join(presses)}")
-        try:
-            press = cls(**spec.get("params", {}))
-        except TypeError as exc:
-            raise ValueError(f"{spec['name']}: {exc}") from None
+        press = press_by_name(spec)
         decoding = isinstance(press, (DecodingPress, PrefillDecodingPress))
     else:
         raise ValueError(f"unknown press kind {kind!r}")

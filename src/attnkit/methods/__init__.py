@@ -10,14 +10,18 @@ from attnkit.methods.compose import Compose
 from attnkit.methods.full import Full
 from attnkit.methods.gemfilter import GemFilter
 from attnkit.methods.h2o import H2O
+from attnkit.methods.keydiff import KeyDiff
 from attnkit.methods.keyformer import Keyformer
+from attnkit.methods.knorm import KNorm
 from attnkit.methods.minference import MInference, MInferenceStatic
 from attnkit.methods.select import Select
 from attnkit.methods.share import Share
 from attnkit.methods.snapkv import SnapKV
 from attnkit.methods.spec import METHODS, make_method, parse_method_spec
 from attnkit.methods.streaming import Streaming
+from attnkit.methods.tova import TOVA
 from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "Full", "GemFilter", "H2O",
-           "Keyformer", "MInference", "MInferenceStatic", "Select", "Share", "SnapKV", "Streaming", "Window"]
+           "KeyDiff", "Keyformer", "KNorm", "MInference", "MInferenceStatic", "Select", "Share", "SnapKV", "Streaming",
+           "TOVA", "Window"]

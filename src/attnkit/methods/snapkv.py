@@ -11,7 +11,10 @@ queries are scored (a ``window_size`` x prompt product, in blocks), beside SDPA'
 
 Decoding then appends every generated token (SnapKV does not evict during generation). With
 ``decode_budget=m`` the generated tokens are capped to a rolling window of the last ``m`` (the incoming
-one included) so the cache stays at ``budget + m`` slots.
+one included) so the cache stays at ``budget + m`` slots. With ``decode_every=N`` instead
+(:mod:`attnkit.methods.prompt_scorer`) the layer is re-compressed to ``budget`` every ``N`` generated tokens
+by the same vote, the observation window then being the last ``window_size`` queries seen (generated
+ones included), whose own entries are kept; the pooling runs along the held entries in position order.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.budget import smallest_tokens
-from attnkit.methods.eviction import EvictionMethod, EvictionState
+from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
 from attnkit.methods.scoring import GQA_REDUCTIONS, attention_statistics, avg_or_max_pool
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
@@ -30,9 +33,9 @@ from attnkit.validate import choice, whole
 
 
 @dataclass
-class SnapKVState(EvictionState):
-    """SnapKV's per-layer state: the observation window's queries while the prompt streams in, then its
-    votes while the prompt is compressed."""
+class SnapKVState(PromptScorerState):
+    """SnapKV's per-layer state: the observation window's queries while the prompt streams in (and while
+    decoding, with ``decode_every``), then its votes while the layer is compressed."""
 
     window_q: torch.Tensor | None = None
     window_pos: torch.Tensor | None = None
@@ -41,8 +44,9 @@ class SnapKVState(EvictionState):
 
 @register
 @dataclass(frozen=True)
-class SnapKV(EvictionMethod):
-    """Observation-window votes, pooled, top entries per kv head after prefill; decode appends."""
+class SnapKV(PromptScorer):
+    """Observation-window votes, pooled, top entries per kv head after prefill; decode appends (or
+    re-compresses every ``decode_every`` tokens)."""
 
     window_size: int = 32
     kernel_size: int = 7
@@ -64,6 +68,10 @@ class SnapKV(EvictionMethod):
         choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
         if self.decode_budget is not None:
             whole("decode_budget", self.decode_budget, 1, what=" (generated tokens kept)")
+            if self.decode_every:
+                raise AttnkitError(f"give decode_budget or decode_every, not both (decode_budget={self.decode_budget}, "
+                                   f"decode_every={self.decode_every}): both bound the generated tokens, one by a "
+                                   f"rolling window, the other by re-compressing the whole cache")
         smallest = smallest_tokens(self.budget_tokens)
         if smallest is not None and self.window_size > smallest:
             raise AttnkitError(f"window_size={self.window_size} is larger than budget_tokens={self.budget_tokens!r}; "
@@ -71,7 +79,10 @@ class SnapKV(EvictionMethod):
 
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
         n = ctx.session.prompt_len
-        if budget < n and min(self.window_size, n) > budget:
+        # the window is kept whenever the layer is compressed: after the prompt (a window of at most n queries)
+        # and, with decode_every, while decoding (a full window: a compression means more than `budget` seen)
+        recompresses = self.decode_every and budget + self.decode_every < n + ctx.session.max_new_tokens
+        if (budget < n and min(self.window_size, n) > budget) or (recompresses and self.window_size > budget):
             raise AttnkitError(f"snapkv: the observation window ({self.window_size} tokens) does not fit in the "
                                f"{budget}-slot budget of layer {ctx.index}; lower window_size or raise the budget")
 
@@ -79,16 +90,26 @@ class SnapKV(EvictionMethod):
         return self.window_size  # the observation window is always kept
 
     def decode_only_appends(self) -> bool:
-        return self.decode_budget is None  # the prompt is compressed once; generated tokens are appended
+        # the prompt is compressed once; generated tokens are appended
+        return self.decode_budget is None and super().decode_only_appends()
 
     def decode_limit(self, ctx: LayerContext) -> int | None:
         if self.decode_budget is None:
-            return None
+            return super().decode_limit(ctx)
         return min(ctx.session.prompt_len, self.layer_budget(ctx)) + self.decode_budget
 
-    # ---- prompt: votes of the observation window ---------------------------------------------------
+    def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
+        for st in layer_states:  # the window's queries are kept per row while decoding with decode_every
+            if st.window_q is not None:
+                st.window_q = st.window_q[rows.to(st.window_q.device)]
+
+    # ---- votes of the observation window ----------------------------------------------------------
     def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
-        # the window may straddle prompt chunks: keep the last window_size queries seen
+        self._observe(ctx, q)
+
+    def _observe(self, ctx: LayerContext, q: torch.Tensor) -> None:
+        # the window may straddle prompt chunks (and, with decode_every, reach into the generated tokens):
+        # keep the last window_size queries seen
         st = ctx.state
         if st.window_q is not None:
             q = torch.cat([st.window_q, q], dim=2)
@@ -98,27 +119,42 @@ class SnapKV(EvictionMethod):
         st.window_q, st.window_pos = q[:, :, -self.window_size:], pos[-self.window_size:]
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
-        st = ctx.state
-        if self.evicts(ctx) and ctx.kv.length > self.prefill_keep(ctx):
-            keys, _, positions = ctx.kv.view()
-            votes = attention_statistics(st.window_q, keys, ctx.scaling, st.window_pos,
-                                         positions[0, 0], reduce=self.gqa_reduce, window=ctx.native_window)
-            prefix = keys.shape[2] - st.window_q.shape[2]
-            votes[:, :, :prefix] = avg_or_max_pool(votes[:, :, :prefix], self.kernel_size, self.pooling)
-            st.votes = votes
-        st.window_q = st.window_pos = None
         super().after_prefill(ctx, q, k, v)
+        if not self.decode_every or not self.evicts(ctx):  # no later compression needs the window's queries
+            ctx.state.window_q = ctx.state.window_pos = None
+
+    def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
+        if self.decode_every:
+            self._observe(ctx, q)
+        return super().attend_decode(ctx, q)
+
+    def compact(self, ctx: LayerContext, count: int, spare: int, next_pos) -> None:
+        st = ctx.state
+        st.votes = self.votes(ctx)
+        super().compact(ctx, count, spare, next_pos)
         st.votes = None
+
+    def votes(self, ctx: LayerContext) -> torch.Tensor:
+        """``[b, kv, L]``: the window queries' attention to every held entry, reduced over each kv group's query
+        heads, pooled along the entries before the window (held in position order)."""
+        st = ctx.state
+        keys, _, positions = ctx.kv.view()
+        # the prompt: every head holds positions 0..n-1 (one shared, ascending axis); later, each its own
+        k_pos = positions[0, 0] if ctx.step.phase == "prefill" else positions
+        votes = attention_statistics(st.window_q, keys, ctx.scaling, st.window_pos, k_pos,
+                                     reduce=self.gqa_reduce, window=ctx.native_window)
+        prefix = keys.shape[2] - st.window_q.shape[2]
+        votes[:, :, :prefix] = avg_or_max_pool(votes[:, :, :prefix], self.kernel_size, self.pooling)
+        return votes
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         votes = ctx.state.votes
-        if votes is not None:  # compressing the prompt
+        if votes is not None:  # compressing
             return votes
         return ctx.kv.view()[2]  # decoding with a decode_budget: the oldest generated token leaves
 
     def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor:
         positions = ctx.kv.view()[2]
-        n = ctx.session.prompt_len
         if ctx.state.votes is not None:
-            return positions >= n - self.window_size  # the observation window
-        return positions < n  # decoding: the compressed prompt stays
+            return positions >= next_pos - self.window_size  # the observation window
+        return positions < ctx.session.prompt_len  # decoding with a decode_budget: the compressed prompt stays

@@ -1,0 +1,64 @@
+"""``tova``: Token Omission Via Attention (Oren, Hassid, Yarden, Adi, Schwartz, 2024, "Transformers are
+Multi-State RNNs", arXiv 2401.06104).
+
+The paper views a decoder with a bounded cache as a multi-state RNN whose states are the cached entries, and
+TOVA is its compression policy: when the cache is over its size, drop the entry that the CURRENT query
+attends to least, the attention averaged over all the layer's heads,
+
+    evict argmin_i (1/H) sum_h softmax(q_t^h K^T / sqrt(d))_i,
+
+so every kv head of a layer keeps the same positions. Applied to the prompt, the last prompt query's averaged
+attention keeps the ``B`` best entries. While decoding the layer holds at most ``B`` entries, the incoming one
+included: when it is full the entry with the lowest averaged attention from the previous step's query leaves
+and the new token takes its slot (no recent window). Dropping at the start of a step with the previous step's
+statistics is the paper's "attend, then drop the lowest" one step later, so TOVA's cache size ``k`` is
+``B - 1``. The entry of the query that produced the scores (the last prompt token, then the newest generated
+one) is never the one dropped, as kvpress's ``TOVAPress`` forces it kept (the paper lets it compete; its own
+attention is usually high), so the kept positions match kvpress's at every step. The latest probabilities
+live in a per-slot score buffer that moves with its entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.methods.eviction import EvictionMethod
+from attnkit.methods.scoring import attend_with_logits, attention_statistics
+from attnkit.methods.spec import register
+from attnkit.session import LayerContext
+
+
+@register
+@dataclass(frozen=True)
+class TOVA(EvictionMethod):
+    """Per layer, the entries the current query attends to most, averaged over all heads (one set for every kv
+    head); one entry out per decode step once full."""
+
+    name = "tova"
+    summary = "drop the entry the current query attends to least, averaged over heads (TOVA, Oren et al. 2024)"
+
+    def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
+        if self.evicts(ctx):
+            # the last prompt query's attention over the whole prompt, averaged over the kv group's query heads
+            # and then over the kv heads (equal groups: the mean over every query head), shared by all kv heads
+            keys, _, positions = ctx.kv.view()
+            last = attention_statistics(q[:, :, -1:], keys, ctx.scaling, ctx.q_pos[-1:], positions[0, 0],
+                                        window=ctx.native_window)
+            self.score_buffer(ctx)[:, :, :ctx.kv.length] = last.mean(dim=1, keepdim=True)
+        super().after_prefill(ctx, q, k, v)
+
+    def rank(self, ctx: LayerContext) -> torch.Tensor:
+        return self.score_buffer(ctx)[:, :, :ctx.kv.length]
+
+    def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor | None:
+        # the newest entry, whose query gave the scores: the last prompt token, then the last generated one
+        return ctx.kv.view()[2] == next_pos - 1
+
+    def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
+        keys, values, _ = ctx.kv.view()
+        out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
+        # probs [b, kv, g, 1, L]: the mean over every query head of the layer, for every kv head's slots
+        self.score_buffer(ctx)[:, :, :ctx.kv.length] = probs.mean(dim=(1, 2, 3)).unsqueeze(1)
+        return out

@@ -1,0 +1,41 @@
+"""benchmarks/gpu_check.py keeps working where there is no GPU: its quick CPU run goes to the end and every method at
+an unlimited budget gives full attention's tokens; CUDA asked for without a device is refused in one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def run(*args):
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_quick_cpu_run_goes_to_the_end(tmp_path):
+    done = run("--device", "cpu", "--quick", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    exact = {r["method"]: r for r in result["exactness"]}
+    from attnkit.methods.spec import METHODS
+    assert set(exact) == set(METHODS)
+    for row in exact.values():
+        assert "error" not in row, row
+        if row["unlimited"]:
+            assert row["tokens_equal"] and row["max_abs_logit_diff"] < 1e-3, row
+    assert {r["method"] for r in result["prefill"]} == {"full", "minference:compile=false", "a_shape:compile=false"}
+    assert {r["batch_size"] for r in result["decode"]} == {1, 2}
+    assert "### Decode at 512 tokens" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_cuda_without_a_device_is_refused(tmp_path):
+    if torch.cuda.is_available():
+        return  # the refusal only exists where there is no device
+    done = run("--device", "cuda", "--out", str(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "sees no CUDA device" in done.stderr
