@@ -16,7 +16,7 @@ from attnkit.methods.full import Full
 from attnkit.methods.spec import parse_method_spec
 from attnkit.rope import Rope
 from attnkit.session import layer_contexts, new_session
-from helpers import D, ROPE, SMALL, drive, per_token_bytes, random_ids, randn
+from helpers import ROPE, SMALL, D, drive, per_token_bytes, randn, random_ids
 
 torch.set_num_threads(1)
 
