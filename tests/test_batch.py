@@ -29,6 +29,7 @@ UNLIMITED = [
     "minference:k_v=0,k_s=400+h2o:budget_tokens=400", "h2o:budget_tokens=8000,layer_budgets=pyramid",
     "knorm:budget_tokens=400", "keydiff:budget_tokens=400,decode_every=2", "tova:budget_tokens=400",
     "snapkv:budget_tokens=400,window_size=8,decode_every=3",
+    "expected_attention:budget_tokens=400", "expected_attention:budget_tokens=400,decode_every=2",
 ]
 SMALL_BUDGET = [
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
@@ -40,6 +41,7 @@ SMALL_BUDGET = [
     "knorm:budget_tokens=32", "knorm:budget=0.3,decode_every=1", "keydiff:budget_tokens=32,decode_every=4",
     "keydiff:budget=0.3", "tova:budget_tokens=32", "tova:budget=0.3",
     "snapkv:budget_tokens=40,window_size=8,decode_every=3",
+    "expected_attention:budget_tokens=32", "expected_attention:budget=0.3,decode_every=3",
 ]
 
 
@@ -104,7 +106,8 @@ def test_small_budget_batch_equals_alone(models, spec):
                                   "streaming:budget_tokens=400", "keyformer:score=shared,budget_tokens=32",
                                   "tova:budget_tokens=32", "knorm:budget_tokens=32",
                                   "keydiff:budget_tokens=32,decode_every=3",
-                                  "snapkv:budget_tokens=40,window_size=8,decode_every=2"])
+                                  "snapkv:budget_tokens=40,window_size=8,decode_every=2",
+                                  "expected_attention:budget_tokens=32,decode_every=2"])
 def test_other_architectures(models, arch, spec):
     assert_batch_equals_alone(models[arch], spec)
 
@@ -133,7 +136,8 @@ def test_a_finished_row_leaves_its_session_and_the_others_go_on(models):
     """Dropping the middle row of a 3-row session mid-generation leaves rows 0 and 2 exactly as alone."""
     model = models["llama"]
     for spec in ("h2o:budget_tokens=32", "keyformer:score=shared,budget_tokens=32", "snapkv:budget_tokens=40,window_size=8",
-                 "snapkv:budget_tokens=40,window_size=8,decode_every=3", "tova:budget_tokens=32"):
+                 "snapkv:budget_tokens=40,window_size=8,decode_every=3", "tova:budget_tokens=32",
+                 "expected_attention:budget_tokens=32,decode_every=3"):
         method = parse_method_spec(spec)
         ids = torch.stack([random_ids(90, seed=s) for s in (1, 2, 3)])
         session = new_session(model, method, 90, 12, rows=3)
