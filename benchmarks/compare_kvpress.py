@@ -37,6 +37,8 @@ Parameter mapping (kvpress -> attnkit), exact:
   append every generated token. With ``decode_every=N`` (``--decode-every``): kvpress's ``PrefillDecodingPress(
   Press(compression_ratio), DecodingPress(Press(), compression_interval=N, target_size=n))``. In the first
   layer a key's norm depends only on its token (RoPE is a rotation), so knorm's ties there may break either way.
+- ``ExpectedAttentionPress(compression_ratio)`` -> ``expected_attention(budget_tokens=n)`` (the same defaults:
+  ``n_future_positions=512``, ``n_sink=4``, covariance and value norms on); both append while decoding.
 - ``TOVAPress(compression_ratio)`` -> ``tova(budget_tokens=n)``: kvpress compresses only the prompt, attnkit's
   tova then drops one entry per step, so only the kept prompt positions must agree. "tova-rolling": against
   ``PrefillDecodingPress(TOVAPress(ratio keeping n - 1), DecodingPress(TOVAPress(), compression_interval=1,
@@ -260,7 +262,11 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
     return rows, list(ours.values()), list(theirs.values())
 
 
-PRESSES = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress"}
+PRESSES = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
+           "expected_attention": "ExpectedAttentionPress"}
+# re-compressing while decoding matches kvpress's DecodingPress for these; expected_attention's query statistics
+# differ there by design (attnkit: every query so far; kvpress: a buffer of recent hidden states)
+DECODE_EVERY_TWINS = ("knorm", "keydiff")
 
 
 def decoding_press(press: str, prefill_ratio: float, every: int, target: int) -> dict:
@@ -273,7 +279,7 @@ def decoding_press(press: str, prefill_ratio: float, every: int, target: int) ->
 
 
 def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
-    """The rows of knorm, keydiff and tova (``--scorers``), and of ``decode_every`` (``--decode-every``) for the
+    """The rows of knorm, keydiff, tova and expected_attention (``--scorers``), and of ``decode_every`` (``--decode-every``) for the
     prompt `name` of `n` tokens, `keep` of them kept; ``pair`` adds a row (see :func:`build_cases`)."""
     for method in filter(None, args.scorers.split(",")):
         press = PRESSES[method]
@@ -289,7 +295,7 @@ def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
                                 expect_prefill_kept=keep - 1)},
                  "kvpress PrefillDecodingPress+DecodingPress(interval 1); prefill keeps n-1 by design")
             continue
-        for every in (int(e) for e in args.decode_every.split(",") if e):
+        for every in (int(e) for e in args.decode_every.split(",") if e and method in DECODE_EVERY_TWINS):
             pair(f"{method} decode_every={every}", f"{name}/{method}-every{every}",
                  {"method": method, "params": {"budget_tokens": keep, "decode_every": every}},
                  f"{name}/{method}-every{every}",
@@ -452,7 +458,7 @@ def main(argv=None) -> int:
     p.add_argument("--compression-ratio", type=float, default=0.75)
     p.add_argument("--n-sink", type=int, default=4)
     p.add_argument("--snapkv", default="64:5,32:7", help="window_size:kernel_size sets, comma-separated")
-    p.add_argument("--scorers", default="knorm,keydiff,tova", help="of knorm, keydiff, tova (empty: none)")
+    p.add_argument("--scorers", default=",".join(PRESSES), help=f"of {', '.join(PRESSES)} (empty: none)")
     p.add_argument("--decode-every", default="1,4", help="decode_every values for knorm and keydiff (empty: none)")
     p.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the diagnostic rows (snapkv +pad, streaming-rolling +sorted)")
