@@ -17,6 +17,7 @@ from attnkit.eval import retrieval_templates as T
 from attnkit.eval.tasks import TASKS
 
 BOS, PAD = 0, 2
+_FIRST_PLAIN_ID = 16  # ids below are the special tokens (0-2) and single punctuation characters
 
 # tasks.py draws training filler from every training standard-library file, the documentation topics
 # file included, whose held-out topics are evaluation prose here: a window of that file has many lines
@@ -83,24 +84,23 @@ class Rows:
         return ids + [PAD] * pad, weights, answer
 
     def _copy(self, n: int, rng: random.Random):
-        """Random words and digits, then a newline and the same string again, the pair at a random offset
-        among other random words (which are not scored). Its length varies from row to row, so the
-        distance back to the first copy varies too: no fixed-offset (positional) attention solves it, only
-        matching the previous token's content (the induction mechanism the retrieval tasks build on)."""
-        def words(count: int) -> list[int]:
-            out: list[int] = []
-            while len(out) < count:
-                piece = rng.choice(T.WORDS) if rng.random() < 0.6 else str(rng.randrange(10**rng.randint(1, 6)))
-                out += self.tok.encode(" " + piece, add_special_tokens=False)
-            return out[:count]
+        """A string of tokens drawn uniformly from the vocabulary, then a newline and the same string again, the
+        pair at a random offset among other random tokens (which are not scored). Its length varies from row to
+        row, so the distance back to the first copy varies too: no fixed-offset (positional) attention solves it,
+        only matching the previous token's content, and uniform draws from thousands of ids make a one-token
+        match unambiguous (the classic induction-head setting, Olsson et al. 2022)."""
+        vocab = len(self.tok)
+
+        def tokens(count: int) -> list[int]:
+            return [rng.randrange(_FIRST_PLAIN_ID, vocab) for _ in range(count)]
         k = rng.randint(max(8, n // 8), (n - 1) // 2)
-        half = words(k)
-        prefix = words(rng.randint(0, n - 1 - 2 * k))
+        half = tokens(k)
+        prefix = tokens(rng.randint(0, n - 1 - 2 * k))
         sep = self.tok.encode("\n", add_special_tokens=False)[:1]
         ids = [BOS] + prefix + half + sep + half
         lead = len(prefix) + k + 2  # targets up to and including the first copied token are not scored
-        rest = n + 1 - len(ids)  # filled with more random words, not scored
-        ids += words(rest)
+        rest = n + 1 - len(ids)  # filled with more random tokens, not scored
+        ids += tokens(rest)
         weights = [0.0] * lead + [self.answer_weight] * (k - 1) + [0.0] * rest
         answer = [False] * lead + [True] * (k - 1) + [False] * rest
         return ids, weights, answer
