@@ -13,7 +13,6 @@ import random
 import torch
 
 from attnkit.eval import retrieval_data as R
-from attnkit.eval import retrieval_templates as T
 from attnkit.eval.tasks import TASKS
 
 BOS, PAD = 0, 2
