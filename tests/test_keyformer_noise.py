@@ -1,13 +1,16 @@
-"""Keyformer's counter-based noise (attnkit.methods.keyformer_noise): the distributions of eq. 5 and 11, and
-the decode-step tables equal to the reference draws bit for bit."""
+"""Keyformer's counter-based noise (attnkit.methods.keyformer_noise): the distributions of eq. 5 and 11, the
+decode-step tables equal to the reference draws bit for bit, and the prompt's scores computed in one pass with
+the attention output (eq. 9 from the probabilities and exp(zeta)) equal to the separate statistic."""
 
 import pytest
 import torch
 
 import attnkit
 from attnkit.cache import KVCache
-from attnkit.methods.keyformer_noise import DecodeNoise, keyformer_noise
+from attnkit.methods import eviction
+from attnkit.methods.keyformer_noise import DecodeNoise, gumbel_factor, keyformer_noise
 from attnkit.session import LayerContext, Session, Step
+from helpers import drive, qkv
 
 torch.set_num_threads(1)
 
@@ -42,3 +45,32 @@ def test_keyformer_decode_noise_is_bitwise_the_reference_noise(noise):
             ctx = LayerContext(step, layer, 1.0, None)
             expected = keyformer_noise(noise, 5, layer, kv, g, torch.tensor([q]), k_pos)
             assert torch.equal(tables(ctx, k_pos), expected)
+
+
+def test_gumbel_factor_is_exp_of_the_gumbel_draws():
+    pos = torch.arange(300)
+    zeta = keyformer_noise("gumbel", 4, 2, 2, 3, pos, pos)
+    assert torch.allclose(gumbel_factor(4, 2, 2, 3, pos, pos), zeta.exp(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["keyformer:seed=3", "keyformer:noise=gaussian,tau_init=1.5", "h2o:gqa_reduce=max",
+                                  "keyformer:noise=constant"])
+def test_prefill_scores_in_one_pass_equal_the_separate_statistic(spec, monkeypatch):
+    """The one-pass prefill (output and score from the same blocks) keeps what the separate statistic
+    (the path used when another method supplies the prompt's output: compose) keeps, and never calls it."""
+    q, k, v = qkv(80, seed=4)
+    method = attnkit.parse_method_spec(spec + ",budget_tokens=20,recent_tokens=4")
+    composed = attnkit.make_method("compose", prefill="full", cache=method)
+    separate = drive(composed, q, k, v, prompt_len=60)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the one-pass prefill computed the statistic a second time")
+
+    monkeypatch.setattr(eviction, "attention_statistics", forbidden)
+    session, outs, held = drive(method, q, k, v, prompt_len=60)
+    assert held == separate[2]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(outs, separate[1]))
+    layer = session.cache.layers[0]
+    if spec.startswith("h2o"):  # the scores themselves agree, not just the choice
+        assert torch.allclose(layer.extras["score"][:, :, :layer.length],
+                              separate[0].cache.layers[0].extras["score"][:, :, :layer.length], atol=1e-5)

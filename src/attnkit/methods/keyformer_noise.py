@@ -9,6 +9,13 @@ state, the noise a (query, key) pair of a head gets does not depend on prompt ch
 key occupies, on the device or on the order of computation, so a chunked or per-head evicting run equals
 the dense reference draw for draw. :class:`DecodeNoise` computes the same draws for decode steps at a
 fraction of the cost.
+
+Why a hash and not torch's own generators (Philox on a GPU, the CPU generator): a generator would have
+to be seeded per (seed, layer, block of query positions) and draw a whole block of keys to keep the
+draws independent of chunking, and on a CPU torch's generator produces a uniform more slowly than the
+hash combines two precomputed 32-bit hashes (``benchmarks/bench_scoring.py``'s notes in
+``docs/benchmarks.md``), besides tying the draws to the device. The hash keeps every guarantee above
+at a lower cost.
 """
 
 from __future__ import annotations
@@ -124,14 +131,28 @@ def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int
         return 0.0
     if kind == "constant":
         return EULER_GAMMA
-    device = q_pos.device
-    heads = torch.arange(kv_heads * groups, device=device).view(1, kv_heads, groups, 1, 1)
-    qp = q_pos.view(1, 1, 1, -1, 1)
-    kp = k_pos.view(1, 1, 1, 1, -1) if k_pos.dim() == 1 else k_pos[:, :, None, None, :]
-    u = counter_uniforms(seed, layer, heads, qp, kp)
+    u = _uniforms(seed, layer, kv_heads, groups, q_pos, k_pos)
     if kind == "gumbel":
         return gumbel_from_uniforms(u)
-    return gaussian_from_uniforms(u, counter_uniforms(seed, layer, heads, qp, kp, second=True))
+    return gaussian_from_uniforms(u, _uniforms(seed, layer, kv_heads, groups, q_pos, k_pos, second=True))
+
+
+def gumbel_factor(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor) -> torch.Tensor:
+    """``exp(zeta)`` for the Gumbel draws ``zeta`` of :func:`keyformer_noise` (the same uniforms ``u``):
+    ``exp(-log(-log u)) = 1 / -log(u)``. At temperature 1, eq. 9 is then ``p * exp(zeta)`` renormalised,
+    with ``p`` the attention probabilities the output already needed: one logarithm per pair instead of
+    two and the exponential of a second softmax."""
+    return _uniforms(seed, layer, kv_heads, groups, q_pos, k_pos).log_().neg_().reciprocal_()
+
+
+def _uniforms(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              second: bool = False) -> torch.Tensor:
+    """:func:`counter_uniforms` of layer `layer` shaped ``[1 or b, kv, g, queries, keys]``."""
+    heads = torch.arange(kv_heads * groups, device=q_pos.device).view(1, kv_heads, groups, 1, 1)
+    qp = q_pos.view(1, 1, 1, -1, 1)
+    kp = k_pos.view(1, 1, 1, 1, -1) if k_pos.dim() == 1 else k_pos[:, :, None, None, :]
+    return counter_uniforms(seed, layer, heads, qp, kp, second)
 
 
 def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
