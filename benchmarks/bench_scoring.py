@@ -7,7 +7,7 @@ A scoring method pays for its prompt statistics on every prompt: H2O and Keyform
 prompt query's attention per key (computed in the same blocks as the prompt's attention output,
 :func:`attnkit.methods.scoring.attention_with_statistics`), SnapKV scores only its observation window.
 For every length: one random prompt; every method runs once untimed, then ``--repeats`` rounds, each
-running every method once on the same prompt in turn (interleaved, so a drift of the machine hits all
+running every method once on the same prompt in turn (``--no-warmup`` skips the untimed run) (interleaved, so a drift of the machine hits all
 alike). Reported per method: the median prefill seconds (``generate(..., max_new_tokens=1)
 .stats.prefill_s``: the whole model, embeddings to the last hidden state) and ``speed_vs_full``, full's
 median prefill time over the method's (1.0: as fast as full).
@@ -40,9 +40,10 @@ def prefill_seconds(model, ids, spec: str) -> float:
     return out.stats.prefill_s
 
 
-def bench_length(model, length: int, methods: list[str], repeats: int, seed: int, say) -> list[dict]:
+def bench_length(model, length: int, methods: list[str], repeats: int, seed: int, say,
+                 warmup: bool = True) -> list[dict]:
     ids = torch.randint(3, model.geometry.vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
-    for m in methods:  # warm-up
+    for m in methods if warmup else ():  # warm-up (the noise tables, the allocator)
         prefill_seconds(model, ids, m)
     times: dict[str, list[float]] = {m: [] for m in methods}
     for r in range(repeats):
@@ -65,6 +66,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed first run of every method")
     p.add_argument("--out", default=None, help="JSON file for all rows")
     args = p.parse_args(argv)
     if args.threads:
@@ -78,7 +80,7 @@ def main(argv=None) -> None:
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         t0 = time.perf_counter()
-        rows += bench_length(model, length, methods, args.repeats, args.seed, say)
+        rows += bench_length(model, length, methods, args.repeats, args.seed, say, not args.no_warmup)
         say(f"  [{length}] done in {time.perf_counter() - t0:.0f} s")
     print(f"model {args.model}, {torch.get_num_threads()} thread(s), {args.repeats} repeats, "
           f"attnkit {attnkit.__version__}, torch {torch.__version__}")

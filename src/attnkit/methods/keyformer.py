@@ -29,9 +29,10 @@ accumulated over all layers, heads and steps; every layer keeps the same tokens,
 from the scores of all layers up to the previous step, so the prompt is compressed at the first decode
 step instead of right after prefill); ``positions`` original | new (keys are seen at their rank in the
 cache, the query last: "Keyformer (new positions)"; the kept keys are re-rotated for attention each
-step, which costs one pass over the cache). ``seed`` fixes the noise: each draw is a hash of (seed,
-layer, head, query position, key position), so results do not depend on prompt chunking, on the batch
-or on the device.
+step, which costs one pass over the cache). ``seed`` fixes the noise: each draw is a function of (seed,
+layer, head, query position, key position) (a table entry at a hashed row offset plus the key position,
+:mod:`attnkit.methods.keyformer_noise`), so results do not depend on prompt chunking, on the batch or on
+the device.
 
 The prompt's scores come from the same blocks as its attention output
 (:func:`attnkit.methods.scoring.attention_with_statistics`). At the prompt's temperature 1 with Gumbel
