@@ -9,8 +9,9 @@ prompt query's attention per key (computed in the same blocks as the prompt's at
 For every length: one random prompt; every method runs once untimed, then ``--repeats`` rounds, each
 running every method once on the same prompt in turn (``--no-warmup`` skips the untimed run) (interleaved, so a drift of the machine hits all
 alike). Reported per method: the median prefill seconds (``generate(..., max_new_tokens=1)
-.stats.prefill_s``: the whole model, embeddings to the last hidden state) and ``speed_vs_full``, full's
-median prefill time over the method's (1.0: as fast as full).
+.stats.prefill_s``: the whole model, embeddings to the last hidden state) and ``speed_vs_full``, the
+median over repeats of full's prefill time over the method's in the same repeat (1.0: as fast as full;
+pairing the runs of a repeat keeps a machine whose load drifts from skewing the ratio).
 
 The default model has random weights in the geometry of the bundled ``tiny`` model, with room for
 32k positions: the timing is meaningful, the outputs are not.
@@ -51,9 +52,9 @@ def bench_length(model, length: int, methods: list[str], repeats: int, seed: int
             t = prefill_seconds(model, ids, m)
             times[m].append(t)
             say(f"  [{length}] repeat {r + 1}/{repeats} {m}: prefill {t:.2f} s")
-    full = statistics.median(times[methods[0]])
+    full = times[methods[0]]
     return [{"length": length, "method": m, "prefill_s": statistics.median(times[m]), "prefill_all_s": times[m],
-             "speed_vs_full": full / statistics.median(times[m])} for m in methods]
+             "speed_vs_full": statistics.median(f / t for f, t in zip(full, times[m]))} for m in methods]
 
 
 def main(argv=None) -> None:
