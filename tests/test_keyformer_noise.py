@@ -7,7 +7,7 @@ import torch
 
 import attnkit
 from attnkit.cache import KVCache
-from attnkit.methods import eviction
+from attnkit.methods import eviction, scoring
 from attnkit.methods.keyformer_noise import DecodeNoise, gumbel_factor, keyformer_noise
 from attnkit.session import LayerContext, Session, Step
 from helpers import drive, qkv
@@ -57,11 +57,16 @@ def test_gumbel_factor_is_exp_of_the_gumbel_draws():
                                   "keyformer:noise=constant"])
 def test_prefill_scores_in_one_pass_equal_the_separate_statistic(spec, monkeypatch):
     """The one-pass prefill (output and score from the same blocks) keeps what the separate statistic
-    (the path used when another method supplies the prompt's output: compose) keeps, and never calls it."""
+    (the path used when another method supplies the prompt's output, compose, or past ONE_PASS_MAX_KEYS)
+    keeps, and never calls it."""
     q, k, v = qkv(80, seed=4)
     method = attnkit.parse_method_spec(spec + ",budget_tokens=20,recent_tokens=4")
     composed = attnkit.make_method("compose", prefill="full", cache=method)
     separate = drive(composed, q, k, v, prompt_len=60)
+    monkeypatch.setitem(scoring.ONE_PASS_MAX_KEYS, "cpu", 59)  # a 60-token prompt is "long"
+    long_prompt = drive(method, q, k, v, prompt_len=60)
+    assert long_prompt[2] == separate[2]
+    monkeypatch.setitem(scoring.ONE_PASS_MAX_KEYS, "cpu", 60)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the one-pass prefill computed the statistic a second time")

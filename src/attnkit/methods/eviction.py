@@ -14,7 +14,9 @@ evict; the flow is the same:
 method accumulates its statistics chunk by chunk. A method that scores every prompt query
 (:meth:`EvictionMethod.prefill_scorer`) gets the output and the statistic from the same blocks
 (:func:`attnkit.methods.scoring.attention_with_statistics`); when another method supplies the prompt's
-output (``compose``) the statistic is computed on its own (:func:`~attnkit.methods.scoring.attention_statistics`).
+output (``compose``), or the prompt is long enough that SDPA plus a separate statistic is cheaper
+(:func:`~attnkit.methods.scoring.one_pass_pays`), the statistic is computed on its own
+(:func:`~attnkit.methods.scoring.attention_statistics`).
 Either way in blocks, so no N x N matrix exists. After the last chunk the layer keeps its ``B`` best entries per kv
 head (:func:`~attnkit.methods.scoring.keep_top`) and the larger tensors are released (:meth:`LayerKV.keep`).
 
@@ -44,6 +46,7 @@ from attnkit.methods.scoring import (
     attention_with_statistics,
     keep_top,
     lowest,
+    one_pass_pays,
     visible,
 )
 from attnkit.session import LayerContext
@@ -181,7 +184,8 @@ class EvictionMethod(Method):
     # ---- the flow ----------------------------------------------------------------------------------
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         scorer = self.prefill_scorer(ctx) if self.evicts(ctx) else None
-        if scorer is not None and type(ctx.session.method).prefill_output is Method.prefill_output:
+        if (scorer is not None and type(ctx.session.method).prefill_output is Method.prefill_output
+                and one_pass_pays(q.device, ctx.kv.length + q.shape[2])):
             # the prompt's output is plain dense attention: computed with the statistic, in one pass
             ctx.kv.append(k, v, ctx.q_pos)
             keys, values, positions = ctx.kv.view()

@@ -29,6 +29,12 @@ from attnkit import masks
 # blocks stay in its caches, so a few MiB per block is fastest; a GPU wants fewer, larger blocks to fill
 # its cores.
 SCORE_BLOCK_ELEMENTS = {"cpu": 1 << 20, "default": 1 << 24}
+# Most keys for which :func:`attention_with_statistics` is the cheaper way to get a prompt's output and
+# statistic, by device type (None: no limit). Each block of queries reads every key and value it sees; on a
+# CPU a long prompt's blocks are either too few rows to reuse them or too large to stay in its caches, and
+# past this many keys SDPA's fused kernel plus the separate :func:`attention_statistics` (no values, no
+# output) is faster (``benchmarks/bench_scoring.py``, docs/benchmarks.md).
+ONE_PASS_MAX_KEYS = {"cpu": 8192, "default": None}
 # Fewest queries per block of :func:`attention_with_statistics` (below it the per-block overhead of the
 # tensor operations dominates on a long prompt).
 MIN_BLOCK_QUERIES = 16
@@ -166,6 +172,13 @@ def attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch
         else:
             stats[:, :, lo:lim] += w.amax(dim=2).sum(dim=2)
     return out.view(b, hq, n, -1), stats
+
+
+def one_pass_pays(device: torch.device, n_keys: int) -> bool:
+    """Whether :func:`attention_with_statistics` should compute a prompt chunk over `n_keys` keys
+    (:data:`ONE_PASS_MAX_KEYS`); otherwise SDPA and :func:`attention_statistics` separately."""
+    limit = ONE_PASS_MAX_KEYS.get(device.type, ONE_PASS_MAX_KEYS["default"])
+    return limit is None or n_keys <= limit
 
 
 def attend_with_logits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
