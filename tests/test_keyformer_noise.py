@@ -1,13 +1,16 @@
-"""Keyformer's counter-based noise (attnkit.methods.keyformer_noise): the distributions of eq. 5 and 11, and
-the decode-step tables equal to the reference draws bit for bit."""
+"""Keyformer's counter-based noise (attnkit.methods.keyformer_noise): the distributions of eq. 5 and 11, the
+decode-step tables equal to the reference draws bit for bit, and the prompt's scores computed in one pass with
+the attention output (eq. 9 from the probabilities and exp(zeta)) equal to the separate statistic."""
 
 import pytest
 import torch
 
 import attnkit
 from attnkit.cache import KVCache
-from attnkit.methods.keyformer_noise import DecodeNoise, keyformer_noise
+from attnkit.methods import eviction, scoring
+from attnkit.methods.keyformer_noise import DecodeNoise, gumbel_factor, keyformer_noise
 from attnkit.session import LayerContext, Session, Step
+from helpers import drive, qkv
 
 torch.set_num_threads(1)
 
@@ -42,3 +45,76 @@ def test_keyformer_decode_noise_is_bitwise_the_reference_noise(noise):
             ctx = LayerContext(step, layer, 1.0, None)
             expected = keyformer_noise(noise, 5, layer, kv, g, torch.tensor([q]), k_pos)
             assert torch.equal(tables(ctx, k_pos), expected)
+
+
+def test_gumbel_factor_is_exp_of_the_gumbel_draws():
+    pos = torch.arange(300)
+    zeta = keyformer_noise("gumbel", 4, 2, 2, 3, pos, pos)
+    assert torch.allclose(gumbel_factor(4, 2, 2, 3, pos, pos), zeta.exp(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["keyformer:seed=3", "keyformer:noise=gaussian,tau_init=1.5", "h2o:gqa_reduce=max",
+                                  "keyformer:noise=constant"])
+def test_prefill_scores_in_one_pass_equal_the_separate_statistic(spec, monkeypatch):
+    """The one-pass prefill (output and score from the same blocks) keeps what the separate statistic
+    (the path used when another method supplies the prompt's output, compose, or past ONE_PASS_MAX_KEYS)
+    keeps, and never calls it."""
+    q, k, v = qkv(80, seed=4)
+    method = attnkit.parse_method_spec(spec + ",budget_tokens=20,recent_tokens=4")
+    composed = attnkit.make_method("compose", prefill="full", cache=method)
+    separate = drive(composed, q, k, v, prompt_len=60)
+    monkeypatch.setitem(scoring.ONE_PASS_MAX_KEYS, "cpu", 59)  # a 60-token prompt is "long"
+    long_prompt = drive(method, q, k, v, prompt_len=60)
+    assert long_prompt[2] == separate[2]
+    monkeypatch.setitem(scoring.ONE_PASS_MAX_KEYS, "cpu", 60)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the one-pass prefill computed the statistic a second time")
+
+    monkeypatch.setattr(eviction, "attention_statistics", forbidden)
+    session, outs, held = drive(method, q, k, v, prompt_len=60)
+    assert held == separate[2]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(outs, separate[1]))
+    layer = session.cache.layers[0]
+    if spec.startswith("h2o"):  # the scores themselves agree, not just the choice
+        assert torch.allclose(layer.extras["score"][:, :, :layer.length],
+                              separate[0].cache.layers[0].extras["score"][:, :, :layer.length], atol=1e-5)
+
+
+def gumbel_cdf(x):
+    return torch.exp(-torch.exp(-x))
+
+
+def gaussian_cdf(x):
+    return 0.5 * (1 + torch.erf((x - 0.5772) / (1.2825 * 2 ** 0.5)))
+
+
+@pytest.mark.parametrize("kind, cdf", [("gumbel", gumbel_cdf), ("gaussian", gaussian_cdf)])
+def test_table_draws_pass_a_kolmogorov_smirnov_test(kind, cdf):
+    """200k draws of one layer (many rows, each reading its own stretch of the table) against the CDF of
+    eq. 5 / eq. 11: the KS distance stays under the 0.1 % critical value 1.95 / sqrt(n)."""
+    pos = torch.arange(500)
+    x = keyformer_noise(kind, 11, 3, 2, 2, pos[::5], pos).flatten().double().sort().values
+    n = x.numel()
+    ecdf = torch.arange(1, n + 1, dtype=torch.float64) / n
+    ks = torch.maximum((ecdf - cdf(x)).abs(), (ecdf - 1 / n - cdf(x)).abs()).max().item()
+    assert ks < 1.95 / n ** 0.5
+    if kind == "gumbel":  # and not the other one
+        other = gaussian_cdf(x)
+        assert (ecdf - other).abs().max().item() > 5 / n ** 0.5
+
+
+def test_noise_of_a_block_does_not_depend_on_chunks_rows_or_the_copy_path():
+    """A (query, key) pair gets the same draw whichever block, chunk or key range it is computed in, and
+    the strided row copy of contiguous positions equals the indexed read of arbitrary ones."""
+    pos = torch.arange(300)
+    whole = keyformer_noise("gumbel", 2, 1, 2, 3, pos, pos)
+    part = keyformer_noise("gumbel", 2, 1, 2, 3, pos[130:147], pos[100:147])  # a windowed block of a chunk
+    assert torch.equal(part, whole[..., 130:147, 100:147])
+    per_head = torch.stack([pos[100:147], pos[100:147]]).unsqueeze(0)  # the indexed path: [b, kv, keys]
+    assert torch.equal(keyformer_noise("gumbel", 2, 1, 2, 3, pos[130:147], per_head), part)
+    scattered = torch.tensor([[[5, 9, 200], [0, 1, 299]]])
+    got = keyformer_noise("gumbel", 2, 1, 2, 3, pos[7:8], scattered)
+    assert torch.equal(got[0, 0, :, 0], whole[0, 0, :, 7][:, [5, 9, 200]])
+    assert torch.equal(got[0, 1, :, 0], whole[0, 1, :, 7][:, [0, 1, 299]])
+    assert torch.allclose(gumbel_factor(2, 1, 2, 3, pos[130:147], pos[100:147]), part.exp(), rtol=1e-5)

@@ -53,3 +53,89 @@ def test_attention_statistics_blocks_equal_dense_and_stay_small():
                                        block_elements=limit)
     assert torch.allclose(got, dense, atol=1e-4)
     assert len(sizes) > 50 and max(sizes) <= limit  # never the whole n x n matrix
+
+
+# ---- one pass: the prompt's attention output and the statistic from the same blocks ---------------
+def sdpa_reference(q, k, v, scaling, window=None):
+    n = q.shape[2]
+    pos = torch.arange(n)
+    allowed = pos[:, None] >= pos[None, :]
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] < window
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling,
+                                                            enable_gqa=True)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_one_pass_output_is_sdpa_and_statistic_is_attention_statistics(window, reduce):
+    n, hq, kv = 300, 8, 2
+    q, k, v = qkv(n, hq, kv, seed=3)
+    q, k, v = (torch.cat([x, randn(*x.shape, seed=9)]) for x in (q, k, v))  # batch of 2
+    pos = torch.arange(n)
+    ref_out = sdpa_reference(q, k, v, 0.4, window)
+    ref_stats = scoring.attention_statistics(q, k, 0.4, pos, pos, reduce=reduce, window=window)
+    for block in (None, 1, 4000, 10 ** 9):  # 16-query blocks (the floor) up to one block
+        out, stats = scoring.attention_with_statistics(q, k, v, 0.4, pos, pos, reduce=reduce, window=window,
+                                                       block_elements=block)
+        assert out.shape == q.shape
+        assert torch.allclose(out, ref_out, atol=1e-5), block
+        assert torch.allclose(stats, ref_stats, atol=1e-4), block
+    if window is not None:  # the statistic really is windowed: keys far behind the last queries get less
+        full_stats = scoring.attention_statistics(q, k, 0.4, pos, pos, reduce=reduce)
+        assert not torch.allclose(stats, full_stats, atol=1e-2)
+
+
+def test_one_pass_rows_of_a_batch_are_independent():
+    n = 90
+    q, k, v = qkv(n, 4, 2, seed=5)
+    q2, k2, v2 = qkv(n, 4, 2, seed=50)
+    pos = torch.arange(n)
+    alone = scoring.attention_with_statistics(q2, k2, v2, 0.3, pos, pos, block_elements=1)
+    out, stats = scoring.attention_with_statistics(torch.cat([q, q2]), torch.cat([k, k2]), torch.cat([v, v2]),
+                                                   0.3, pos, pos, block_elements=1)
+    assert torch.allclose(out[1:], alone[0], atol=1e-6) and torch.allclose(stats[1:], alone[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_one_pass_chunked_prompt_gives_the_same_output_and_statistic(window):
+    """A prompt fed in chunks (each chunk's queries over the keys stored so far) gives the same outputs and,
+    summed over the chunks, the same statistic as in one piece."""
+    n = 130
+    q, k, v = qkv(n, 4, 2, seed=7)
+    pos = torch.arange(n)
+    whole_out, whole_stats = scoring.attention_with_statistics(q, k, v, 0.5, pos, pos, window=window)
+    outs, stats = [], torch.zeros_like(whole_stats)
+    for s, e in ((0, 33), (33, 34), (34, 101), (101, n)):
+        out, st = scoring.attention_with_statistics(q[:, :, s:e], k[:, :, :e], v[:, :, :e], 0.5, pos[s:e], pos[:e],
+                                                    window=window, block_elements=1)
+        outs.append(out)
+        stats[:, :, :e] += st
+    assert torch.allclose(torch.cat(outs, dim=2), whole_out, atol=1e-6)
+    assert torch.allclose(stats, whole_stats, atol=1e-5)
+
+
+def test_one_pass_weights_see_the_logits_and_probabilities_of_visible_keys_only():
+    n = 60
+    q, k, v = qkv(n, 4, 2, seed=11)
+    pos = torch.arange(n)
+    seen = []
+
+    def tempered(logits, probs, q_pos, k_pos):  # softmax(x / 2): a Keyformer-like function of the logits
+        assert torch.allclose(probs, torch.softmax(logits, dim=-1))
+        assert int(k_pos[-1]) == int(q_pos[-1]) and int(k_pos[0]) == max(0, int(q_pos[0]) - 9)
+        seen.append(logits.shape[-1])
+        return torch.softmax(logits / 2, dim=-1)
+
+    _, stats = scoring.attention_with_statistics(q, k, v, 0.5, pos, pos, weights=tempered, window=10,
+                                                 block_elements=1)
+    ref = scoring.attention_statistics(q, k, 0.5, pos, pos, window=10,
+                                       weights=lambda x, qp, kp: torch.softmax(x / 2, dim=-1))
+    assert torch.allclose(stats, ref, atol=1e-5)
+    assert max(seen) <= 16 + 9  # a block of 16 queries reads its band of keys, not the whole prompt
+
+
+def test_one_pass_refuses_per_head_positions():
+    q, k, v = qkv(8, 4, 2)
+    with pytest.raises(ValueError, match="shared"):
+        scoring.attention_with_statistics(q, k, v, 1.0, torch.arange(8), torch.arange(8).expand(1, 2, 8))

@@ -11,8 +11,13 @@ evict; the flow is the same:
 **Budget.** ``B`` slots per layer and kv head, the incoming token included (:mod:`attnkit.methods.budget`).
 
 **Prefill.** The prompt (in chunks if the runner chunks it) is attended in full and stored; a scoring
-method accumulates its statistics chunk by chunk (:func:`attnkit.methods.scoring.attention_statistics`,
-in blocks, so no N x N matrix exists). After the last chunk the layer keeps its ``B`` best entries per kv
+method accumulates its statistics chunk by chunk. A method that scores every prompt query
+(:meth:`EvictionMethod.prefill_scorer`) gets the output and the statistic from the same blocks
+(:func:`attnkit.methods.scoring.attention_with_statistics`); when another method supplies the prompt's
+output (``compose``), or the prompt is long enough that SDPA plus a separate statistic is cheaper
+(:func:`~attnkit.methods.scoring.one_pass_pays`), the statistic is computed on its own
+(:func:`~attnkit.methods.scoring.attention_statistics`).
+Either way in blocks, so no N x N matrix exists. After the last chunk the layer keeps its ``B`` best entries per kv
 head (:func:`~attnkit.methods.scoring.keep_top`) and the larger tensors are released (:meth:`LayerKV.keep`).
 
 **Decode.** When the layer is full, the lowest-ranked entry per kv head that is not protected (the
@@ -26,6 +31,7 @@ step later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -36,8 +42,11 @@ from attnkit.methods.base import Method
 from attnkit.methods.budget import check_budget, check_recent, pyramid_share, recent_window, resolve_budget
 from attnkit.methods.scoring import (
     GQA_REDUCTIONS,
+    attention_statistics,
+    attention_with_statistics,
     keep_top,
     lowest,
+    one_pass_pays,
     visible,
 )
 from attnkit.session import LayerContext
@@ -144,8 +153,31 @@ class EvictionMethod(Method):
         """``[b, kv, length]`` boolean: entries never evicted when the token at `next_pos` comes in."""
         return None
 
+    def prefill_scorer(self, ctx: LayerContext) -> tuple[str, Callable | None] | None:
+        """For a method whose statistic sums a function of every prompt query's logits over the queries
+        (H2O, Keyformer): the GQA reduction and the weights function of
+        :func:`~attnkit.methods.scoring.attention_with_statistics` (None: the attention probabilities),
+        so the prompt's attention and statistic are computed in one pass. None: no such statistic."""
+        return None
+
+    def add_prefill_scores(self, ctx: LayerContext, stats: torch.Tensor) -> None:
+        """Accumulate the ``[b, kv, length]`` statistic of a prompt chunk (see :meth:`prefill_scorer`)."""
+
     def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
-        """Gather statistics of a prompt chunk's queries (the chunk is already stored)."""
+        """Gather statistics of a prompt chunk's queries (the chunk is already stored) when the output was
+        not computed by the one-pass path: by default :meth:`prefill_scorer`'s statistic on its own."""
+        scorer = self.prefill_scorer(ctx)
+        if scorer is None:
+            return
+        reduce, weights = scorer
+        keys, _, positions = ctx.kv.view()
+
+        def with_probs(logits, q_pos, k_pos):
+            return weights(logits, torch.softmax(logits, dim=-1), q_pos, k_pos)
+
+        self.add_prefill_scores(ctx, attention_statistics(
+            q, keys, ctx.scaling, ctx.q_pos, positions[0, 0], reduce=reduce,
+            weights=None if weights is None else with_probs, window=ctx.native_window))
 
     def defer_prefill_eviction(self, ctx: LayerContext) -> bool:
         """True when the prompt must be compressed at the first decode step instead of after prefill."""
@@ -163,6 +195,16 @@ class EvictionMethod(Method):
 
     # ---- the flow ----------------------------------------------------------------------------------
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        scorer = self.prefill_scorer(ctx) if self.evicts(ctx) else None
+        if (scorer is not None and type(ctx.session.method).prefill_output is Method.prefill_output
+                and one_pass_pays(q.device, ctx.kv.length + q.shape[2])):
+            # the prompt's output is plain dense attention: computed with the statistic, in one pass
+            ctx.kv.append(k, v, ctx.q_pos)
+            keys, values, positions = ctx.kv.view()
+            out, stats = attention_with_statistics(q, keys, values, ctx.scaling, ctx.q_pos, positions[0, 0],
+                                                   reduce=scorer[0], weights=scorer[1], window=ctx.native_window)
+            self.add_prefill_scores(ctx, stats)
+            return out
         out = self._store_and_attend(ctx, q, k, v)
         if self.evicts(ctx):
             self.observe_prefill(ctx, q)

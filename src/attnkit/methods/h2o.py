@@ -10,9 +10,10 @@ at each decode step the lowest-scored entry outside the recent window leaves and
 its slot (the greedy one-out-per-step eviction of the paper's Algorithm 1). H2O's default splits the
 budget half heavy hitters, half recent tokens (``recent=0.5``).
 
-Prompt scores are computed in blocks of queries beside SDPA's attention output, so any attention
-backend works and no N x N matrix is materialised; decode computes its one row of probabilities
-itself (:func:`attnkit.methods.scoring.attend_with_logits`).
+Prompt scores are computed in the same blocks of queries as the prompt's attention output
+(:func:`attnkit.methods.scoring.attention_with_statistics`: the probabilities are computed once and no
+N x N matrix is materialised); decode computes its one row of probabilities itself
+(:func:`attnkit.methods.scoring.attend_with_logits`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.methods.eviction import RecentWindowEviction
-from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
+from attnkit.methods.scoring import attend_with_logits, reduce_heads
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 
@@ -42,10 +43,10 @@ class H2O(RecentWindowEviction):
     def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor | None:
         return self.recent_mask(ctx, self.recent_tokens_for(ctx), next_pos)
 
-    def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
-        keys, _, positions = ctx.kv.view()
-        stats = attention_statistics(q, keys, ctx.scaling, ctx.q_pos, positions[0, 0], reduce=self.gqa_reduce,
-                                     window=ctx.native_window)
+    def prefill_scorer(self, ctx: LayerContext):
+        return self.gqa_reduce, None  # the attention probabilities
+
+    def add_prefill_scores(self, ctx: LayerContext, stats: torch.Tensor) -> None:
         self.score_buffer(ctx)[:, :, :ctx.kv.length] += stats
 
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:

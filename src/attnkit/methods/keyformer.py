@@ -29,8 +29,16 @@ accumulated over all layers, heads and steps; every layer keeps the same tokens,
 from the scores of all layers up to the previous step, so the prompt is compressed at the first decode
 step instead of right after prefill); ``positions`` original | new (keys are seen at their rank in the
 cache, the query last: "Keyformer (new positions)"; the kept keys are re-rotated for attention each
-step, which costs one pass over the cache). ``seed`` fixes the noise: each draw is a hash of (seed,
-layer, head, query position, key position), so results do not depend on prompt chunking or device.
+step, which costs one pass over the cache). ``seed`` fixes the noise: each draw is a function of (seed,
+layer, head, query position, key position) (a table entry at a hashed row offset plus the key position,
+:mod:`attnkit.methods.keyformer_noise`), so results do not depend on prompt chunking, on the batch or on
+the device.
+
+The prompt's scores come from the same blocks as its attention output
+(:func:`attnkit.methods.scoring.attention_with_statistics`). At the prompt's temperature 1 with Gumbel
+noise, eq. 9 is computed from the attention probabilities ``p`` the output needs:
+``softmax(x + zeta) = p * exp(zeta) / sum(p * exp(zeta))`` with ``exp(zeta) = 1 / -log(u)``
+(:func:`attnkit.methods.keyformer_noise.gumbel_factor`, the same draws), so no second softmax.
 """
 
 from __future__ import annotations
@@ -42,8 +50,8 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.eviction import EvictionState, RecentWindowEviction
-from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, keyformer_noise
-from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
+from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, gumbel_factor, keyformer_noise
+from attnkit.methods.scoring import attend_with_logits, reduce_heads
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import choice, number, whole
@@ -131,6 +139,23 @@ class Keyformer(RecentWindowEviction):
 
         return f
 
+    def _prefill_weights(self, ctx: LayerContext, tau: float):
+        """eq. 9 for the prompt's queries, from the logits and their softmax
+        (:func:`attnkit.methods.scoring.attention_with_statistics`); None: the softmax itself."""
+        if tau == 1.0 and self.noise in ("none", "constant"):
+            return None  # a constant added to every logit leaves the softmax unchanged
+        if tau == 1.0 and self.noise == "gumbel":
+            kv_heads = ctx.kv.keys.shape[1]
+
+            def f(logits: torch.Tensor, probs: torch.Tensor, q_pos, k_pos) -> torch.Tensor:
+                # softmax(x + zeta) = p * exp(zeta) / sum(p * exp(zeta)): no second softmax
+                probs *= gumbel_factor(self.seed, ctx.index, kv_heads, logits.shape[2], q_pos, k_pos)
+                return probs.div_(probs.sum(dim=-1, keepdim=True))
+
+            return f
+        noisy = self._weights(ctx, tau)
+        return lambda logits, probs, q_pos, k_pos: noisy(logits, q_pos, k_pos)
+
     def new_session_state(self) -> KeyformerRun:
         return KeyformerRun()
 
@@ -201,11 +226,11 @@ class Keyformer(RecentWindowEviction):
                 shared.step = ctx.step
 
     # ---- hooks ---------------------------------------------------------------------------------------
-    def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
-        keys, _, positions = ctx.kv.view()
+    def prefill_scorer(self, ctx: LayerContext):
         tau = self.tau(0, ctx.session.max_new_tokens)  # tau_init: the prompt is scored without extra smoothing
-        stats = attention_statistics(q, keys, ctx.scaling, ctx.q_pos, positions[0, 0], reduce=self.gqa_reduce,
-                                     weights=self._weights(ctx, tau), window=ctx.native_window)
+        return self.gqa_reduce, self._prefill_weights(ctx, tau)
+
+    def add_prefill_scores(self, ctx: LayerContext, stats: torch.Tensor) -> None:
         self._accumulate(ctx, stats)
 
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,23 @@
 softmax (Adnan et al., MLSys 2024, "Keyformer: KV Cache Reduction through Key Tokens Selection for
 Efficient Generative Inference", arXiv 2403.09054, eq. 4-6 and 11-12).
 
-Each draw is a hash of its coordinates (seed, layer, head, query position, key position) turned into a
-uniform on (0, 1) (:func:`counter_uniforms`), then into a Gumbel draw ``-log(-log(u))`` or, by Box-Muller,
-a Gaussian one with the Gumbel's mean and standard deviation. Because nothing depends on a generator's
-state, the noise a (query, key) pair of a head gets does not depend on prompt chunking, on the slot the
-key occupies, on the device or on the order of computation, so a chunked or per-head evicting run equals
-the dense reference draw for draw. :class:`DecodeNoise` computes the same draws for decode steps at a
-fraction of the cost.
+The paper draws one noise value per logit: per (layer, head, query, key). Hashing every pair costs more
+than the attention itself on a long prompt, and torch's own generators (the CPU one; Philox on a GPU)
+are no cheaper per draw on a CPU and would tie the draws to the device and to how the prompt is cut
+into blocks. Instead the draws come from a fixed table of :data:`TABLE_SIZE` (plus the largest key
+position) independent draws, entry t made from the uniforms hashed from t alone
+(:func:`counter_uniforms`, then a Gumbel draw ``-log(-log(u))`` or, by Box-Muller, a Gaussian one with
+the Gumbel's mean and standard deviation). The row of (seed, layer, head, query position) starts at a
+hashed offset (:func:`row_offsets`), and the key at position j reads entry ``offset + j``: one hash per
+row, and a prompt block's noise is a copy of contiguous table rows (:func:`table_draws`).
+
+Within a row the draws are distinct table entries, so independent; rows start at independent uniform
+offsets, so two rows share draws only where their windows of the table overlap, a fraction about
+``keys / TABLE_SIZE`` of pairs, each time at other key positions. Because nothing depends on a
+generator's state, the noise a (query, key) pair of a head gets does not depend on prompt chunking, on
+the batch, on the slot the key occupies, on the device or on the order of computation, so a chunked or
+per-head evicting run equals the dense reference draw for draw. :class:`DecodeNoise` computes the same
+draws for decode steps.
 """
 
 from __future__ import annotations
@@ -112,26 +122,75 @@ def counter_uniforms(seed: int, stream: int, heads: torch.Tensor, q_pos: torch.T
 
 
 # ---- Keyformer's draws -----------------------------------------------------------------------------
+# Draws are read from a table of TABLE_SIZE (+ the largest key position) independent draws: row (seed, layer,
+# head, query position) starts at a hashed offset and key position j reads entry offset + j.
+TABLE_SIZE = 1 << 22
+_TABLES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def _table(kind: str, device: torch.device, length: int) -> torch.Tensor:
+    """The first `length` (or more) entries of the draw table of `kind` (gumbel, gaussian or factor: exp
+    of the Gumbel draws) on `device`. Entry t comes from the uniforms hashed from t alone, so the table is
+    the same on every device and however far it has grown."""
+    key = (kind, str(device))
+    table = _TABLES.get(key)
+    if table is None or table.shape[0] < length:
+        size = TABLE_SIZE + (1 << max(16, (max(1, length - TABLE_SIZE) - 1).bit_length()))
+        t = torch.arange(size, device=device)
+        heads = torch.zeros(1, dtype=torch.int64, device=device)
+        u = counter_uniforms(0, 0x7AB1E, heads, torch.zeros(1, dtype=torch.int64, device=device), t)
+        if kind == "gumbel":
+            table = gumbel_from_uniforms(u)
+        elif kind == "factor":
+            table = u.log_().neg_().reciprocal_()  # exp(-log(-log u)) = 1 / -log(u)
+        else:
+            table = gaussian_from_uniforms(u, counter_uniforms(0, 0x7AB1E, heads, heads, t, second=True))
+        _TABLES[key] = table
+    return table
+
+
+def row_offsets(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor) -> torch.Tensor:
+    """Where each (head, query) row of layer `layer` starts in the table: ``[1, kv, g, queries, 1]`` int64,
+    hashed from (seed, layer, head, query position) into ``[0, TABLE_SIZE)``."""
+    heads = torch.arange(kv_heads * groups, device=q_pos.device).view(1, kv_heads, groups, 1, 1)
+    rows = row_hashes(head_hashes(seed, layer, heads), q_pos.view(1, 1, 1, -1, 1))
+    return rows.to(torch.int64) & (TABLE_SIZE - 1)
+
+
+def table_draws(kind: str, offsets: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Entries ``offset + key position`` of the `kind` table for `offsets` ``[1, kv, g, queries, 1]`` and
+    `k_pos` ``[keys]`` or ``[b, kv, keys]`` -> ``[1 or b, kv, g, queries, keys]``. Ascending contiguous
+    1-D positions are copied row by row from a strided view of the table (one pass, no index tensor)."""
+    kp = k_pos.view(1, 1, 1, 1, -1) if k_pos.dim() == 1 else k_pos[:, :, None, None, :]
+    n = k_pos.shape[-1]
+    table = _table(kind, offsets.device, TABLE_SIZE + int(k_pos.max()) + 1)
+    if k_pos.dim() == 1 and n > 1 and int(k_pos[-1]) - int(k_pos[0]) == n - 1 and bool((k_pos[1:] > k_pos[:-1]).all()):
+        rows = table.as_strided((table.shape[0] - n + 1, n), (1, 1))
+        return rows.index_select(0, (offsets + int(k_pos[0])).flatten()).view(*offsets.shape[:-1], n)
+    return table.take(offsets + kp)
+
+
 def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
                     k_pos: torch.Tensor) -> torch.Tensor | float:
     """The noise zeta added to the logits (eq. 4), broadcastable to ``[b, kv, g, queries, keys]``.
 
     `q_pos` is ``[queries]``; `k_pos` is ``[keys]`` or per kv head ``[b, kv, keys]``. Gumbel draws are
-    ``-log(-log(u))`` (density eq. 5), Gaussian ones ``N(0.5772, 1.2825^2)`` (eq. 11, Box-Muller), with
-    ``u`` hashed from (seed, layer, head, query position, key position).
+    ``-log(-log(u))`` (density eq. 5), Gaussian ones ``N(0.5772, 1.2825^2)`` (eq. 11, Box-Muller), read
+    from the draw table at the row offset of (seed, layer, head, query position) plus the key position.
     """
     if kind == "none":
         return 0.0
     if kind == "constant":
         return EULER_GAMMA
-    device = q_pos.device
-    heads = torch.arange(kv_heads * groups, device=device).view(1, kv_heads, groups, 1, 1)
-    qp = q_pos.view(1, 1, 1, -1, 1)
-    kp = k_pos.view(1, 1, 1, 1, -1) if k_pos.dim() == 1 else k_pos[:, :, None, None, :]
-    u = counter_uniforms(seed, layer, heads, qp, kp)
-    if kind == "gumbel":
-        return gumbel_from_uniforms(u)
-    return gaussian_from_uniforms(u, counter_uniforms(seed, layer, heads, qp, kp, second=True))
+    return table_draws(kind, row_offsets(seed, layer, kv_heads, groups, q_pos), k_pos)
+
+
+def gumbel_factor(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor) -> torch.Tensor:
+    """``exp(zeta)`` for the Gumbel draws ``zeta`` of :func:`keyformer_noise` (the same table entries, each
+    ``exp(-log(-log u)) = 1 / -log(u)``). At temperature 1, eq. 9 is then ``p * exp(zeta)`` renormalised,
+    with ``p`` the attention probabilities the output already needed: no second softmax."""
+    return table_draws("factor", row_offsets(seed, layer, kv_heads, groups, q_pos), k_pos)
 
 
 def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
@@ -147,47 +206,27 @@ def gaussian_from_uniforms(u: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
 class DecodeNoise:
     """:func:`keyformer_noise` for decode steps, bit for bit, at a fraction of its cost.
 
-    A decode step needs fresh noise for each (layer, head, held key) and the step's one query. Of the
-    hashes behind the draws (:func:`counter_uniforms`), the (layer, head) part
-    is computed once per generation, the query position is mixed in once per step for all layers
-    together (on Python ints: a few small tensor operations would cost more), and the key-position
-    hashes are looked up in a table over positions (grown on demand); each layer then only combines
-    them at full size, in buffers reused from step to step.
+    A decode step needs fresh noise for each (layer, head, held key) and the step's one query. The
+    (layer, head) part of the row offsets is hashed once per generation, the query position is mixed in
+    once per step for all layers together (on Python ints: a few small tensor operations would cost
+    more); each layer then reads its held keys' entries from the table.
     """
 
     def __init__(self, kind: str, seed: int, n_layers: int, heads: int, device: torch.device):
         self.kind = kind
         self.device = device
         self.n_heads = heads
-        h = torch.arange(heads)
-        draws = (False,) if kind == "gumbel" else (False, True)
-        self.heads = {second: [head_hashes(seed, layer, h, second).tolist() for layer in range(n_layers)]
-                      for second in draws}
-        self.keys = key_hashes(torch.arange(0, device=device))
+        self.heads = [head_hashes(seed, layer, torch.arange(heads)).tolist() for layer in range(n_layers)]
         self.step = None
-        self.rows: dict[bool, torch.Tensor] = {}
-        self.buffers = [torch.empty(0, dtype=torch.int32, device=device)] * 3
-
-    def _new_step(self, q: int) -> None:
-        if q >= self.keys.shape[0]:
-            self.keys = key_hashes(torch.arange(max(q + 1, 2 * self.keys.shape[0]), device=self.device))
-        self.rows = {second: torch.tensor([row_hash_ints(layer, q) for layer in table],
-                                          dtype=torch.int32).to(self.device)
-                     for second, table in self.heads.items()}
+        self.offsets = torch.empty(0, dtype=torch.int64)
 
     def __call__(self, ctx: LayerContext, k_pos: torch.Tensor) -> torch.Tensor:
-        """Noise ``[b, kv, g, 1, keys]`` for the held keys at `k_pos` ``[b, kv, keys]`` of layer ``ctx.index``;
-        valid until the next call (it lives in a buffer reused by every call of the same shape)."""
+        """Noise ``[b, kv, g, 1, keys]`` for the held keys at `k_pos` ``[b, kv, keys]`` of layer ``ctx.index``."""
         if self.step is not ctx.step:  # first layer of a new step
             self.step = ctx.step
-            self._new_step(int(ctx.q_pos[-1]))
-        b, kv_heads, n = k_pos.shape
-        groups = self.n_heads // kv_heads
-        shape = (b, kv_heads, groups, 1, n)
-        if self.buffers[0].shape != shape:
-            self.buffers = [torch.empty(shape, dtype=torch.int32, device=k_pos.device) for _ in range(3)]
-        x, first, second = self.buffers
-        cols = self.keys.take(k_pos)[:, :, None, None, :]
-        u = [uniforms_from_hashes(rows[ctx.index].view(1, kv_heads, groups, 1, 1), cols, (x, out))
-             for rows, out in zip(self.rows.values(), (first, second))]
-        return gumbel_from_uniforms(*u) if self.kind == "gumbel" else gaussian_from_uniforms(*u)
+            q = int(ctx.q_pos[-1])
+            rows = [[h & (TABLE_SIZE - 1) for h in row_hash_ints(layer, q)] for layer in self.heads]
+            self.offsets = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        kv_heads = k_pos.shape[1]
+        offsets = self.offsets[ctx.index].view(1, kv_heads, self.n_heads // kv_heads, 1, 1)
+        return table_draws(self.kind, offsets, k_pos)

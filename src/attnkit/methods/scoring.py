@@ -10,6 +10,10 @@ arXiv 2404.14469) are all a per-key sum, over some queries, of a function of the
 prompt. With GQA the cache holds kv heads only: the query heads of a group are reduced per query
 (:data:`GQA_REDUCTIONS`: mean or max over the group) before they are accumulated, so a choice is per kv head
 and does not depend on how queries were chunked.
+
+A method that scores every prompt query (H2O, Keyformer) computes its prompt attention with
+:func:`attention_with_statistics` instead: the same blocks give the attention output and the statistic,
+so the logits and the softmax of the prompt are computed once, not once by SDPA and again for the score.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ from attnkit import masks
 # blocks stay in its caches, so a few MiB per block is fastest; a GPU wants fewer, larger blocks to fill
 # its cores.
 SCORE_BLOCK_ELEMENTS = {"cpu": 1 << 20, "default": 1 << 24}
+# Most keys for which :func:`attention_with_statistics` is the cheaper way to get a prompt's output and
+# statistic, by device type (None: no limit). Each block of queries reads every key and value it sees; on a
+# CPU a long prompt's blocks are either too few rows to reuse them or too large to stay in its caches, and
+# past this many keys SDPA's fused kernel plus the separate :func:`attention_statistics` (no values, no
+# output) is faster (``benchmarks/bench_scoring.py``, docs/benchmarks.md).
+ONE_PASS_MAX_KEYS = {"cpu": 8192, "default": None}
+# Fewest queries per block of :func:`attention_with_statistics` (below it the per-block overhead of the
+# tensor operations dominates on a long prompt).
+MIN_BLOCK_QUERIES = 16
 
 GQA_REDUCTIONS = ("mean", "max")
 
@@ -70,9 +83,7 @@ def attention_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_
     g = hq // kv
     weights = weights or softmax_weights
     out = torch.zeros(b, kv, n_keys, dtype=torch.float32, device=q.device)
-    if block_elements is None:
-        block_elements = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
-    block = max(1, block_elements // max(1, b * hq * n_keys))
+    block = _block_queries(q, n_keys, block_elements)
     grouped = q.reshape(b, kv, g, n, d)
     shared = k_pos.dim() == 1
     for s in range(0, n, block):
@@ -100,6 +111,74 @@ def attention_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_
         else:
             out[:, :, :lim] += w.amax(dim=2).sum(dim=2)
     return out
+
+
+def _block_queries(q: torch.Tensor, n_keys: int, block_elements: int | None, floor: int = 1) -> int:
+    """Queries per block so that one block holds at most `block_elements` (query head x query x key)
+    entries (:data:`SCORE_BLOCK_ELEMENTS` by device type), but at least `floor`."""
+    if block_elements is None:
+        block_elements = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
+    return max(floor, block_elements // max(1, q.shape[0] * q.shape[1] * n_keys))
+
+
+def attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                              q_pos: torch.Tensor, k_pos: torch.Tensor, *, reduce: str = "mean",
+                              weights: Callable[..., torch.Tensor] | None = None, window: int | None = None,
+                              block_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt attention and the per-key statistic of :func:`attention_statistics` in one pass.
+
+    Returns the attention output ``[b, hq, n, d]`` (what SDPA gives for queries at `q_pos` over the keys
+    at `k_pos`, causal by position and within `window`) and the statistic ``[b, kv_heads, keys]``
+    (float32). Per block of queries: the scaled logits over only the keys the block can see (ascending
+    1-D `k_pos`: a prefix, cut at the front by `window`), their softmax, the output ``probs @ values``,
+    and ``weights(logits, probs, q_pos, k_pos)`` (both ``[b, kv, g, queries, keys]`` float32 and free to
+    overwrite once the output is taken; None: the probabilities themselves, H2O's accumulated attention)
+    reduced over the query heads of each kv group with `reduce` and summed over the queries. Blocks hold
+    about `block_elements` entries (:data:`SCORE_BLOCK_ELEMENTS`, at least :data:`MIN_BLOCK_QUERIES`
+    queries), so no N x N matrix exists. Every query must see at least one key (a prompt query sees itself).
+    """
+    b, hq, n, d = q.shape
+    kv, n_keys = keys.shape[1], keys.shape[2]
+    if hq % kv:
+        raise ValueError(f"{hq} query heads are not a multiple of {kv} kv heads")
+    if k_pos.dim() != 1:
+        raise ValueError("attention_with_statistics takes the keys' positions shared by every row and head")
+    g = hq // kv
+    stats = torch.zeros(b, kv, n_keys, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, kv, g, n, values.shape[-1], dtype=q.dtype, device=q.device)
+    grouped = q.reshape(b, kv, g, n, d)
+    block = _block_queries(q, n_keys, block_elements, MIN_BLOCK_QUERIES)
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        qp = q_pos[s:e]
+        # keys ascending: the block sees keys [lo:lim]; only keys [first_hidden:] hide from some of its queries
+        first_hidden, lim = torch.searchsorted(k_pos, qp[[0, -1]], right=True).tolist()
+        lo = 0 if window is None else int(torch.searchsorted(k_pos, qp[:1] - window, right=True))
+        if lim <= lo:
+            raise ValueError(f"queries at positions {int(qp[0])}..{int(qp[-1])} see no key")
+        kp = k_pos[lo:lim]
+        qb = grouped[:, :, :, s:e].reshape(b, kv, g * (e - s), d) * scaling  # scaled here: one pass less
+        logits = torch.matmul(qb, keys[:, :, lo:lim].transpose(-1, -2)).float().view(b, kv, g, e - s, lim - lo)
+        if window is not None:
+            logits.masked_fill_(~visible(qp, kp, window), float("-inf"))
+        elif first_hidden < lim:
+            logits[..., first_hidden:].masked_fill_(~visible(qp, k_pos[first_hidden:lim], None), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        block_out = torch.matmul(probs.view(b, kv, g * (e - s), lim - lo).to(values.dtype), values[:, :, lo:lim])
+        out[:, :, :, s:e] = block_out.view(b, kv, g, e - s, -1)
+        w = probs if weights is None else weights(logits, probs, qp, kp)
+        if reduce == "mean":
+            stats[:, :, lo:lim] += w.sum(dim=(2, 3)).div_(g)
+        else:
+            stats[:, :, lo:lim] += w.amax(dim=2).sum(dim=2)
+    return out.view(b, hq, n, -1), stats
+
+
+def one_pass_pays(device: torch.device, n_keys: int) -> bool:
+    """Whether :func:`attention_with_statistics` should compute a prompt chunk over `n_keys` keys
+    (:data:`ONE_PASS_MAX_KEYS`); otherwise SDPA and :func:`attention_statistics` separately."""
+    limit = ONE_PASS_MAX_KEYS.get(device.type, ONE_PASS_MAX_KEYS["default"])
+    return limit is None or n_keys <= limit
 
 
 def attend_with_logits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
