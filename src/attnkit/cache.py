@@ -88,6 +88,14 @@ class LayerKV:
         for stat in self.extras.values():
             stat.scatter_(2, slots, 0)
 
+    def write_slot(self, slot: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Overwrite slot `slot` of every row and head with one new entry (``k``/``v`` ``[b, kv, 1, d]``)."""
+        self.keys[:, :, slot] = k[:, :, 0]
+        self.values[:, :, slot] = v[:, :, 0]
+        self.positions[:, :, slot] = pos.reshape(-1)[0]
+        for stat in self.extras.values():
+            stat[:, :, slot] = 0
+
     def keep(self, indices: torch.Tensor, spare: int = 0) -> None:
         """Keep only the slots `indices` ``[b, kv, n]`` per head, compacted into new tensors of
         capacity ``n + spare``. The old tensors are released."""

@@ -187,6 +187,11 @@ class EvictionMethod(Method):
         """Attention of the incoming token over the held entries (it is already stored)."""
         return self._attend_held(ctx, q)
 
+    def victim_slot(self, ctx: LayerContext) -> int | None:
+        """The one slot every row and kv head evicts this step, for a method that knows it without ranking
+        (StreamingLLM's oldest non-sink entry), or None: the lowest-ranked unprotected entry per kv head."""
+        return None
+
     def before_write(self, ctx: LayerContext) -> None:
         """Hook at the start of every decode step, before the incoming token is stored."""
 
@@ -237,8 +242,11 @@ class EvictionMethod(Method):
             if limit is not None and kv.length > limit:  # a deferred prompt compression
                 self.compact(ctx, limit - 1, 1, ctx.q_pos)
             if limit is not None and kv.length >= limit:
-                victim = lowest(self.rank(ctx), self.protect(ctx, ctx.q_pos))
-                kv.write_slots(victim, k, v, ctx.q_pos)
+                slot = self.victim_slot(ctx)
+                if slot is None:
+                    kv.write_slots(lowest(self.rank(ctx), self.protect(ctx, ctx.q_pos)), k, v, ctx.q_pos)
+                else:
+                    kv.write_slot(slot, k, v, ctx.q_pos)
                 self._mark_evicting(ctx)
             else:
                 kv.append(k, v, ctx.q_pos)

@@ -36,6 +36,7 @@ class StreamingState(EvictionState):
     """StreamingLLM's per-layer state: the sinks' keys as stored, kept to re-rotate them (``reindex``)."""
 
     sink_keys: torch.Tensor | None = None
+    evictions: int = 0  # decode-time evictions so far: the next victim's slot follows from it
 
 
 @register
@@ -74,6 +75,17 @@ class Streaming(EvictionMethod):
 
     def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor:
         return ctx.kv.view()[2] < self.sinks
+
+    def victim_slot(self, ctx: LayerContext) -> int:
+        """The oldest non-sink entry, found without ranking: when a layer first evicts while decoding, its
+        entries sit in position order (appended in order, or compacted keeping slot order), sinks first; each
+        new token then takes the oldest window entry's slot, so the victims walk the window's slots in turn,
+        the same slot in every row and head."""
+        st = ctx.state
+        sinks = min(self.sinks, ctx.kv.length - 1)
+        slot = sinks + st.evictions % (ctx.kv.length - sinks)
+        st.evictions += 1
+        return slot
 
     def on_evict(self, ctx: LayerContext) -> None:
         if self.positions == "reindex" and self.sinks:
