@@ -15,6 +15,15 @@ def small_llama():
 
 
 @pytest.fixture(scope="session")
+def arch_models():
+    """Small random models of the three architectures the methods are checked on (Mistral with its own sliding
+    window); shared, never modified."""
+    return {"llama": attnkit.load_model(f"random:llama:{SMALL}"),
+            "mistral": attnkit.load_model(f"random:mistral:{SMALL},sliding_window=48"),
+            "qwen3": attnkit.load_model(f"random:qwen3:{SMALL}")}
+
+
+@pytest.fixture(scope="session")
 def greedy_models():
     """The speculative tests' target and a different draft model (shared by their files, never modified)."""
     return attnkit.load_model(f"random:llama:{SMALL}"), attnkit.load_model(f"random:llama:{SMALL},seed=3")

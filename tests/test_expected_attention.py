@@ -16,7 +16,7 @@ from attnkit.methods.full import Full
 from attnkit.methods.spec import parse_method_spec
 from attnkit.rope import Rope
 from attnkit.session import layer_contexts, new_session
-from helpers import ROPE, SMALL, D, drive, per_token_bytes, randn, random_ids
+from helpers import ROPE, D, drive, per_token_bytes, randn, random_ids
 
 torch.set_num_threads(1)
 
@@ -24,10 +24,8 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {"llama": attnkit.load_model(f"random:llama:{SMALL}"),
-            "mistral": attnkit.load_model(f"random:mistral:{SMALL},sliding_window=48"),
-            "qwen3": attnkit.load_model(f"random:qwen3:{SMALL}")}
+def models(arch_models):
+    return arch_models
 
 
 # ---- unlimited budget: exactly full -------------------------------------------------------------------------

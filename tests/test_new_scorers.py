@@ -14,7 +14,7 @@ from attnkit.forward import forward, logits_of, prefill
 from attnkit.methods.full import Full
 from attnkit.methods.spec import parse_method_spec
 from attnkit.session import Step, layer_contexts, new_session
-from helpers import SMALL, drive, per_token_bytes, qkv, random_ids
+from helpers import drive, per_token_bytes, qkv, random_ids
 
 torch.set_num_threads(1)
 
@@ -22,10 +22,8 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {"llama": attnkit.load_model(f"random:llama:{SMALL}"),
-            "mistral": attnkit.load_model(f"random:mistral:{SMALL},sliding_window=48"),
-            "qwen3": attnkit.load_model(f"random:qwen3:{SMALL}")}
+def models(arch_models):
+    return arch_models
 
 
 def with_params(spec: str, extra: str):
