@@ -30,6 +30,7 @@ UNLIMITED = [
     "knorm:budget_tokens=400", "keydiff:budget_tokens=400,decode_every=2", "tova:budget_tokens=400",
     "snapkv:budget_tokens=400,window_size=8,decode_every=3",
     "expected_attention:budget_tokens=400", "expected_attention:budget_tokens=400,decode_every=2",
+    "knorm:budget_tokens=400,head_budgets=adaptive",
 ]
 SMALL_BUDGET = [
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
@@ -42,6 +43,8 @@ SMALL_BUDGET = [
     "keydiff:budget=0.3", "tova:budget_tokens=32", "tova:budget=0.3",
     "snapkv:budget_tokens=40,window_size=8,decode_every=3",
     "expected_attention:budget_tokens=32", "expected_attention:budget=0.3,decode_every=3",
+    "snapkv:budget_tokens=40,window_size=8,head_budgets=adaptive", "knorm:budget_tokens=32,head_budgets=adaptive",
+    "keydiff:budget=0.3,head_budgets=adaptive", "expected_attention:budget_tokens=32,head_budgets=adaptive",
 ]
 
 

@@ -14,6 +14,11 @@ decoding never reallocates. ``keep`` compacts a layer to a chosen subset per hea
 tensors: evicted entries really leave memory, and :meth:`KVCache.nbytes` shows it. In ring mode a
 layer holds at most ``capacity`` entries and a token at position p lands in slot p mod capacity,
 overwriting the oldest (the rolling buffer cache of Mistral 7B, Jiang et al. 2023, arXiv 2310.06825).
+
+A **flat** layer (head-adaptive budgets, :mod:`attnkit.methods.prompt_scorer`) holds a different number of
+entries per kv head without padding any head: its kv-head axis is 1 and its slots hold every kept entry of
+every head of the row, the head owning each slot in ``extras["head"]`` ``[batch, 1, capacity]`` (:meth:`keep_flat`,
+:meth:`append_flat`). Every row holds as many slots as the others; rows differ only in which head owns which.
 """
 
 from __future__ import annotations
@@ -112,6 +117,41 @@ class LayerKV:
             new.extras[name] = grown
         self.keys, self.values, self.positions, self.extras = new.keys, new.values, new.positions, new.extras
         self.length = n
+
+    def keep_flat(self, heads: torch.Tensor, slots: torch.Tensor, spare: int = 0) -> None:
+        """Keep the entries ``(heads[r, i], slots[r, i])`` of each row ``r`` (``[b, m]``), compacted into a flat
+        layer (see the module docstring) of ``m + spare * kv_heads`` slots, room for `spare` tokens appended
+        by :meth:`append_flat`. The old tensors are released."""
+        b, kv, _, d = self.keys.shape
+        m = heads.shape[-1]
+        rows = torch.arange(b, device=heads.device)[:, None]
+        new = LayerKV.allocate(b, 1, m + spare * kv, d, self.keys.dtype, self.keys.device)
+        new.keys[:, 0, :m] = self.keys[rows, heads, slots]
+        new.values[:, 0, :m] = self.values[rows, heads, slots]
+        new.positions[:, 0, :m] = self.positions[rows, heads, slots]
+        for name, stat in self.extras.items():
+            new.extras[name] = stat.new_zeros((b, 1, new.capacity))
+            new.extras[name][:, 0, :m] = stat[rows, heads, slots]
+        new.extras["head"] = torch.full((b, 1, new.capacity), -1, dtype=torch.long, device=heads.device)
+        new.extras["head"][:, 0, :m] = heads
+        self.keys, self.values, self.positions, self.extras = new.keys, new.values, new.positions, new.extras
+        self.length = m
+
+    def append_flat(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append new tokens (``k``/``v`` ``[b, kv_heads, n, d]`` at positions `pos` ``[n]``) to a flat layer:
+        ``kv_heads`` entries per token, one owned by each head."""
+        b, kv, n, d = k.shape
+        end = self.length + kv * n
+        if end > self.capacity:
+            self._grow(max(end, 2 * self.capacity))
+        new = slice(self.length, end)
+        self.keys[:, 0, new] = k.transpose(1, 2).reshape(b, n * kv, d)  # token-major, then head
+        self.values[:, 0, new] = v.transpose(1, 2).reshape(b, n * kv, v.shape[-1])
+        self.positions[:, 0, new] = pos.repeat_interleave(kv)
+        for stat in self.extras.values():
+            stat[:, 0, new] = 0
+        self.extras["head"][:, 0, new] = torch.arange(kv, device=k.device).repeat(n)
+        self.length = end
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (sequences that go on generating); the others leave memory."""

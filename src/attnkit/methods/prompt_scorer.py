@@ -17,15 +17,38 @@ same for all of them, so it lives here, written once:
   compress"), so the ``N``-th token's query has seen everything before the layer shrinks. Entries stay in
   ascending position order in their slots (compression keeps slot order, tokens are appended), which a
   score over the sequence (SnapKV's pooling) relies on.
+
+``head_budgets`` says how the layer's ``kv_heads x B`` prompt entries are shared by its kv heads:
+
+- ``uniform`` (default): ``B`` per kv head, each head's best by the method's rank.
+- ``adaptive``: AdaKV (Feng, Lv, Cao, Xie, Zhou, 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
+  Allocation for Efficient LLM Inference", arXiv 2407.11550, Algorithm 1): the ``kv_heads x B`` entries of
+  highest rank across all kv heads of the layer, each head keeping its protected entries (SnapKV's window,
+  Expected Attention's sinks) and its best ones up to at least ``int(alpha_safeguard x B)`` entries (the
+  safeguard of the authors' code and kvpress's ``AdaKVPress``, default 0.2), so heads hold different counts
+  (:func:`~attnkit.methods.scoring.adaptive_keep`). Nothing is padded: the compressed layer is flat
+  (:meth:`attnkit.cache.LayerKV.keep_flat`), exactly ``kv_heads x (B + generated)`` entries, the bytes of
+  ``uniform`` at the same ``B``; each generated token appends one entry per kv head, and a decode query attends
+  over the flat layer with the slots of other kv heads masked (:func:`~attnkit.methods.scoring.flat_attention`).
+  Decoding one token per step and only appending, it is refused with ``decode_every`` (and SnapKV's
+  ``decode_budget``), and a speculative verification (several tokens per step) is refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from attnkit import masks
+from attnkit.errors import AttnkitError
 from attnkit.methods.eviction import EvictionMethod, EvictionState
+from attnkit.methods.scoring import adaptive_keep, flat_attention
 from attnkit.session import LayerContext
-from attnkit.validate import whole
+from attnkit.validate import choice, fraction, whole
+
+HEAD_BUDGETS = ("uniform", "adaptive")
+ALPHA_SAFEGUARD = 0.2
 
 
 @dataclass
@@ -41,6 +64,8 @@ class PromptScorer(EvictionMethod):
     (``N``) re-compresses the layer to ``B`` every ``N`` generated tokens (0: generated tokens are appended)."""
 
     decode_every: int = 0
+    head_budgets: str = "uniform"
+    alpha_safeguard: float = ALPHA_SAFEGUARD
 
     layer_state_type = PromptScorerState
 
@@ -48,14 +73,48 @@ class PromptScorer(EvictionMethod):
         super().__post_init__()
         whole("decode_every", self.decode_every, 0,
               what=" (generated tokens between re-compressions of the cache; 0 = compress the prompt only)")
+        choice("head_budgets", self.head_budgets, HEAD_BUDGETS)
+        fraction("alpha_safeguard", self.alpha_safeguard, allow_zero=True,
+                 what=" (the share of B every kv head keeps with head_budgets=adaptive)")
+        if self.head_budgets == "uniform" and self.alpha_safeguard != ALPHA_SAFEGUARD:
+            raise AttnkitError(f"alpha_safeguard={self.alpha_safeguard} applies to head_budgets=adaptive only")
+        if self.adaptive and self.decode_every:
+            raise AttnkitError(f"head_budgets=adaptive compresses the prompt only; decode_every={self.decode_every} "
+                               f"is not supported with it (use head_budgets=uniform or decode_every=0)")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.head_budgets == "adaptive"
 
     def decode_only_appends(self) -> bool:
-        return self.decode_every == 0
+        # a flat layer takes one token per step (a multi-token step, a speculative verification, is refused)
+        return self.decode_every == 0 and not self.adaptive
 
     def decode_limit(self, ctx: LayerContext) -> int | None:
         if self.decode_every == 0:
             return None
         return self.layer_budget(ctx) + self.decode_every
+
+    def compact(self, ctx: LayerContext, count: int, spare: int, next_pos) -> None:
+        if not self.adaptive:
+            return super().compact(ctx, count, spare, next_pos)
+        heads, slots = adaptive_keep(self.rank(ctx), self.protect(ctx, next_pos), count, self.alpha_safeguard)
+        ctx.kv.keep_flat(heads, slots, spare=spare)
+        self._mark_evicting(ctx)
+
+    def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
+        kv = ctx.kv
+        if "head" not in kv.extras:
+            return super().decode_attention(ctx, q, k, v)
+        if q.shape[2] != 1:
+            raise AttnkitError(f"method {self.name!r} with head_budgets=adaptive decodes one token per step, "
+                               f"got {q.shape[2]} at once")
+        kv.append_flat(k, v, ctx.q_pos)
+        keys, values, positions = kv.view()
+        allowed = None
+        if ctx.native_window is not None:
+            allowed = masks.boolean_mask(masks.sliding_window(ctx.native_window), ctx.q_pos, positions)
+        return flat_attention(q, keys, values, kv.extras["head"][:, :, :kv.length], k.shape[1], ctx.scaling, allowed)
 
     def after_decode(self, ctx: LayerContext) -> None:
         if not self.decode_every or not self.evicts(ctx):

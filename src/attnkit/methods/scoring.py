@@ -201,6 +201,23 @@ def attend_with_logits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out.view(b, hq, n, d), logits, probs
 
 
+def flat_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor, kv_heads: int,
+                   scaling: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of decode queries ``[b, hq, n, d]`` over a flat layer (:meth:`attnkit.cache.LayerKV.keep_flat`):
+    keys/values ``[b, 1, L, d]`` holding the entries of every kv head, `heads` ``[b, 1, L]`` the kv head of each
+    slot (of `kv_heads`). One matmul of every query head against every slot, the logits masked where the slot's head is not the
+    query head's kv group (and where `allowed`, broadcastable to ``[b, hq, n, L]``, is False: a model's own
+    sliding window), a softmax, times the values: per query head, exactly dense attention over its kv head's
+    entries. Returns ``[b, hq, n, d]``."""
+    hq = q.shape[1]
+    group = torch.arange(hq, device=q.device).div(hq // kv_heads, rounding_mode="floor")
+    own = heads.unsqueeze(2) == group.view(1, hq, 1, 1)  # [b, hq, 1, L]
+    if allowed is not None:
+        own = own & allowed
+    logits = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scaling).masked_fill_(~own, float("-inf"))
+    return torch.matmul(torch.softmax(logits, dim=-1).to(values.dtype), values)
+
+
 # ---- selection -------------------------------------------------------------------------------------
 def keep_top(rank: torch.Tensor, protect: torch.Tensor | None, count: int) -> torch.Tensor:
     """Slot indices ``[b, kv, count]`` (ascending) of the protected entries plus the highest-ranked others,
@@ -209,6 +226,28 @@ def keep_top(rank: torch.Tensor, protect: torch.Tensor | None, count: int) -> to
     if protect is not None:
         r = r.masked_fill(protect, float("inf"))
     return r.topk(count, dim=-1).indices.sort(dim=-1).values
+
+
+def adaptive_keep(rank: torch.Tensor, protect: torch.Tensor | None, count: int,
+                  alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """AdaKV's head-adaptive selection (Feng et al., 2024, arXiv 2407.11550, Algorithm 1): the ``kv x count``
+    entries of highest `rank` ``[b, kv, L]`` across all kv heads of a row, so the heads whose scores
+    concentrate keep fewer entries and the others more. Every head keeps its protected entries, and its
+    best ones up to ``int(alpha x count)`` entries in all (at least one when ``alpha > 0``): the safeguard of
+    the AdaKV authors' code and kvpress's ``alpha_safeguard``, the protected entries counting toward it as
+    kvpress's highest-scored window does. Returns the kv head and slot of each kept entry, ``[b, kv x count]``
+    each, ordered by head, then slot."""
+    b, kv, length = rank.shape
+    r = rank.float()
+    if protect is not None:
+        r = r.masked_fill(protect, float("inf"))
+    safe = int(count * alpha)
+    if alpha > 0:
+        safe = max(1, safe)
+    if safe:
+        r = r.scatter(-1, r.topk(safe, dim=-1).indices, float("inf"))
+    chosen = r.reshape(b, kv * length).topk(kv * count, dim=-1).indices.sort(dim=-1).values
+    return chosen.div(length, rounding_mode="floor"), chosen % length
 
 
 def lowest(rank: torch.Tensor, protect: torch.Tensor | None) -> torch.Tensor:

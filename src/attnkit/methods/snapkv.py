@@ -72,6 +72,9 @@ class SnapKV(PromptScorer):
                 raise AttnkitError(f"give decode_budget or decode_every, not both (decode_budget={self.decode_budget}, "
                                    f"decode_every={self.decode_every}): both bound the generated tokens, one by a "
                                    f"rolling window, the other by re-compressing the whole cache")
+            if self.adaptive:
+                raise AttnkitError(f"decode_budget={self.decode_budget} evicts per kv head while decoding, which "
+                                   f"head_budgets=adaptive does not support (use head_budgets=uniform)")
         smallest = smallest_tokens(self.budget_tokens)
         if smallest is not None and self.window_size > smallest:
             raise AttnkitError(f"window_size={self.window_size} is larger than budget_tokens={self.budget_tokens!r}; "
