@@ -307,7 +307,8 @@ class AttnkitCache(Cache):
         return self.groups[0][1].cache if self.groups else None
 
     def kept_lengths(self, row: int = 0) -> list[int]:
-        """Entries batch row `row` holds per layer (the same in every kv head)."""
+        """Entries batch row `row` holds per layer, per kv head (a head-adaptive layer, stored flat, holds a
+        different number in each head: its figure is the total over the heads)."""
         session = self.session_of(row)
         return [0] * self.n_layers if session is None else session.cache.lengths()
 
