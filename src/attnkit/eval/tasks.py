@@ -127,6 +127,24 @@ def _filler(tokenizer, split: str, n: int, rng: random.Random) -> list[int]:
     return hay[start : start + n]
 
 
+def _pad_to(tokenizer, head: str, tail: str, length: int) -> str:
+    """Whitespace between `head` and `tail` that brings the prompt (BOS included) as close to `length` tokens as
+    the tokenizer allows without passing it: spaces first (one token each for a byte tokenizer), then, for a
+    subword tokenizer that merges runs of spaces, space-newline units added one at a time."""
+    def count(pad: str) -> int:
+        return 1 + len(_encode(tokenizer, head + pad + tail))
+
+    pad = " " * max(0, length - count(""))
+    if count(pad) == length:
+        return pad
+    pad = ""
+    while True:
+        longer = next((pad + unit for unit in (" \n", "\n", " ") if count(pad + unit) <= length), None)
+        if longer is None or count(longer) == count(pad):
+            return pad
+        pad = longer
+
+
 def _assemble(tokenizer, split, length, rng, prefix: str, needles: list[tuple[float, str]], suffix: str,
               task: str) -> str:
     """Fill `length` tokens (BOS included) with prefix, code filler holding needles at depths, suffix."""
@@ -240,23 +258,30 @@ def make_kv_retrieval(tokenizer, length: int, depth: float = 0.5, seed: int = 0,
     probe_key = uuid_like()
     suffix_template = '}}\nKey: "{k}"\nThe value associated with the key is: "'
     fixed = 1 + len(_encode(tokenizer, prefix)) + len(_encode(tokenizer, suffix_template.format(k=probe_key)))
-    n_pairs = (length - fixed) // line_len
-    if n_pairs < 2:
+    if length - fixed < 2 * line_len:
         raise ValueError(f"kv_retrieval: length {length} is too short; it needs at least {fixed + 2 * line_len} tokens")
+    # pairs are added while their lines' measured tokens fit (a subword tokenizer gives lines different lengths)
     keys: set[str] = set()
-    pairs = []
-    while len(pairs) < n_pairs:
+    pairs, lines, used = [], [], fixed
+    while True:
         k = uuid_like()
-        if k not in keys:
-            keys.add(k)
-            pairs.append((k, uuid_like()))
+        if k in keys:
+            continue
+        v = uuid_like()
+        line = f'"{k}": "{v}",\n'
+        n = len(_encode(tokenizer, line))
+        if used + n > length:
+            break
+        keys.add(k)
+        pairs.append((k, v))
+        lines.append(line)
+        used += n
+    n_pairs = len(pairs)
     target = min(n_pairs - 1, int(depth * n_pairs))
     key, value = pairs[target]
-    body = "".join(f'"{k}": "{v}",\n' for k, v in pairs)
+    head = prefix + "".join(lines)
     suffix = suffix_template.format(k=key)
-    used = fixed + len(_encode(tokenizer, body))
-    pad = " " * max(0, length - used)  # whitespace after the last pair keeps the length exact
-    prompt = prefix + body + pad + suffix
+    prompt = head + _pad_to(tokenizer, head, suffix, length) + suffix
     return Sample("kv_retrieval", prompt, (value,), f'{value}"\n', length, depth, seed, 12, {"key": key})
 
 
