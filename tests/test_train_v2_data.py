@@ -32,7 +32,11 @@ def test_config_phases_are_well_formed():
             assert phase["gate"][0] in mix
 
 
-@pytest.mark.parametrize("phase", [CONFIG["phases"][0], dict(CONFIG["phases"][1], batch=12)])
+PHASES = {p["name"]: p for p in CONFIG["phases"]}
+
+
+@pytest.mark.parametrize("phase", [PHASES["A0-copy-128"], PHASES["A-recall-256"], dict(PHASES["B-512"], batch=12)],
+                         ids=["A0", "A", "B"])
 def test_batches_are_deterministic_and_weighted_on_answers(phase):
     rows = data_v2.Rows(TOK, CONFIG)
     ids, weights, answer, kinds = rows.batch(phase, 17)
@@ -58,7 +62,8 @@ def test_task_rows_from_the_documentation_topics_file_are_redrawn():
     held_paragraphs = [p for p in T.doc_prose("eval").split("\n\n") if len(p) > 200][:40]
     rng = random.Random(5)
     for _ in range(30):
-        ids, _, _ = rows.row("task:passkey", 512, 1.0, rng)
+        ids, _, _, kind = rows.row("task:passkey", 512, 1.0, rng)
+        assert kind == "task:passkey"
         text = TOK.decode(ids[1:])
         assert data_v2._TOPICS_MARK not in text
         assert not any(p[:100] in text for p in held_paragraphs)

@@ -40,18 +40,21 @@ class Rows:
         mix = self.mix(phase)
         kinds = rng.choices(list(mix), weights=list(mix.values()), k=phase["batch"])
         rows = [self.row(k, phase["seq_len"], phase["prompt_weight"], rng) for k in kinds]
+        kinds = [r[3] for r in rows]
         ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
         weights = torch.tensor([r[1] for r in rows], dtype=torch.float32)
         answer = torch.tensor([r[2] for r in rows], dtype=torch.bool)
         return ids, weights, answer, kinds
 
     def row(self, kind: str, seq_len: int, prompt_weight: float, rng: random.Random):
+        """(ids, weights, answer, kind drawn): a row of `kind`, or a plain code window where that kind does not
+        fit `seq_len` in 20 draws (then labelled "code", so its loss is not counted as the kind's)."""
         for _ in range(20):
             try:
-                return self._row(kind, seq_len, prompt_weight, rng)
+                return (*self._row(kind, seq_len, prompt_weight, rng), kind)
             except ValueError:  # too short for this draw (or a rejected filler window): draw again
                 continue
-        return self._row("code", seq_len, prompt_weight, rng)
+        return (*self._row("code", seq_len, prompt_weight, rng), "code")
 
     def _row(self, kind: str, seq_len: int, prompt_weight: float, rng: random.Random):
         n = seq_len  # targets; ids are n + 1 with <s>
