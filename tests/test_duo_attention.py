@@ -15,6 +15,7 @@ from attnkit import masks
 from attnkit.calibrate.duo import _GateProbe, _hidden, calibrate_duo, dumps_config
 from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
+from attnkit.eval.peers import KvpressRunner
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.hf_cache import AttnkitCache
 from attnkit.methods.base import Method
@@ -26,7 +27,9 @@ from attnkit.methods.duo_attention import (
     streaming_attention,
 )
 from attnkit.methods.spec import make_method, parse_method_spec
-from attnkit.session import Step, new_session
+from attnkit.recipe import peer
+from attnkit.session import Step, layer_contexts, new_session
+from attnkit.speculative.generate import speculative_generate
 from helpers import SMALL, random_ids
 
 torch.set_num_threads(1)
@@ -180,7 +183,6 @@ def test_short_prompt_grows_then_rolls(models):
 
 def test_planned_slots_bound_the_allocation(models):
     model, n = models["llama"], 150
-    from attnkit.session import layer_contexts
     method = parse_method_spec(MIXED)
     session = new_session(model, method, n, NEW)
     assert [method.planned_slots(ctx) for ctx in layer_contexts(session)] == [-(-(n + NEW + 21) // 2)] * 2
@@ -377,3 +379,58 @@ def test_cli_generate_refuses_a_bad_spec(capsys):
                      "--prompt", "hello", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "duo_attention needs its retrieval heads" in err and err.count("\n") == 1
+
+
+def test_speculative_draft_with_duo_attention_is_lossless(models):
+    """A self-speculation draft cache with streaming heads (one token per draft forward, rolled back by snapshot):
+    greedy output equals plain generation."""
+    model, ids = models["llama"], random_ids(100, seed=2)
+    plain = attnkit.generate(model, ids, "full", max_new_tokens=12, stop_at_eos=False)
+    out = speculative_generate(model, ids, "self", draft="duo_attention:pattern=RS/SR,sinks=4,recent=8", gamma=3,
+                               max_new_tokens=12, stop_at_eos=False)
+    assert out.token_ids == plain.token_ids and out.stats.drafted_tokens > 0
+
+
+# ---- side by side with kvpress's DuoAttentionPress ------------------------------------------------------------
+def kvpress_prompts(model, n=256):
+    from attnkit.eval.task_registry import TASKS
+
+    prompts = {"random": [0] + random_ids(n - 1, seed=12).tolist()}
+    for task in ("passkey", "code_completion", "needle_heldout"):
+        prompts[task] = model.tokenizer(TASKS[task].make(model.tokenizer, n, seed=0).prompt).input_ids
+    return prompts
+
+
+@pytest.mark.skipif(peer.kvpress_python() is None, reason="kvpress is not installed (.venv-kvpress)")
+def test_same_kept_positions_as_kvpress_duo_attention_press(models):
+    """kvpress's DuoAttentionPress given the same heads (scores 1 retrieval / 0 streaming), sinks and window: after
+    the prompt every (layer, kv head) keeps (kvpress: leaves unmasked) the same positions, and the first decode step
+    attends to the same sets, on four kinds of prompt. From the second step on the streaming heads differ by design:
+    kvpress keeps every generated token, attnkit rolls the window (docs/methods.md, duo_attention)."""
+    model, sinks, recent, new = models["llama"], 8, 32, 4
+    runner = KvpressRunner(model, threads=1)
+    try:
+        for kind, ids in kvpress_prompts(model).items():
+            press = {"kind": "duo", "head_compression_ratio": 0.5, "head_scores": [[1.0, 0.0], [0.0, 1.0]],
+                     "sink_size": sinks, "recent_size": recent}
+            theirs = runner.worker.request({"case": {"prompt": ids, "new_tokens": new, "press": press}, "mode": "trace"})
+            session = new_session(model, parse_method_spec(f"duo_attention:pattern=RS/SR,sinks={sinks},recent={recent}"),
+                                  len(ids), new)
+            with torch.inference_mode():
+                token = int(logits_of(model, prefill(model, session, torch.tensor(ids))).argmax())
+                ours_prefill = {str(i): held(session, i) for i in range(2)}
+                ours_steps = []
+                for step in range(new - 1):
+                    hidden = forward(model, torch.tensor([token]), len(ids) + step,
+                                     lambda p, s=session: Step(s, "decode", p))
+                    token = int(logits_of(model, hidden).argmax())
+                    ours_steps.append({str(i): held(session, i) for i in range(2)})
+            assert theirs["after_prefill"] == ours_prefill, kind
+            assert theirs["attended"][0] == ours_steps[0], kind
+            n = len(ids)
+            for layer, streaming in (("0", 1), ("1", 0)):  # kvpress: the prompt's window and every generated token
+                assert theirs["attended"][2][layer][streaming] == list(range(sinks)) + list(range(n - recent, n + 3))
+                assert ours_steps[2][layer][streaming] == list(range(sinks)) + list(range(n + 2 - recent, n + 3))
+                assert theirs["attended"][2][layer][1 - streaming] == ours_steps[2][layer][1 - streaming]
+    finally:
+        runner.close()
