@@ -168,6 +168,15 @@ def test_bytes_fall_with_the_streaming_heads(models):
         assert out.stats.peak_kv_bytes == (layers[0] + 2 * n) * per_entry
 
 
+@pytest.mark.parametrize("prefill_mode", ["full", "streaming"])
+def test_chunked_prefill_equals_one_chunk(models, prefill_mode):
+    model, ids = models["mistral"], random_ids(130, seed=13)
+    spec = f"duo_attention:pattern=RS/SR,sinks=4,recent=20,prefill={prefill_mode}"
+    one = gen(model, ids, spec)
+    chunked = attnkit.generate(model, ids, spec, max_new_tokens=NEW, stop_at_eos=False, keep_logits=True, chunk_size=40)
+    assert chunked.token_ids == one.token_ids and worst(chunked, one) < 1e-4
+
+
 def test_short_prompt_grows_then_rolls(models):
     """A prompt shorter than sinks + recent: the streaming heads keep it all, then fill up to sinks + recent + 1 and
     roll; the tokens equal the dense reference."""
@@ -295,6 +304,9 @@ def test_a_config_of_another_geometry_is_refused(models, calibrated, tmp_path):
     fewer_kv = attnkit.load_model(f"random:llama:{SMALL.replace('kv_heads=2', 'kv_heads=1')}")
     with pytest.raises(AttnkitError, match=r"x 1 kv heads") as err:
         gen(fewer_kv, random_ids(40, seed=1), f"duo_attention:config={path}")
+    other_heads = dict(calibrated, n_heads=8)  # the same layers and kv heads, twice the query heads
+    with pytest.raises(AttnkitError, match=r"\(8 query heads\) but the model has 2 layers x 2 kv heads \(4 query"):
+        gen(models["llama"], random_ids(40, seed=1), make_method("duo_attention", config=other_heads))
     with pytest.raises(AttnkitError, match=r"pattern='RS/SR/RR' names 3 layers"):
         gen(models["llama"], random_ids(40, seed=1), "duo_attention:pattern=RS/SR/RR,sinks=2,recent=4")
     with pytest.raises(AttnkitError, match=r"x 3/3 kv heads but the model has 2 layers x 2 kv heads"):

@@ -3,7 +3,7 @@ Tang, Zuo, Guo, Yang, Tang, Fu, Han, 2024, "DuoAttention: Efficient Long-Context
 and Streaming Heads", arXiv 2410.10819; "the paper" below).
 
 The paper finds that only some heads need the whole context (*retrieval* heads); the others (*streaming*
-heads) attend to the first tokens (attention sinks) and the recent ones and lose nothing when they keep only
+heads) attend to the first tokens (attention sinks) and the recent ones and lose little when they keep only
 those. Which kv heads are retrieval heads is found once per model, offline: a gate ``alpha`` per kv head mixes
 full and streaming attention (eq. 1, ``alpha full_attn + (1 - alpha) streaming_attn``) and is optimised on
 synthetic retrieval prompts (section 2.2, "Optimization-Based Identification of Retrieval Heads"; attnkit's
@@ -15,7 +15,7 @@ The rule, per layer and kv head, at a prompt of ``n`` tokens:
 - a retrieval head holds every token, prompt and generated;
 - a streaming head holds, between steps, the positions below ``sinks`` and the ``recent`` most recent ones: after
   the prompt ``{0 .. sinks-1} | {n-recent .. n-1}``, the authors' code's trimmed streaming cache and kvpress's
-  ``DuoAttentionPress`` mask; a decode query at position ``p`` attends to ``p``'s sinks, ``p - recent .. p - 1``
+  ``DuoAttentionPress`` mask; a decode query at position ``p`` attends to the sinks, ``p - recent .. p - 1``
   and itself, then the oldest window entry leaves (it is overwritten by the next token, in place).
 
 Every query of the prompt attends to the whole prompt by default (``prefill="full"``: the authors' code for a
@@ -28,18 +28,17 @@ Storage: a layer with a streaming head is compacted after the prompt into a *fla
 entry, each tagged with its kv head, no padding. A streaming head then occupies ``sinks + recent + 1`` slots (the
 ``+ 1`` the incoming token's, as the eviction methods count ``B``), a retrieval head ``n + generated``; decode
 queries attend over it with the other heads' slots masked (:func:`attnkit.methods.scoring.flat_attention`: one
-matmul reads each held key once, which bounds decode attention, at the price of masked logits). The
+matmul over every held entry, no padding and no copy, but unfused and with the other heads' logits). The
 heads' choice is the same in every row of a batch, so the streaming heads' victims are the same slots in every row.
 
-Parameters: ``config`` (the JSON file ``attnkit calibrate duo`` writes, or a dict of it: per layer the gates and
-the chosen retrieval heads, and the sinks and recent window the gates were optimised with, the defaults here);
-``retrieval_ratio`` (the fraction of all kv heads of the model kept as retrieval heads, the highest gates; without
-a config only 0 or 1) or ``threshold`` (retrieval heads: gate >= threshold); ``pattern`` (the choice written
-out, one letter per kv head, R or S, layers separated by "/": ``RS/SR``); ``sinks``, ``recent``; ``prefill``.
+Parameters: ``config`` (``attnkit calibrate duo``'s file or its dict: per layer the gates and retrieval heads; its
+sinks and window are the defaults); ``retrieval_ratio`` (of all the model's kv heads, the highest gates; without a
+config 0 or 1) or ``threshold`` (gate >= threshold); ``pattern`` (``RS/SR``: R or S per kv head, layers split by /).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -127,8 +126,8 @@ class DuoConfig:
 
     def check(self, n_layers: int, n_heads: int | None = None, n_kv: int | None = None) -> None:
         """Refuse a model of another geometry (layers; query and kv heads where given)."""
-        if self.n_layers != n_layers or n_kv not in (None, self.n_kv_heads) or None not in (self.n_heads, n_heads) \
-                and self.n_heads != n_heads:
+        heads_differ = None not in (self.n_heads, n_heads) and self.n_heads != n_heads
+        if self.n_layers != n_layers or n_kv not in (None, self.n_kv_heads) or heads_differ:
             model = f"{n_layers} layers" + ("" if n_kv is None else f" x {n_kv} kv heads ({n_heads} query heads)")
             raise AttnkitError(f"{self.source} was calibrated for {self.n_layers} layers x {self.n_kv_heads} kv heads "
                                f"({self.n_heads} query heads) but the model has {model}; calibrate it for this "
@@ -319,7 +318,7 @@ class DuoAttention(Method):
         s = ctx.session
         total = s.prompt_len + s.max_new_tokens
         share = self.retrieval_share(ctx.index)
-        return -int(-(share * total + (1 - share) * min(total, self.slots_per_streaming_head)) // 1)
+        return math.ceil(share * total + (1 - share) * min(total, self.slots_per_streaming_head))
 
     def decode_only_appends(self) -> bool:
         return False  # streaming heads overwrite their oldest entries; a flat layer takes one token per step
