@@ -43,12 +43,19 @@ Parameter mapping (kvpress -> attnkit), exact:
   tova then drops one entry per step, so only the kept prompt positions must agree. "tova-rolling": against
   ``PrefillDecodingPress(TOVAPress(ratio keeping n - 1), DecodingPress(TOVAPress(), compression_interval=1,
   target_size=n - 1))``, attended sets equal at every step (as for streaming-rolling).
+- ``DuoAttentionPress(head_compression_ratio)`` with its head pattern, sinks and recent window given (its
+  ``load_attention_pattern`` answered on the instance with the pattern as scores, 1 retrieval / 0 streaming) ->
+  ``duo_attention(pattern, sinks, recent)`` (``--duo``). kvpress masks a streaming head's prompt keys between the
+  sinks and the recent window (fake keys at decode; the entries stay in memory) and appends every generated
+  token; attnkit removes them and rolls the window while decoding. So the kept (kvpress: unmasked) prompt positions
+  and the first decode step's attended sets must agree exactly, the later steps differ by design.
 - "snapkv+pad": attnkit's SnapKV with the average pooling counting the zero padding
   (``count_include_pad=True``, as ``F.avg_pool1d`` does by default in kvpress and in the SnapKV paper's
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
 
-Kept positions: attnkit's are ``LayerKV.positions``; kvpress's are recovered from its cache contents by
-forward hooks that match every kept key row to the full cache's rows (see :mod:`attnkit.eval.kvpress_worker`).
+Kept positions: attnkit's are ``LayerKV.positions`` (split by head in a flat layer); kvpress's are recovered from
+its cache contents by forward hooks that match every kept key row to the full cache's rows, less the positions a
+press masks per head (``masked_key_indices``; see :mod:`attnkit.eval.kvpress_worker`).
 "attended" compares, at every decode step, layer and kv head, the set of positions the new token
 attended to.
 """
@@ -95,27 +102,33 @@ def pad_counting_pool():
         snapkv_module.avg_or_max_pool = original
 
 
-def _held(session) -> dict[str, list[list[int]]]:
-    out = {}
-    for i, layer in enumerate(session.cache.layers):
-        pos = layer.view()[2][0]
-        out[str(i)] = [sorted(p.tolist()) for p in pos]
-    return out
+def held_by_head(layer, n_kv: int) -> list[list[int]]:
+    """Sorted positions each kv head of a layer holds (batch row 0); a flat layer (``head_budgets=adaptive``,
+    ``duo_attention``) is split by the head owning each slot."""
+    pos = layer.view()[2][0]
+    if "head" not in layer.extras:
+        return [sorted(p.tolist()) for p in pos]
+    owner = layer.extras["head"][0, 0, :layer.length]
+    return [sorted(pos[0][owner == h].tolist()) for h in range(n_kv)]
+
+
+def _held(session, n_kv: int) -> dict[str, list[list[int]]]:
+    return {str(i): held_by_head(layer, n_kv) for i, layer in enumerate(session.cache.layers)}
 
 
 class AttendedTrace:
     """`method` as the session's method, recording per layer the positions a decode step attended to, before
     ``after_decode`` (which may re-compress the layer: ``decode_every``); everything else is the method's own."""
 
-    def __init__(self, method):
-        self._method = method
+    def __init__(self, method, n_kv: int):
+        self._method, self._n_kv = method, n_kv
         self.step: dict[str, list[list[int]]] = {}
 
     def __getattr__(self, name):
         return getattr(self._method, name)
 
     def after_decode(self, ctx) -> None:
-        self.step[str(ctx.index)] = [sorted(p.tolist()) for p in ctx.kv.view()[2][0]]
+        self.step[str(ctx.index)] = held_by_head(ctx.kv, self._n_kv)
         self._method.after_decode(ctx)
 
 
@@ -135,10 +148,10 @@ def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: 
                     "cpu_s": time.process_time() - c0}
         x = torch.tensor(ids)
         n = len(ids)
-        traced = AttendedTrace(method)
+        traced = AttendedTrace(method, model.geometry.n_kv_heads)
         session = new_session(model, traced, n, new_tokens)
         logits = logits_of(model, prefill(model, session, x))[-1]
-        after_prefill = _held(session)
+        after_prefill = _held(session, model.geometry.n_kv_heads)
         tokens, all_logits, attended = [int(logits.argmax())], [logits.tolist()], []
         for i in range(1, new_tokens):
             hidden = forward(model, torch.tensor([tokens[-1]]), n + i - 1, lambda pos: Step(session, "decode", pos))
@@ -259,7 +272,24 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
                      f"{name}/snapkv-w{w}-k{k}", k_case, "diagnostic: attnkit pooling with count_include_pad=True",
                      )
         scorer_cases(pair, name, n, keep, args)
+        duo_cases(pair, name, args)
     return rows, list(ours.values()), list(theirs.values())
+
+
+def duo_cases(pair, name: str, args) -> None:
+    """duo_attention against DuoAttentionPress given the same head pattern (``--duo PATTERN:SINKS:RECENT``):
+    kvpress's head scores are 1 for a retrieval head and 0 for a streaming head and its head_compression_ratio the
+    streaming heads' share, so its own selection (the lowest scores) picks exactly the pattern's streaming heads."""
+    if not args.duo:
+        return
+    pattern, sinks, recent = args.duo.split(":")
+    scores = [[1.0 if c == "R" else 0.0 for c in layer] for layer in pattern.split("/")]
+    streaming = sum(row.count(0.0) for row in scores)
+    pair(f"duo_attention {pattern} s{sinks} r{recent}", f"{name}/duo",
+         {"method": "duo_attention", "params": {"pattern": pattern, "sinks": int(sinks), "recent": int(recent)}},
+         f"{name}/duo", {"press": {"kind": "duo", "head_compression_ratio": streaming / sum(map(len, scores)),
+                                   "head_scores": scores, "sink_size": int(sinks), "recent_size": int(recent)}},
+         "kvpress masks the streaming heads' prompt keys (still held) and appends; attnkit drops them and rolls")
 
 
 PRESSES = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
@@ -365,6 +395,7 @@ def summarize(rows, ours_trace, theirs_trace, ours_times, theirs_times, n_sink: 
         la, lb = torch.tensor(a["logits"]), torch.tensor(b["logits"])
         diff = (la - lb).abs().amax(dim=-1)
         row["max_abs_logit_diff"] = {"first": float(diff[0]), "all": float(diff.max()),
+                                     "by_step": [float(f"{x:.3g}") for x in diff.tolist()],
                                      "until_first_token_diff": float(diff[: row["tokens"]["first_diff"] or len(diff)]
                                                                      .max())}
         row["final_cache_len"] = {"ours": a["final_cache_len"], "theirs": b["final_cache_len"]}
@@ -459,6 +490,9 @@ def main(argv=None) -> int:
     p.add_argument("--n-sink", type=int, default=4)
     p.add_argument("--snapkv", default="64:5,32:7", help="window_size:kernel_size sets, comma-separated")
     p.add_argument("--scorers", default=",".join(PRESSES), help=f"of {', '.join(PRESSES)} (empty: none)")
+    p.add_argument("--duo", default="RS/SR:16:64",
+                   help="duo_attention's head pattern (one R or S per kv head, layers separated by /), sinks and "
+                        "recent window, PATTERN:SINKS:RECENT, against DuoAttentionPress (empty: none)")
     p.add_argument("--decode-every", default="1,4", help="decode_every values for knorm and keydiff (empty: none)")
     p.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the diagnostic rows (snapkv +pad, streaming-rolling +sorted)")

@@ -31,6 +31,7 @@ UNLIMITED = [
     "snapkv:budget_tokens=400,window_size=8,decode_every=3",
     "expected_attention:budget_tokens=400", "expected_attention:budget_tokens=400,decode_every=2",
     "knorm:budget_tokens=400,head_budgets=adaptive",
+    "duo_attention:retrieval_ratio=1", "duo_attention:pattern=RS/SR,sinks=4,recent=400,prefill=streaming",
 ]
 SMALL_BUDGET = [
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
@@ -45,6 +46,8 @@ SMALL_BUDGET = [
     "expected_attention:budget_tokens=32", "expected_attention:budget=0.3,decode_every=3",
     "snapkv:budget_tokens=40,window_size=8,head_budgets=adaptive", "knorm:budget_tokens=32,head_budgets=adaptive",
     "keydiff:budget=0.3,head_budgets=adaptive", "expected_attention:budget_tokens=32,head_budgets=adaptive",
+    "duo_attention:pattern=RS/SR,sinks=4,recent=16", "duo_attention:retrieval_ratio=0,sinks=2,recent=24",
+    "duo_attention:pattern=SR/SS,sinks=4,recent=16,prefill=streaming",
 ]
 
 
@@ -110,7 +113,8 @@ def test_small_budget_batch_equals_alone(models, spec):
                                   "tova:budget_tokens=32", "knorm:budget_tokens=32",
                                   "keydiff:budget_tokens=32,decode_every=3",
                                   "snapkv:budget_tokens=40,window_size=8,decode_every=2",
-                                  "expected_attention:budget_tokens=32,decode_every=2"])
+                                  "expected_attention:budget_tokens=32,decode_every=2",
+                                  "duo_attention:pattern=RS/SR,sinks=4,recent=16"])
 def test_other_architectures(models, arch, spec):
     assert_batch_equals_alone(models[arch], spec)
 

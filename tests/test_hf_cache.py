@@ -24,6 +24,7 @@ CASES = [
     ("keyformer", {"budget_tokens": 40, "score": "shared", "noise": "gaussian"}),
     ("keyformer", {"budget": 0.3, "positions": "new"}),
     ("snapkv", {"budget_tokens": 40, "window_size": 8, "decode_budget": 10}),
+    ("duo_attention", {"retrieval_ratio": 0.0, "sinks": 4, "recent": 16}),
 ]
 
 
@@ -141,6 +142,8 @@ BATCH_CASES = [  # (method, params, whether the rows' caches end holding fewer t
     ("compose", {"prefill": "minference:k_v=4,k_s=8,block_size=16,compile=false",
                  "cache": "snapkv:budget_tokens=12,window_size=4"}, True),
     ("share", "config", False),
+    ("duo_attention", {"retrieval_ratio": 0.0, "sinks": 2, "recent": 6}, True),
+    ("duo_attention", {"pattern": "RS/SR", "sinks": 4, "recent": 100, "prefill": "streaming"}, False),
 ]
 
 

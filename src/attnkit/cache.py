@@ -15,7 +15,8 @@ tensors: evicted entries really leave memory, and :meth:`KVCache.nbytes` shows i
 layer holds at most ``capacity`` entries and a token at position p lands in slot p mod capacity,
 overwriting the oldest (the rolling buffer cache of Mistral 7B, Jiang et al. 2023, arXiv 2310.06825).
 
-A **flat** layer (head-adaptive budgets, :mod:`attnkit.methods.prompt_scorer`) holds a different number of
+A **flat** layer (head-adaptive budgets, :mod:`attnkit.methods.prompt_scorer`; DuoAttention's retrieval and
+streaming heads, :mod:`attnkit.methods.duo_attention`) holds a different number of
 entries per kv head without padding any head: its kv-head axis is 1 and its slots hold every kept entry of
 every head of the row, the head owning each slot in ``extras["head"]`` ``[batch, 1, capacity]`` (:meth:`keep_flat`,
 :meth:`append_flat`). Every row holds as many slots as the others; rows differ only in which head owns which.
@@ -118,14 +119,15 @@ class LayerKV:
         self.keys, self.values, self.positions, self.extras = new.keys, new.values, new.positions, new.extras
         self.length = n
 
-    def keep_flat(self, heads: torch.Tensor, slots: torch.Tensor, spare: int = 0) -> None:
+    def keep_flat(self, heads: torch.Tensor, slots: torch.Tensor, spare: int = 0, room: int | None = None) -> None:
         """Keep the entries ``(heads[r, i], slots[r, i])`` of each row ``r`` (``[b, m]``), compacted into a flat
         layer (see the module docstring) of ``m + spare * kv_heads`` slots, room for `spare` tokens appended
-        by :meth:`append_flat`. The old tensors are released."""
+        by :meth:`append_flat` (or of ``m + room`` slots when `room` is given: a method whose tokens append
+        fewer entries than ``kv_heads``). The old tensors are released."""
         b, kv, _, d = self.keys.shape
         m = heads.shape[-1]
         rows = torch.arange(b, device=heads.device)[:, None]
-        new = LayerKV.allocate(b, 1, m + spare * kv, d, self.keys.dtype, self.keys.device)
+        new = LayerKV.allocate(b, 1, m + (spare * kv if room is None else room), d, self.keys.dtype, self.keys.device)
         new.keys[:, 0, :m] = self.keys[rows, heads, slots]
         new.values[:, 0, :m] = self.values[rows, heads, slots]
         new.positions[:, 0, :m] = self.positions[rows, heads, slots]
@@ -137,9 +139,12 @@ class LayerKV:
         self.keys, self.values, self.positions, self.extras = new.keys, new.values, new.positions, new.extras
         self.length = m
 
-    def append_flat(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    def append_flat(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, heads: list[int] | None = None) -> None:
         """Append new tokens (``k``/``v`` ``[b, kv_heads, n, d]`` at positions `pos` ``[n]``) to a flat layer:
-        ``kv_heads`` entries per token, one owned by each head."""
+        one entry per token owned by each kv head (by each of `heads` only, when given)."""
+        owners = torch.arange(k.shape[1], device=k.device) if heads is None else torch.tensor(heads, device=k.device)
+        if heads is not None:
+            k, v = k[:, heads], v[:, heads]
         b, kv, n, d = k.shape
         end = self.length + kv * n
         if end > self.capacity:
@@ -150,8 +155,21 @@ class LayerKV:
         self.positions[:, 0, new] = pos.repeat_interleave(kv)
         for stat in self.extras.values():
             stat[:, 0, new] = 0
-        self.extras["head"][:, 0, new] = torch.arange(kv, device=k.device).repeat(n)
+        self.extras["head"][:, 0, new] = owners.repeat(n)
         self.length = end
+
+    def write_flat(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                   heads: list[int]) -> None:
+        """Overwrite the flat slots `slots` ``[m]`` (the same in every row, slot ``i`` owned by kv head
+        ``heads[i]``) with the entries of those heads for one new token (``k``/``v`` ``[b, kv_heads, 1, d]`` at
+        position `pos` ``[1]``): each head replaces one of its own entries in place, so the owners stay and the
+        other per-slot statistics restart at 0."""
+        self.keys[:, 0, slots] = k[:, heads, 0]
+        self.values[:, 0, slots] = v[:, heads, 0]
+        self.positions[:, 0, slots] = pos.reshape(-1)[0]
+        for name, stat in self.extras.items():
+            if name != "head":
+                stat[:, 0, slots] = 0
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (sequences that go on generating); the others leave memory."""

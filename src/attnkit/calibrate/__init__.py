@@ -3,6 +3,7 @@
 - :mod:`attnkit.calibrate.patterns`: MInference's kernel-aware search of a sparse pattern per head.
 - :mod:`attnkit.calibrate.heads`: Share-Attention's head clusters by the eq. 9 distance (Taniguchi et al.).
 - :mod:`attnkit.calibrate.filter_layer`: Select-Attention's filter-layer sweep (Taniguchi et al., section 4.2).
+- :mod:`attnkit.calibrate.duo`: DuoAttention's retrieval heads by a gate per kv head (Xiao et al., section 2.2).
 """
 
 import sys

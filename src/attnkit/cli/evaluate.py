@@ -109,7 +109,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """``attnkit calibrate patterns|heads|filter-layer``: the list arguments parsed here, then the tool's
+    """``attnkit calibrate patterns|heads|filter-layer|duo``: the list arguments parsed here, then the tool's
     ``main`` (module ``attnkit.calibrate.<args.calibration>``)."""
     args.tasks = name_list(args.tasks, "--tasks")
     if getattr(args, "layers", None) is not None:

@@ -145,6 +145,27 @@ def _calibrate_parsers(sub) -> None:
     c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     c.set_defaults(func=cmd_calibrate, calibration="heads")
 
+    c = calibrations.add_parser("duo", help="DuoAttention: optimise a gate per kv head, retrieval heads (Sec. 2.2)")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--out", required=True, help="the JSON head config to write (duo_attention:config=FILE)")
+    sel = c.add_mutually_exclusive_group()
+    sel.add_argument("--threshold", type=float, default=None, help="retrieval heads: gate >= threshold (default 0.5)")
+    sel.add_argument("--retrieval-ratio", type=float, default=None,
+                     help="retrieval heads: this fraction of all kv heads, the highest gates")
+    c.add_argument("--length", type=int, default=1024, help="calibration prompt length in tokens")
+    c.add_argument("--tasks", default="passkey,kv_retrieval", help=CALIBRATION_TASKS_HELP)
+    c.add_argument("--samples", type=int, default=1, help="prompts per task")
+    c.add_argument("--steps", type=int, default=60, help="optimisation steps (one prompt each, in turn)")
+    c.add_argument("--lr", type=float, default=0.02, help="the gates' learning rate (Adam)")
+    c.add_argument("--reg-weight", type=float, default=0.05, help="lambda of the L1 penalty on the gates")
+    c.add_argument("--sinks", type=int, default=128, help="attention sinks of a streaming head")
+    c.add_argument("--recent", type=int, default=256, help="recent window of a streaming head")
+    c.add_argument("--seed", type=int, default=0, help="seed of the calibration prompts")
+    c.add_argument("--split", choices=["calibration", "train"], default="calibration",
+                   help="calibration: held-out text, seeds apart from eval; train: the training stream (slower)")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="duo")
+
     c = calibrations.add_parser("filter-layer", help="Select-Attention: sweep the filter layer on calibration tasks")
     c.add_argument("--model", default="tiny", help=MODEL_HELP)
     c.add_argument("--tasks", default="passkey,kv_retrieval", help=f"{CALIBRATION_TASKS_HELP} (scored by their metric)")

@@ -26,7 +26,11 @@ mode "trace": no timing; which original positions each layer and kv head holds, 
 cache contents themselves: a forward hook placed before the press's hook snapshots the layer's keys
 once HF has appended the new ones (that is also exactly the set the step attended to), and a hook
 placed after it matches every key row left in the compressed cache to its row in the snapshot (keys
-are stored after RoPE, so each position's row is unique; the match is by exact bytes).
+are stored after RoPE, so each position's row is unique; the match is by exact bytes). A press that masks
+keys per head instead of removing them (``masked_key_indices``: kvpress's ``DuoAttentionPress``, ``AdaKVPress``)
+keeps them in the cache but never lets a later query see them, so the masked positions are left out of
+what a head holds and attends to. ``{"kind": "duo", ...}`` builds ``DuoAttentionPress`` with its head scores,
+sink and recent sizes given in the request (kvpress would download them or compute them from a dataset).
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ import time
 from importlib.metadata import version
 
 import kvpress
+import numpy as np
 import torch
 import transformers
-from kvpress import DecodingPress, PrefillDecodingPress, SnapKVPress, StreamingLLMPress
+from kvpress import DecodingPress, DuoAttentionPress, PrefillDecodingPress, SnapKVPress, StreamingLLMPress
 from kvpress.utils import compute_n_kept
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -104,6 +109,11 @@ def build_press(spec: dict, prompt_len: int):
         if spec.get("sorted"):
             keep_temporal_order(press.prefilling_press)
             keep_temporal_order(press.decoding_press.base_press)
+    elif kind == "duo":  # DuoAttentionPress with the head scores, sinks and window given instead of downloaded
+        press = DuoAttentionPress(head_compression_ratio=spec["head_compression_ratio"])
+        pattern = (spec["sink_size"], spec["recent_size"], np.array(spec["head_scores"], dtype=float))
+        press.load_attention_pattern = lambda model: pattern  # on the instance; kvpress's own selection follows
+        decoding = False
     elif kind == "class":  # any press by class name (attnkit's sweeps: "kvpress:SnapKVPress:...")
         press = press_by_name(spec)
         decoding = isinstance(press, (DecodingPress, PrefillDecodingPress))
@@ -127,6 +137,7 @@ class Tracer:
         self.snap: dict[int, torch.Tensor] = {}
         self.new_positions: list[int] = []
         self.after_prefill: dict[int, list[list[int]]] = {}
+        self.masked: dict[int, list[set[int]]] = {}  # per layer and kv head, positions a press masks (never attended)
         self.attended: list[dict[int, list[list[int]]]] = []  # per decode step
         self.phase = "prefill"
         self.handles = [m.register_forward_hook(self.before_press, with_kwargs=True, prepend=True) for m in self.attn]
@@ -146,8 +157,13 @@ class Tracer:
             raise RuntimeError(f"layer {i}: cache holds {keys.shape[2]} keys but {len(self.pos[i][0])} are tracked")
         self.snap[i] = keys
         if self.phase == "decode":
-            self.attended[-1][i] = [sorted(p) for p in self.pos[i]]
+            self.attended[-1][i] = self.visible(i)
         return output
+
+    def visible(self, i: int) -> list[list[int]]:
+        """Sorted positions each kv head of layer `i` holds and does not mask."""
+        masked = self.masked.get(i)
+        return [sorted(p for p in pos if masked is None or p not in masked[h]) for h, pos in enumerate(self.pos[i])]
 
     def after_press(self, module, args, kwargs, output):
         i = module.layer_idx
@@ -163,8 +179,14 @@ class Tracer:
                 kept = keys[0, h].contiguous().numpy()
                 new_pos.append([self.pos[i][h][index[kept[j].tobytes()]] for j in range(kept.shape[0])])
             self.pos[i] = new_pos
+        indices = getattr(module, "masked_key_indices", None)  # head-wise masking (DuoAttention, AdaKV)
+        if self.phase == "prefill" and indices is not None:
+            _, heads, slots = (x.tolist() for x in indices)
+            self.masked[i] = [set() for _ in self.pos[i]]
+            for h, j in zip(heads, slots):
+                self.masked[i][h].add(self.pos[i][h][j])
         if self.phase == "prefill":
-            self.after_prefill[i] = [sorted(p) for p in self.pos[i]]
+            self.after_prefill[i] = self.visible(i)
         return output
 
     def register_after(self):

@@ -7,6 +7,7 @@ Each class is exported under the name of its registry entry: ``make_method("h2o"
 from attnkit.methods.a_shape import AShape
 from attnkit.methods.base import Method
 from attnkit.methods.compose import Compose
+from attnkit.methods.duo_attention import DuoAttention
 from attnkit.methods.expected_attention import ExpectedAttention
 from attnkit.methods.full import Full
 from attnkit.methods.gemfilter import GemFilter
@@ -23,6 +24,6 @@ from attnkit.methods.streaming import Streaming
 from attnkit.methods.tova import TOVA
 from attnkit.methods.window import Window
 
-__all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "ExpectedAttention", "Full",
+__all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention", "ExpectedAttention", "Full",
            "GemFilter", "H2O", "KeyDiff", "Keyformer", "KNorm", "MInference", "MInferenceStatic", "Select", "Share",
            "SnapKV", "Streaming", "TOVA", "Window"]
