@@ -74,7 +74,7 @@ def encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``Q s + z`` (computed in float32, returned in `dtype`)."""
-    return (codes.float() * scale.float() + zero.float()).to(dtype)
+    return torch.addcmul(zero.float(), codes.float(), scale.float()).to(dtype)
 
 
 # ---- keys: per channel over a group of tokens ----------------------------------------------------------

@@ -114,11 +114,16 @@ class KiviLayerKV(LayerKV):
 
     def _dequantize(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         sg = self.slot_group[:, :, :n].long()
-        group = sg.clamp(min=0)
-        keys = decode_keys(self.kcodes[:, :, :n], group, self.kscale, self.kzero, self.bits, self.dtype)
-        values = decode_values(self.vcodes[:, :, :n], self.vscale[:, :, :n], self.vzero[:, :, :n], self.bits,
-                               self.dtype)
-        rows, heads, slots = (sg < 0).nonzero(as_tuple=True)
+        residual = sg < 0
+        if bool(residual.all()):  # nothing quantized (yet)
+            keys = self.rkeys.new_empty(sg.shape + (self.head_dim,))
+            values = torch.empty_like(keys)
+        else:
+            group = sg.clamp(min=0)
+            keys = decode_keys(self.kcodes[:, :, :n], group, self.kscale, self.kzero, self.bits, self.dtype)
+            values = decode_values(self.vcodes[:, :, :n], self.vscale[:, :, :n], self.vzero[:, :, :n], self.bits,
+                                   self.dtype)
+        rows, heads, slots = residual.nonzero(as_tuple=True)
         if slots.numel():  # residual entries: their full-precision keys and values
             entry = -1 - sg[rows, heads, slots]
             keys[rows, heads, slots] = self.rkeys[rows, heads, entry]
