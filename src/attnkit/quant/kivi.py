@@ -51,9 +51,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of :func:`pack`: bytes ``[..., P]`` -> ``uint8`` codes ``[..., P * 8 / bits]``."""
+    """The inverse of :func:`pack`: bytes ``[..., P]`` -> ``uint8`` codes ``[..., P * 8 / bits]`` (one shift and
+    mask of the whole tensor per code position in a byte)."""
     mask = (1 << bits) - 1
-    return ((packed.unsqueeze(-1) >> _shifts(bits, packed.device)) & mask).flatten(-2)
+    return torch.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], -1).flatten(-2)
 
 
 def affine(lo: torch.Tensor, hi: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +103,14 @@ def encode_keys(keys: torch.Tensor, group: torch.Tensor, scale: torch.Tensor, ze
 
 def decode_keys(packed: torch.Tensor, group: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """Keys ``[b, h, n, d]`` from their packed codes and groups (the inverse of :func:`encode_keys`)."""
-    codes = unpack(packed, bits)
-    index = group.unsqueeze(-1).expand_as(codes)
-    return decode(codes, scale.gather(2, index), zero.gather(2, index), dtype)
+    """Keys ``[b, h, n, d]`` from their packed codes and groups (the inverse of :func:`encode_keys`); each token's
+    row of the table is picked by one ``index_select`` over the flattened (row, head, group) axis."""
+    b, h, n = group.shape
+    M, d = scale.shape[2], scale.shape[3]
+    rows = (torch.arange(b * h, device=group.device).view(b, h, 1) * M + group).reshape(-1)
+    s = scale.reshape(-1, d).index_select(0, rows).view(b, h, n, d)
+    z = zero.reshape(-1, d).index_select(0, rows).view(b, h, n, d)
+    return decode(unpack(packed, bits), s, z, dtype)
 
 
 # ---- values: per token, groups of consecutive channels --------------------------------------------------
