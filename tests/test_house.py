@@ -14,7 +14,7 @@ LAYERS = [
     ("errors", "validate", "config_file", "version"),
     ("tokenizer", "rope", "masks", "sampling"),
     ("attention",),
-    ("model", "cache"),
+    ("model", "cache", "quant"),
     ("session", "generation", "forward"),
     ("sparse",),
     ("methods",),

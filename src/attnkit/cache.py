@@ -171,6 +171,11 @@ class LayerKV:
             if name != "head":
                 stat[:, 0, slots] = 0
 
+    def clone(self) -> LayerKV:
+        """An independent copy, every tensor cloned (a snapshot that speculative decoding restores)."""
+        return LayerKV(self.keys.clone(), self.values.clone(), self.positions.clone(), self.length, self.ring,
+                       {name: stat.clone() for name, stat in self.extras.items()})
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (sequences that go on generating); the others leave memory."""
         self.keys, self.values, self.positions = self.keys[rows], self.values[rows], self.positions[rows]

@@ -54,7 +54,7 @@ class Session:
         index = torch.tensor(rows, dtype=torch.long)
         for layer in self.cache.layers:
             if layer is not None:
-                index = index.to(layer.keys.device)
+                index = index.to(layer.positions.device)
                 break
         self.cache.keep_rows(index)
         self.method.keep_rows(self.layer_state, self.state, index)
@@ -86,9 +86,7 @@ class Step:
         if ctx.kv is None:
             capacity = method.layer_capacity(ctx)
             if capacity is not None:  # None: this layer keeps no cache (Select-Attention's later layers)
-                slots, ring = capacity
-                self.session.cache.layers[layer] = LayerKV.allocate(k.shape[0], k.shape[1], slots, k.shape[-1],
-                                                                    k.dtype, k.device, ring)
+                self.session.cache.layers[layer] = method.allocate_layer(ctx, k, *capacity)
         if self.phase == "prefill":
             out = method.prefill_attention(ctx, q, k, v)
             self.session.cache.track_peak()

@@ -14,6 +14,7 @@ from attnkit.methods.gemfilter import GemFilter
 from attnkit.methods.h2o import H2O
 from attnkit.methods.keydiff import KeyDiff
 from attnkit.methods.keyformer import Keyformer
+from attnkit.methods.kivi import Kivi
 from attnkit.methods.knorm import KNorm
 from attnkit.methods.minference import MInference, MInferenceStatic
 from attnkit.methods.select import Select
@@ -24,6 +25,7 @@ from attnkit.methods.streaming import Streaming
 from attnkit.methods.tova import TOVA
 from attnkit.methods.window import Window
 
-__all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention", "ExpectedAttention", "Full",
-           "GemFilter", "H2O", "KeyDiff", "Keyformer", "KNorm", "MInference", "MInferenceStatic", "Select", "Share",
+__all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention",
+           "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "MInference",
+           "MInferenceStatic", "Select", "Share",
            "SnapKV", "Streaming", "TOVA", "Window"]

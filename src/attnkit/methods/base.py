@@ -17,6 +17,8 @@ attention call; the step wraps the layer in a :class:`attnkit.session.LayerConte
 - ``after_decode(ctx)``: keep the cache inside its budget.
 - ``layer_capacity(ctx) -> (slots, ring)``: how the layer's cache is allocated (``None``: the layer keeps
   no cache at all; its hooks must then not touch ``ctx.kv``).
+- ``allocate_layer(ctx, k, slots, ring) -> LayerKV``: the storage of that cache (default: full precision,
+  :class:`attnkit.cache.LayerKV`; ``kivi`` gives quantized storage with the same slots).
 - ``run_layers(model, step, hidden, all_positions) -> hidden``: a model-level hook (default ``None``: the
   runner runs every decoder layer on every new token). A method that changes which tokens a layer sees
   (Select-Attention, GemFilter) runs the layers itself with :func:`attnkit.forward.run_decoder_layers`.
@@ -25,6 +27,9 @@ attention call; the step wraps the layer in a :class:`attnkit.session.LayerConte
   layer before any work (a batch's memory check; a parameter that does not fit the prompt raises here).
 - ``keep_rows(layer_states, session_state, rows)``: keep the rows of any per-row tensors in the states
   when finished sequences leave a batch.
+- ``dense_prefill_output()``: whether the prompt's outputs are plain dense attention (a scoring method may then
+  compute them together with its statistic); ``rewrites_stored_keys()``: whether the method overwrites keys it
+  already stored (a quantized cache cannot hold those).
 
 q is ``[b, q_heads, n, d]``, k and v ``[b, kv_heads, n, d]``, all after RoPE, at positions ``ctx.q_pos``.
 The ``b`` rows of a session are sequences of the same prompt length (same positions, same budgets), so a
@@ -40,6 +45,7 @@ from typing import Any, ClassVar
 import torch
 
 from attnkit.attention import attend, folded_attention, folded_bias, sdpa
+from attnkit.cache import LayerKV
 from attnkit.errors import AttnkitError
 from attnkit.methods.spec import make_method, parse_method_spec
 from attnkit.session import LayerContext
@@ -81,6 +87,19 @@ class Method:
     def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
         s = ctx.session
         return s.prompt_len + s.max_new_tokens, False
+
+    def allocate_layer(self, ctx: LayerContext, k: torch.Tensor, slots: int, ring: bool) -> LayerKV:
+        """The storage of this layer's cache, `slots` per kv head (:meth:`layer_capacity`), shaped after the
+        layer's first keys `k` ``[b, kv, n, d]``: full precision by default."""
+        return LayerKV.allocate(k.shape[0], k.shape[1], slots, k.shape[-1], k.dtype, k.device, ring)
+
+    def dense_prefill_output(self) -> bool:
+        """Whether this method's prompt outputs are plain dense attention (its ``prefill_output`` is the base's)."""
+        return type(self).prefill_output is Method.prefill_output
+
+    def rewrites_stored_keys(self) -> bool:
+        """Whether this method overwrites keys it already stored (re-rotating them in place, say)."""
+        return False
 
     def planned_slots(self, ctx: LayerContext) -> int:
         """Slots per kv head this layer will hold once the prompt is processed, asked of every layer before

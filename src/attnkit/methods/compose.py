@@ -134,6 +134,12 @@ class Compose(Method):
     def planned_slots(self, ctx: LayerContext) -> int:
         return self._cache.planned_slots(_cache_part(ctx))
 
+    def allocate_layer(self, ctx: LayerContext, k, slots: int, ring: bool):
+        return self._cache.allocate_layer(_cache_part(ctx), k, slots, ring)
+
+    def rewrites_stored_keys(self) -> bool:
+        return self._cache.rewrites_stored_keys()
+
     def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
         self._cache.keep_rows([s.cache for s in layer_states], session_state.cache, rows)
         self._prefill.keep_rows([s.prefill for s in layer_states], session_state.prefill, rows)

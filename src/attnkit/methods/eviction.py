@@ -201,7 +201,7 @@ class EvictionMethod(Method):
     # ---- the flow ----------------------------------------------------------------------------------
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         scorer = self.prefill_scorer(ctx) if self.evicts(ctx) else None
-        if (scorer is not None and type(ctx.session.method).prefill_output is Method.prefill_output
+        if (scorer is not None and ctx.session.method.dense_prefill_output()
                 and one_pass_pays(q.device, ctx.kv.length + q.shape[2])):
             # the prompt's output is plain dense attention: computed with the statistic, in one pass
             ctx.kv.append(k, v, ctx.q_pos)
@@ -261,7 +261,7 @@ class EvictionMethod(Method):
         kv = ctx.kv
         buf = kv.extras.get(name)
         if buf is None:
-            buf = kv.extras[name] = torch.zeros(kv.keys.shape[:3], dtype=torch.float32, device=kv.keys.device)
+            buf = kv.extras[name] = torch.zeros(kv.positions.shape, dtype=torch.float32, device=kv.positions.device)
         return buf
 
     @staticmethod

@@ -121,7 +121,7 @@ class Keyformer(RecentWindowEviction):
 
     # ---- the score f (eq. 9) ---------------------------------------------------------------------------
     def _weights(self, ctx: LayerContext, tau: float, decoding: bool = False):
-        kv_heads = ctx.kv.keys.shape[1]
+        kv_heads = ctx.kv.positions.shape[1]
 
         def f(logits: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
             # overwrites `logits` (a fresh tensor): y = x + zeta (eq. 4; masked logits stay -inf), then eq. 9
@@ -145,7 +145,7 @@ class Keyformer(RecentWindowEviction):
         if tau == 1.0 and self.noise in ("none", "constant"):
             return None  # a constant added to every logit leaves the softmax unchanged
         if tau == 1.0 and self.noise == "gumbel":
-            kv_heads = ctx.kv.keys.shape[1]
+            kv_heads = ctx.kv.positions.shape[1]
 
             def f(logits: torch.Tensor, probs: torch.Tensor, q_pos, k_pos) -> torch.Tensor:
                 # softmax(x + zeta) = p * exp(zeta) / sum(p * exp(zeta)): no second softmax
@@ -168,7 +168,7 @@ class Keyformer(RecentWindowEviction):
         """This generation's :class:`DecodeNoise` (one for all layers)."""
         run = ctx.session_state
         if run.noise is None:
-            run.noise = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads, ctx.kv.keys.device)
+            run.noise = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads, ctx.kv.positions.device)
         return run.noise
 
     def _shared(self, ctx: LayerContext) -> KeyformerRun:
@@ -176,7 +176,7 @@ class Keyformer(RecentWindowEviction):
         run = ctx.session_state
         if run.score is None:
             s = ctx.session
-            b, device = ctx.kv.keys.shape[0], ctx.kv.keys.device
+            b, device = ctx.kv.positions.shape[0], ctx.kv.positions.device
             size = s.prompt_len + s.max_new_tokens
             run.score = torch.zeros(b, size, dtype=torch.float32, device=device)
             run.pending = torch.zeros(b, size, dtype=torch.float32, device=device)

@@ -2,8 +2,11 @@
 
 A spec names a registered method and its parameters: ``"window:window=1024"``,
 ``"snapkv:budget=0.3,window=32"``; ``"PREFILL+CACHE"`` joins two specs into the ``compose`` method
-(``"minference+snapkv:budget=0.3"``). Values in a spec are strings, converted here to each dataclass
-field's type (a per-layer list is written ``512/256/256``). Python callers pass typed values.
+(``"minference+snapkv:budget=0.3"``). A quantizer (a method whose class says ``quantizer = True``: ``kivi``)
+may come last, once, and then holds the cache of everything before it: ``"snapkv:budget=0.3+kivi:bits=4"``,
+``"minference+snapkv:budget=0.3+kivi"`` (``+`` reads "and then"; the quantizer is recognised by its name, so
+the grammar stays one list of specs joined by ``+``). Values in a spec are strings, converted here to each
+dataclass field's type (a per-layer list is written ``512/256/256``). Python callers pass typed values.
 """
 
 from __future__ import annotations
@@ -104,6 +107,11 @@ def method_from_dict(data, source: str = "recipe"):
 _JOIN = re.compile(r"\+(?=\s*[A-Za-z_]\w*\s*(?::|,|\+|$))")  # "+" before a method name
 
 
+def is_quantizer(name: str) -> bool:
+    """Whether `name` is a registered quantizer (a trailing ``+NAME`` part wraps the cache before it)."""
+    return bool(getattr(METHODS.get(name), "quantizer", False))
+
+
 def join_parts(spec: str) -> list[str]:
     """The method specs a ``PREFILL+CACHE`` spec joins (one item for a single method)."""
     return [p.strip() for p in _JOIN.split(spec)]
@@ -115,7 +123,7 @@ def split_method_spec(spec: str) -> list[tuple[str, dict[str, str]]]:
     if not isinstance(spec, str) or not spec.strip():
         raise AttnkitError(f"a method spec is a non-empty string like 'window:window=512', got {spec!r}")
     parts = join_parts(spec)
-    if len(parts) > 2 or not all(parts):
+    if not all(parts):
         raise AttnkitError(f"method spec {spec!r}: 'PREFILL+CACHE' joins exactly two method specs")
     out = []
     for part in parts:
@@ -127,6 +135,13 @@ def split_method_spec(spec: str) -> list[tuple[str, dict[str, str]]]:
                 raise AttnkitError(f"method spec {spec!r}: expected key=value, got {item!r}")
             params[key.strip()] = value.strip()
         out.append((name.strip(), params))
+    quantizers = [i for i, (name, _) in enumerate(out) if is_quantizer(name)]
+    if quantizers and quantizers != [len(out) - 1]:
+        raise AttnkitError(f"method spec {spec!r}: a quantizer ({out[quantizers[0]][0]}) comes last, once: "
+                           f"'CACHE+{out[quantizers[0]][0]}' or 'PREFILL+CACHE+{out[quantizers[0]][0]}'")
+    if len(out) - (1 if quantizers and len(out) > 1 else 0) > 2:
+        raise AttnkitError(f"method spec {spec!r}: 'PREFILL+CACHE' joins exactly two method specs (a quantizer "
+                           f"such as kivi may follow them)")
     return out
 
 
@@ -134,11 +149,17 @@ def parse_method_spec(spec: str):
     """``"window:window=1024"`` or ``"window:window=1024,foo=bar"`` -> a method instance.
 
     ``"PREFILL+CACHE"`` (two specs joined by ``+``, e.g. ``"minference:config=p.json+snapkv:budget=0.3"``)
-    is the ``compose`` method: prefill outputs from the first, the KV cache policy of the second.
+    is the ``compose`` method: prefill outputs from the first, the KV cache policy of the second. A trailing
+    quantizer part (``"...+kivi:bits=4"``) holds the cache of what precedes it.
     """
     parts = split_method_spec(spec)
+    texts = join_parts(spec)
+    if len(parts) > 1 and is_quantizer(parts[-1][0]):
+        name, params = parts[-1]
+        if "cache" in params:
+            raise AttnkitError(f"method spec {spec!r}: {name} holds the cache of what precedes it; drop cache=")
+        return make_method(name, cache="+".join(texts[:-1]), **params)
     if len(parts) > 1:
-        texts = join_parts(spec)
         return make_method("compose", prefill=texts[0], cache=texts[1])
     name, params = parts[0]
     return make_method(name, **params)

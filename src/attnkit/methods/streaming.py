@@ -70,6 +70,9 @@ class Streaming(EvictionMethod):
     def budget_floor(self) -> int:
         return self.sinks
 
+    def rewrites_stored_keys(self) -> bool:
+        return self.positions == "reindex" and self.sinks > 0  # the sinks' keys are re-rotated every step
+
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return ctx.kv.view()[2]  # newer is kept first
 

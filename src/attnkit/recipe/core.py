@@ -14,6 +14,10 @@ each part is a method spec string or ``{"method": NAME, "params": {...}}``)::
 
 ``heads`` (head sharing) and ``select`` (token selection) name a method the same way; today the
 ``compose`` mechanism joins a prefill method and a cache method only, so either stands alone.
+``quantize`` names a quantizer (``kivi``) that holds the cache of whatever the other parts build (the spec's
+trailing ``+kivi:...`` part)::
+
+    {"cache": "snapkv:budget=0.3", "quantize": {"method": "kivi", "params": {"bits": 4, "residual": 128, "group": 32}}}
 ``decode`` is speculative decoding (:func:`attnkit.speculative_generate`): ``speculate`` is
 ``draft_model``, ``prompt_lookup`` or ``self``, with ``gamma``, ``adaptive_gamma``, ``max_gamma``,
 ``draft`` (the draft's spec, as ``--draft``), ``draft_lookup`` (as ``--draft-lookup``),
@@ -35,7 +39,7 @@ from pathlib import Path
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
-from attnkit.methods.spec import make_method, method_from_dict, split_method_spec
+from attnkit.methods.spec import is_quantizer, make_method, method_from_dict, split_method_spec
 from attnkit.recipe import budget as budgets
 from attnkit.recipe.peer import PREFIX as PEER_PREFIX
 from attnkit.recipe.peer import check_press_name, parse_peer_spec, require_kvpress
@@ -43,7 +47,8 @@ from attnkit.runner import generate
 from attnkit.speculative import SpeculativeConfig, speculative_generate
 
 RECIPE_KEYS = ("method", "params", "name", "description")
-PART_ROLES = ("prefill", "cache", "heads", "select")
+PART_ROLES = ("prefill", "cache", "heads", "select", "quantize")
+ATTENTION_ROLES = PART_ROLES[:-1]  # the parts a quantizer may hold the cache of
 ALL_RECIPE_KEYS = RECIPE_KEYS + PART_ROLES + ("decode", "kvpress")
 
 
@@ -119,8 +124,9 @@ class Recipe:
             require_kvpress()
             return cls(peer=(press, params), name=spec, source=source)
         parts = split_method_spec(spec)
-        roles = ("method",) if len(parts) == 1 else ("prefill", "cache")
-        recipe = cls(dict(zip(roles, parts)), name=spec, source=source)
+        quantize = len(parts) > 1 and is_quantizer(parts[-1][0])
+        roles = ("method",) if len(parts) - quantize == 1 else ("prefill", "cache")
+        recipe = cls(dict(zip(roles + ("quantize",) * quantize, parts)), name=spec, source=source)
         recipe.check()
         return recipe
 
@@ -147,13 +153,15 @@ class Recipe:
             require_kvpress()
             return cls(peer=(press, dict(params)), name=name or _spec_text(PEER_PREFIX + press, params),
                        description=description, source=source)
-        given = [r for r in PART_ROLES if data.get(r) is not None]
+        given = [r for r in ATTENTION_ROLES if data.get(r) is not None]
         parts: dict[str, tuple[str, dict]] = {}
+        if data.get("quantize") is not None:
+            parts["quantize"] = _parse_part(data["quantize"], f"{source}: quantize")
         if data.get("method") is not None or not given:
             if given:
                 raise AttnkitError(f"{source}: give either 'method' (one method) or the parts "
-                                   f"{', '.join(PART_ROLES)}, not both")
-            if not isinstance(data.get("method"), str) and data.get("decode") is None:
+                                   f"{', '.join(ATTENTION_ROLES)}, not both")
+            if not isinstance(data.get("method"), str) and data.get("decode") is None and not parts:
                 raise AttnkitError(f"{source}: 'method' must be a method name (see `attnkit methods`), or give "
                                    f"the parts {', '.join(PART_ROLES)} / 'decode' / 'kvpress'")
             if data.get("method") is not None:
@@ -178,10 +186,8 @@ class Recipe:
             return self.name
         if self.peer is not None:
             return _spec_text(PEER_PREFIX + self.peer[0], self.peer[1])
-        if "method" in self.parts:
-            attn = _spec_text(*self.parts["method"])
-        else:
-            attn = "+".join(_spec_text(*self.parts[r]) for r in PART_ROLES if r in self.parts) or "full"
+        roles = ("method",) + PART_ROLES
+        attn = "+".join(_spec_text(*self.parts[r]) for r in roles if r in self.parts) or "full"
         if self.decode is None:
             return attn
         mapping = self.decode.to_mapping()
@@ -229,10 +235,12 @@ class Recipe:
                 raise AttnkitError(f"{self.source}: speculative decoding verifies with full attention; drop the "
                                    f"attention part(s) {', '.join(_spec_text(*p) for p in attn)} (for "
                                    f"self-speculation give the draft's cache method as decode.draft)")
-        roles = set(self.parts)
+        roles = set(self.parts) - {"quantize"}
         if len(roles & set(PART_ROLES)) > 1 and roles != {"prefill", "cache"}:
             raise AttnkitError(f"{self.source}: parts {', '.join(sorted(roles))} cannot be combined: compose joins "
                                f"one 'prefill' method and one 'cache' method; 'heads' and 'select' stand alone")
+        if "quantize" in self.parts and not is_quantizer(self.parts["quantize"][0]):
+            raise AttnkitError(f"{self.source}: 'quantize' names a quantizer (kivi), got {self.parts['quantize'][0]!r}")
         probe = self.with_budget(0.5, 1024) if self.takes_budget() else self
         probe._build()
 
@@ -240,13 +248,23 @@ class Recipe:
         if self.peer is not None:
             raise AttnkitError(f"recipe {self.label!r} is a kvpress press; it runs in kvpress's environment "
                                f"(attnkit.eval.peers), not as an attnkit method")
-        if not self.parts:
-            return make_method("full")
-        if set(self.parts) == {"prefill", "cache"}:
-            (pn, pp), (cn, cp) = self.parts["prefill"], self.parts["cache"]
-            return make_method("compose", prefill={"method": pn, "params": pp}, cache={"method": cn, "params": cp})
-        ((name, params),) = self.parts.values()
-        return make_method(name, **params)
+        parts = {role: part for role, part in self.parts.items() if role != "quantize"}
+        if not parts:
+            inner = {"method": "full", "params": {}}
+        elif set(parts) == {"prefill", "cache"}:
+            (pn, pp), (cn, cp) = parts["prefill"], parts["cache"]
+            inner = {"method": "compose", "params": {"prefill": {"method": pn, "params": pp},
+                                                     "cache": {"method": cn, "params": cp}}}
+        else:
+            ((name, params),) = parts.values()
+            inner = {"method": name, "params": params}
+        if "quantize" in self.parts:
+            name, params = self.parts["quantize"]
+            if "cache" in params:
+                raise AttnkitError(f"{self.source}: the quantizer {name} holds the cache of the other parts; drop its "
+                                   f"'cache' parameter")
+            return make_method(name, **params, cache=inner)
+        return make_method(inner["method"], **inner["params"])
 
     def method(self) -> Method:
         """The attention method (``full`` for a recipe that only sets the decoding strategy), built once."""

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.cache import LayerKV
 from attnkit.errors import AttnkitError
 from attnkit.session import Session, Step
 
@@ -57,13 +56,7 @@ class SessionSnapshot:
 def snapshot_session(session: Session) -> SessionSnapshot:
     """Everything a method may change while decoding: every layer's slots (keys, values, positions,
     length, extras) and the per-layer and shared method state."""
-    layers = []
-    for kv in session.cache.layers:
-        if kv is None:
-            layers.append(None)
-        else:
-            layers.append(LayerKV(kv.keys.clone(), kv.values.clone(), kv.positions.clone(), kv.length, kv.ring,
-                                  {k: v.clone() for k, v in kv.extras.items()}))
+    layers = [None if kv is None else kv.clone() for kv in session.cache.layers]
     return SessionSnapshot(layers, _copy_state(session.layer_state), _copy_state(session.state))
 
 

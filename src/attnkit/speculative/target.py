@@ -72,6 +72,9 @@ class _OutputDiscarded(Method):
     def layer_capacity(self, ctx):
         return self.inner.layer_capacity(ctx)
 
+    def allocate_layer(self, ctx, k, slots, ring):
+        return self.inner.allocate_layer(ctx, k, slots, ring)
+
     def prefill_attention(self, ctx, q, k, v):
         return self.inner.prefill_attention(ctx, q, k, v)
 
