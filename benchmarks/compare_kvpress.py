@@ -95,27 +95,33 @@ def pad_counting_pool():
         snapkv_module.avg_or_max_pool = original
 
 
-def _held(session) -> dict[str, list[list[int]]]:
-    out = {}
-    for i, layer in enumerate(session.cache.layers):
-        pos = layer.view()[2][0]
-        out[str(i)] = [sorted(p.tolist()) for p in pos]
-    return out
+def _by_head(layer, kv_heads: int) -> list[list[int]]:
+    """Row 0's positions per kv head, sorted (a head-adaptive layer is flat: each slot's kv head in its extras)."""
+    pos = layer.view()[2][0]
+    if "head" not in layer.extras:
+        return [sorted(p.tolist()) for p in pos]
+    heads = layer.extras["head"][0, 0, :layer.length].tolist()
+    return [sorted(p for p, h in zip(pos[0].tolist(), heads) if h == head) for head in range(kv_heads)]
+
+
+def _held(session, kv_heads: int) -> dict[str, list[list[int]]]:
+    return {str(i): _by_head(layer, kv_heads) for i, layer in enumerate(session.cache.layers)}
 
 
 class AttendedTrace:
     """`method` as the session's method, recording per layer the positions a decode step attended to, before
     ``after_decode`` (which may re-compress the layer: ``decode_every``); everything else is the method's own."""
 
-    def __init__(self, method):
+    def __init__(self, method, kv_heads: int):
         self._method = method
+        self._kv_heads = kv_heads
         self.step: dict[str, list[list[int]]] = {}
 
     def __getattr__(self, name):
         return getattr(self._method, name)
 
     def after_decode(self, ctx) -> None:
-        self.step[str(ctx.index)] = [sorted(p.tolist()) for p in ctx.kv.view()[2][0]]
+        self.step[str(ctx.index)] = _by_head(ctx.kv, self._kv_heads)
         self._method.after_decode(ctx)
 
 
@@ -135,10 +141,11 @@ def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: 
                     "cpu_s": time.process_time() - c0}
         x = torch.tensor(ids)
         n = len(ids)
-        traced = AttendedTrace(method)
+        kv_heads = model.geometry.n_kv_heads
+        traced = AttendedTrace(method, kv_heads)
         session = new_session(model, traced, n, new_tokens)
         logits = logits_of(model, prefill(model, session, x))[-1]
-        after_prefill = _held(session)
+        after_prefill = _held(session, kv_heads)
         tokens, all_logits, attended = [int(logits.argmax())], [logits.tolist()], []
         for i in range(1, new_tokens):
             hidden = forward(model, torch.tensor([tokens[-1]]), n + i - 1, lambda pos: Step(session, "decode", pos))
@@ -278,10 +285,49 @@ def decoding_press(press: str, prefill_ratio: float, every: int, target: int) ->
                                                                "target_size": target}}}}
 
 
+def ratio_pruning(total: int, pruned: int) -> float:
+    """A compression_ratio r with int(total * r) == pruned (how KVzipPress counts the entries a layer drops)."""
+    r = pruned / total
+    for _ in range(64):
+        got = int(total * r)
+        if got == pruned:
+            return r
+        r = math.nextafter(r, math.inf if got < pruned else -math.inf)
+    raise SystemExit(f"no compression_ratio prunes exactly {pruned} of {total}")
+
+
+def kvzip_cases(pair, name: str, n: int, keep: int, args) -> None:
+    """kvzip's rows: ``kvzip(budget_tokens=keep, head_budgets=adaptive, alpha_safeguard=0)`` against ``KVzipPress(
+    layerwise=True)`` pruning the layer's ``kv x (n - keep)`` lowest scores across its kv heads (equal by design),
+    and, as a diagnostic, against kvpress's default ``layerwise=False`` (the lowest scores of the whole model:
+    layers keep different counts, which attnkit's per-layer budgets do not do)."""
+    kv = args.kv_heads
+    params = {"budget_tokens": keep, "head_budgets": "adaptive", "alpha_safeguard": 0.0, "n_sink": args.n_sink,
+              "chunk_size": args.kvzip_chunk}
+    press = {"n_sink": args.n_sink, "chunk_size": args.kvzip_chunk}
+    ratio = ratio_pruning(kv * n, kv * (n - keep))
+    a_id = f"{name}/kvzip"
+    pair("kvzip", a_id, {"method": "kvzip", "params": params}, f"{name}/kvzip-layerwise",
+         {"press": {"kind": "class", "name": "KVzipPress", "masked_keys": True, "compression_ratio": ratio,
+                    "params": dict(press, compression_ratio=ratio, layerwise=True)}},
+         "attnkit head_budgets=adaptive,alpha_safeguard=0; kvpress layerwise=True")
+    if not args.diagnose:
+        return
+    pair("kvzip vs layerwise=False", a_id, {"method": "kvzip", "params": params}, f"{name}/kvzip-global",
+         {"diagnostic": True,
+          "press": {"kind": "class", "name": "KVzipPress", "masked_keys": True, "compression_ratio": ratio,
+                    "params": dict(press, compression_ratio=ratio, layerwise=False)}},
+         "diagnostic: kvpress's default ranks across layers, attnkit keeps kv x B per layer")
+
+
 def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
-    """The rows of knorm, keydiff, tova and expected_attention (``--scorers``), and of ``decode_every`` (``--decode-every``) for the
-    prompt `name` of `n` tokens, `keep` of them kept; ``pair`` adds a row (see :func:`build_cases`)."""
+    """The rows of knorm, keydiff, tova, expected_attention and kvzip (``--scorers``), and of ``decode_every``
+    (``--decode-every``) for the prompt `name` of `n` tokens, `keep` of them kept; ``pair`` adds a row (see
+    :func:`build_cases`)."""
     for method in filter(None, args.scorers.split(",")):
+        if method == "kvzip":
+            kvzip_cases(pair, name, n, keep, args)
+            continue
         press = PRESSES[method]
         k_case = {"press": {"kind": "class", "name": press, "params": {"compression_ratio": args.compression_ratio},
                             "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep}}
@@ -458,7 +504,10 @@ def main(argv=None) -> int:
     p.add_argument("--compression-ratio", type=float, default=0.75)
     p.add_argument("--n-sink", type=int, default=4)
     p.add_argument("--snapkv", default="64:5,32:7", help="window_size:kernel_size sets, comma-separated")
-    p.add_argument("--scorers", default=",".join(PRESSES), help=f"of {', '.join(PRESSES)} (empty: none)")
+    p.add_argument("--scorers", default=",".join(PRESSES) + ",kvzip",
+                   help=f"of {', '.join(PRESSES)}, kvzip (empty: none)")
+    p.add_argument("--kvzip-chunk", type=int, default=2048, help="kvzip's chunk_size (context tokens per "
+                   "reconstruction forward), the same on both sides")
     p.add_argument("--decode-every", default="1,4", help="decode_every values for knorm and keydiff (empty: none)")
     p.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the diagnostic rows (snapkv +pad, streaming-rolling +sorted)")
@@ -484,6 +533,7 @@ def main(argv=None) -> int:
         model = load_model(args.model, context=max(lens) + args.new_tokens)
     else:
         model = load_model(args.model)
+    args.kv_heads = model.geometry.n_kv_heads
     prompts = make_prompts(model, lens, kinds, args.seed)
     rows, ours, theirs = build_cases(prompts, args)
     warmup = min((ids for _, ids in prompts), key=len)  # a full-size warm-up generation (4 tokens), untimed

@@ -30,7 +30,8 @@ UNLIMITED = [
     "knorm:budget_tokens=400", "keydiff:budget_tokens=400,decode_every=2", "tova:budget_tokens=400",
     "snapkv:budget_tokens=400,window_size=8,decode_every=3",
     "expected_attention:budget_tokens=400", "expected_attention:budget_tokens=400,decode_every=2",
-    "knorm:budget_tokens=400,head_budgets=adaptive",
+    "knorm:budget_tokens=400,head_budgets=adaptive", "kvzip:budget_tokens=400",
+    "kvzip:budget_tokens=400,head_budgets=adaptive",
 ]
 SMALL_BUDGET = [
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
@@ -45,6 +46,8 @@ SMALL_BUDGET = [
     "expected_attention:budget_tokens=32", "expected_attention:budget=0.3,decode_every=3",
     "snapkv:budget_tokens=40,window_size=8,head_budgets=adaptive", "knorm:budget_tokens=32,head_budgets=adaptive",
     "keydiff:budget=0.3,head_budgets=adaptive", "expected_attention:budget_tokens=32,head_budgets=adaptive",
+    "kvzip:budget_tokens=32", "kvzip:budget=0.3,chunk_size=48",
+    "kvzip:budget_tokens=32,chunk_size=64,head_budgets=adaptive,alpha_safeguard=0",
 ]
 
 
@@ -110,13 +113,15 @@ def test_small_budget_batch_equals_alone(models, spec):
                                   "tova:budget_tokens=32", "knorm:budget_tokens=32",
                                   "keydiff:budget_tokens=32,decode_every=3",
                                   "snapkv:budget_tokens=40,window_size=8,decode_every=2",
-                                  "expected_attention:budget_tokens=32,decode_every=2"])
+                                  "expected_attention:budget_tokens=32,decode_every=2",
+                                  "kvzip:budget_tokens=32,chunk_size=64"])
 def test_other_architectures(models, arch, spec):
     assert_batch_equals_alone(models[arch], spec)
 
 
 def test_chunked_prefill_and_sampling_batch_equal_alone(models):
     assert_batch_equals_alone(models["llama"], "h2o:budget_tokens=32", chunk_size=40)
+    assert_batch_equals_alone(models["llama"], "kvzip:budget_tokens=32,chunk_size=64", chunk_size=40)
     model = models["llama"]
     batch = attnkit.generate(model, prompts(), "h2o", params={"budget_tokens": 32}, max_new_tokens=NEW,
                              stop_at_eos=False, do_sample=True, seed=7, temperature=1.3)
@@ -140,7 +145,7 @@ def test_a_finished_row_leaves_its_session_and_the_others_go_on(models):
     model = models["llama"]
     for spec in ("h2o:budget_tokens=32", "keyformer:score=shared,budget_tokens=32", "snapkv:budget_tokens=40,window_size=8",
                  "snapkv:budget_tokens=40,window_size=8,decode_every=3", "tova:budget_tokens=32",
-                 "expected_attention:budget_tokens=32,decode_every=3"):
+                 "expected_attention:budget_tokens=32,decode_every=3", "kvzip:budget_tokens=32,chunk_size=40"):
         method = parse_method_spec(spec)
         ids = torch.stack([random_ids(90, seed=s) for s in (1, 2, 3)])
         session = new_session(model, method, 90, 12, rows=3)

@@ -14,6 +14,7 @@ from attnkit.methods.h2o import H2O
 from attnkit.methods.keydiff import KeyDiff
 from attnkit.methods.keyformer import Keyformer
 from attnkit.methods.knorm import KNorm
+from attnkit.methods.kvzip import KVzip
 from attnkit.methods.minference import MInference, MInferenceStatic
 from attnkit.methods.select import Select
 from attnkit.methods.share import Share
@@ -24,5 +25,5 @@ from attnkit.methods.tova import TOVA
 from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "ExpectedAttention", "Full",
-           "GemFilter", "H2O", "KeyDiff", "Keyformer", "KNorm", "MInference", "MInferenceStatic", "Select", "Share",
+           "GemFilter", "H2O", "KeyDiff", "Keyformer", "KNorm", "KVzip", "MInference", "MInferenceStatic", "Select", "Share",
            "SnapKV", "Streaming", "TOVA", "Window"]
