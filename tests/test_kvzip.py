@@ -14,8 +14,16 @@ import attnkit
 from attnkit import AttnkitError
 from attnkit.forward import logits_of, prefill
 from attnkit.hf_cache import AttnkitCache
+from attnkit.methods import kvzip as kvzip_module
 from attnkit.methods.full import Full
-from attnkit.methods.kvzip import ANSWER_PREFIX, CONTINUE_PROMPT, OVERLAP, REPEAT_PROMPT, KVzip
+from attnkit.methods.kvzip import (
+    ANSWER_PREFIX,
+    CONTINUE_PROMPT,
+    OVERLAP,
+    REPEAT_PROMPT,
+    KVzip,
+    reconstruction_attention,
+)
 from attnkit.methods.spec import parse_method_spec
 from attnkit.sampling import SamplingConfig
 from attnkit.session import layer_contexts, new_session
@@ -117,6 +125,39 @@ def reference_scores(q, k_ctx, k_own, start, end, n_sink, window, scaling):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("outlier", [0.0, 400.0])
+def test_reconstruction_attention_on_hand_made_tensors(window, outlier, one_pass):
+    """One layer's reconstruction attention against dense float64: the output over every visible key, and the score
+    of the chunk over the sinks, the chunk and the own keys; a key outside the scored ones with a logit far above
+    theirs (`outlier`: their float32 exponentials shifted by the row's maximum would vanish) changes nothing."""
+    n, m, start, end, sink, d = 70, 37, 32, 64, 4, 8
+    g = torch.Generator().manual_seed(7)
+    q, keys, values = (torch.randn(1, 4, m, d, generator=g), torch.randn(1, 2, n + m, d, generator=g),
+                       torch.randn(1, 2, n + m, d, generator=g))
+    common = torch.randn(d, generator=g)
+    q += 2 * common  # the queries share a direction, which key 10 (neither a sink nor in the chunk) may point along
+    keys[:, :, 10] = common * outlier / common.norm() ** 2
+    out, score = reconstruction_attention(q, keys, values, d ** -0.5, start, end, sink, window, one_pass)
+    q_pos, k_pos = torch.arange(n, n + m), torch.arange(n + m)
+    allowed = k_pos[None] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None] > q_pos[:, None] - window
+    scored = torch.zeros(n + m, dtype=torch.bool)
+    scored[:sink] = scored[start:end] = scored[n:] = True
+    for h in range(2):
+        kh, vh = keys[0, h].double(), values[0, h].double()
+        logits = torch.einsum("gid,jd->gij", q[0, 2 * h:2 * h + 2].double(), kh) * d ** -0.5
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
+        assert torch.allclose(out[0, 2 * h:2 * h + 2].double(), probs @ vh, atol=1e-5)
+        sub = torch.softmax(logits.masked_fill(~(allowed & scored), float("-inf")), -1)
+        want = sub[..., start:end].amax(dim=(0, 1))
+        assert torch.allclose(score[0, h].double(), want, rtol=1e-5, atol=1e-7), (score[0, h] - want).abs().max()
+    if outlier and window is None:
+        assert float(probs[..., 10].min()) > 0.99  # the outlier takes nearly all the output's attention
+
+
 def held(session, layer):
     return [sorted(row.tolist()) for row in session.cache.layers[layer].view()[2][0]]
 
@@ -134,10 +175,19 @@ def text_ids(model, words):
     return model.tokenizer(words, add_special_tokens=False).input_ids
 
 
+@pytest.fixture(params=["one pass", "two passes"])
+def path(request, monkeypatch):
+    """Both ways of computing a reconstruction forward: one pass over the logits, or SDPA plus a scoring pass (what
+    a long prompt takes on a CPU, forced here by a key limit of 0)."""
+    if request.param == "two passes":
+        monkeypatch.setattr(kvzip_module, "ONE_PASS_MAX_KEYS", {"cpu": 0, "default": 0})
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
 @pytest.mark.parametrize("spec", ["budget_tokens=40", "budget=0.3,chunk_size=48", "budget_tokens=30,n_sink=0",
                                   "budget_tokens=36,chunk_size=64,head_budgets=adaptive,alpha_safeguard=0"])
-def test_scores_and_kept_positions_equal_the_formula(models, arch, spec):
+def test_scores_and_kept_positions_equal_the_formula(models, arch, spec, path):
     model, n = models[arch], 130
     ids = random_ids(n, seed=21)
     method = ScoreRecorder(**parse_method_spec("kvzip:" + spec).params())

@@ -51,7 +51,7 @@ from attnkit.attention import attend
 from attnkit.errors import AttnkitError
 from attnkit.forward import run_decoder_layers
 from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
-from attnkit.methods.scoring import SCORE_BLOCK_ELEMENTS, visible
+from attnkit.methods.scoring import MIN_BLOCK_QUERIES, SCORE_BLOCK_ELEMENTS, visible
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext, Session, Step, layer_contexts
 from attnkit.validate import whole
@@ -60,6 +60,14 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 ANSWER_PREFIX = "\n"
 OVERLAP = 8  # tokens of the previous chunk that start a later chunk's reconstruction input
+# Most keys (the prompt and the reconstruction input) for which one pass computes a reconstruction forward's output
+# and score, by device type (None: no limit). Each block of the one pass reads every key it sees; on a CPU, past
+# about this many, SDPA's fused kernel for the output plus a pass over the scored keys alone is faster
+# (benchmarks/bench_scoring.py; docs/benchmarks.md).
+ONE_PASS_MAX_KEYS = {"cpu": 12288, "default": None}
+# Below this sum of the scored keys' exponentials (shifted by the row's maximum) they are recomputed, shifted by their
+# own maximum: theirs is then at least ~57 below the row's, near where float32 exponentials turn subnormal (~87).
+UNDERFLOW = 1e-25
 
 
 @dataclass
@@ -106,6 +114,78 @@ def max_attention(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos: to
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         best = torch.maximum(best, (logits[..., columns] - lse).amax(dim=(2, 3)))
     return best.exp_()
+
+
+def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, start: int,
+                             end: int, sink: int, window: int | None = None,
+                             one_pass: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One reconstruction forward's attention in one layer, and its score.
+
+    `q` ``[b, hq, m, d]`` are the input's queries at positions ``n..n+m-1``; `keys`/`values` ``[b, kv, n+m, d]`` hold
+    the prompt (positions ``0..n-1``, in order) and then the input's own entries. Returns the attention output
+    ``[b, hq, m, d]`` (causal by position, within `window`) and the score of prompt positions ``start..end-1``
+    ``[b, kv, end-start]`` (float32): the maximum over the queries and the query heads of each kv group of the same
+    logits' softmax over the scored keys only (the sinks ``0..sink-1``, the chunk ``start..end-1`` and the own keys).
+    `one_pass` (None: up to :data:`ONE_PASS_MAX_KEYS` keys) computes both in one pass over the logits; otherwise the
+    output comes from SDPA's fused kernel (:func:`attnkit.attention.attend`) and the score from a second pass over
+    the scored keys (:func:`max_attention`)."""
+    total = keys.shape[2]
+    if one_pass is None:
+        limit = ONE_PASS_MAX_KEYS.get(q.device.type, ONE_PASS_MAX_KEYS["default"])
+        one_pass = limit is None or total <= limit
+    if one_pass:
+        return one_pass_reconstruction(q, keys, values, scaling, start, end, sink, window)
+    n = total - q.shape[2]
+    positions = torch.arange(total, device=q.device)
+    out = attend(q, keys, values, scaling, positions[n:], positions, window)
+    if end <= start:  # nothing to score
+        return out, torch.zeros(keys.shape[:2] + (0,), dtype=torch.float32, device=q.device)
+    scored = torch.cat([positions[:sink], positions[start:end], positions[n:]])
+    return out, max_attention(q, keys[:, :, scored], scaling, positions[n:], scored, slice(sink, sink + end - start),
+                              window)
+
+
+def one_pass_reconstruction(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, start: int,
+                            end: int, sink: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reconstruction_attention` in one pass per block of queries (at most :data:`SCORE_BLOCK_ELEMENTS` query head x query x key entries): the
+    logits over the keys the block sees, their exponentials, the output from their full normalisation and the score
+    from their normalisation over the scored keys (recomputed with the scored keys' own maximum where the row's
+    maximum lies so far above them that their exponentials lose precision, :data:`UNDERFLOW`)."""
+    b, hq, m, d = q.shape
+    kv, total = keys.shape[1], keys.shape[2]
+    n, g = total - m, hq // kv
+    limit = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
+    block = max(MIN_BLOCK_QUERIES, limit // max(1, b * hq * total))
+    grouped = q.reshape(b, kv, g, m, d)
+    out = torch.empty(b, kv, g, m, values.shape[-1], dtype=q.dtype, device=q.device)
+    best = torch.zeros(b, kv, end - start, dtype=torch.float32, device=q.device)
+    positions = torch.arange(total, device=q.device)
+    for s in range(0, m, block):
+        e = min(m, s + block)
+        lo, hi = (0 if window is None else max(0, n + s - window + 1)), n + e  # the keys this block sees
+        qb = grouped[:, :, :, s:e].reshape(b, kv, g * (e - s), d)
+        logits = torch.matmul(qb, keys[:, :, lo:hi].transpose(-1, -2)).float().mul_(scaling)
+        logits = logits.view(b, kv, g, e - s, hi - lo)
+        q_pos = positions[n + s:n + e]
+        # only the block's own newest keys (causal) and, with a window, its oldest ones can hide from a query
+        for a, z in {(max(lo, n + s), hi), (lo, min(hi, lo + e - s))} if window is not None else {(n + s, hi)}:
+            logits[..., a - lo:z - lo].masked_fill_(~visible(q_pos, positions[a:z], window), float("-inf"))
+        ex = (logits - logits.amax(-1, keepdim=True)).exp_()
+        parts = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in ((0, sink), (start, end), (n, total))]
+        parts = [(a, z) for a, z in parts if z > a]
+        c0, c1 = max(start, lo), min(end, hi)
+        if c1 > c0:  # the score: the exponentials normalised over the scored keys only
+            scored = ex
+            z_scored = sum(scored[..., a:z].sum(-1, keepdim=True) for a, z in parts)
+            if bool((z_scored < UNDERFLOW).any()):  # the scored keys' exponentials lose precision: shift again
+                scored_top = torch.stack([logits[..., a:z].amax(-1) for a, z in parts]).amax(0).unsqueeze(-1)
+                scored = (logits - scored_top).exp_()
+                z_scored = sum(scored[..., a:z].sum(-1, keepdim=True) for a, z in parts)
+            chunk = (scored[..., c0 - lo:c1 - lo] / z_scored).amax(dim=(2, 3))
+            best[..., c0 - start:c1 - start] = torch.maximum(best[..., c0 - start:c1 - start], chunk)
+        probs = ex.div_(ex.sum(-1, keepdim=True)).view(b, kv, g * (e - s), hi - lo)
+        out[:, :, :, s:e] = torch.matmul(probs.to(values.dtype), values[:, :, lo:hi]).view(b, kv, g, e - s, -1)
+    return out.view(b, hq, m, -1), best
 
 
 @register
@@ -180,21 +260,16 @@ class KVzip(PromptScorer):
         step = ctx.step
         if not isinstance(step, ReconstructionStep):  # the prompt: stored and attended in full
             return super().prefill_attention(ctx, q, k, v)
-        keys, values, positions = ctx.kv.view()  # the whole prompt (nothing is evicted before the last chunk)
-        k_pos = positions[0, 0]
-        own_pos = ctx.q_pos
-        out = attend(q, torch.cat([keys, k], 2), torch.cat([values, v], 2), ctx.scaling, own_pos,
-                     torch.cat([k_pos, own_pos]), ctx.native_window)
-        if self.evicts(ctx):
+        keys, values, _ = ctx.kv.view()  # the whole prompt, positions 0..n-1 in order (nothing evicted yet)
+        scores = self.evicts(ctx)  # a layer that keeps everything needs only the output (an empty chunk)
+        out, score = reconstruction_attention(q, torch.cat([keys, k], 2), torch.cat([values, v], 2), ctx.scaling,
+                                              step.start, step.end if scores else step.start,
+                                              min(self.n_sink, step.start), ctx.native_window)
+        if scores:
             st = ctx.state
             if st.score is None:
                 st.score = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
-            sink = min(self.n_sink, step.start)
-            scored = torch.cat([keys[:, :, :sink], keys[:, :, step.start:step.end], k], 2)
-            scored_pos = torch.cat([k_pos[:sink], k_pos[step.start:step.end], own_pos])
-            st.score[:, :, step.start:step.end] = max_attention(
-                q, scored, ctx.scaling, own_pos, scored_pos, slice(sink, sink + step.end - step.start),
-                ctx.native_window)
+            st.score[:, :, step.start:step.end] = score
         return out
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
