@@ -43,6 +43,13 @@ Parameter mapping (kvpress -> attnkit), exact:
   tova then drops one entry per step, so only the kept prompt positions must agree. "tova-rolling": against
   ``PrefillDecodingPress(TOVAPress(ratio keeping n - 1), DecodingPress(TOVAPress(), compression_interval=1,
   target_size=n - 1))``, attended sets equal at every step (as for streaming-rolling).
+- ``KVzipPress(compression_ratio=r, layerwise=True, n_sink, chunk_size)`` -> ``kvzip(budget_tokens=n,
+  head_budgets="adaptive", alpha_safeguard=0, n_sink, chunk_size)`` (``--kvzip-chunk``), ``r`` chosen so that
+  KVzipPress prunes ``int(kv_heads * L * r) = kv_heads * (L - n)`` entries per layer across its kv heads, as
+  attnkit's adaptive budget keeps ``kv_heads * n``; both append while decoding. "kvzip vs layerwise=False"
+  (diagnostic): against kvpress's default, which ranks the scores of all layers together (layers keep different
+  counts; attnkit's budgets are per layer, by design). KVzipPress masks evicted keys instead of removing them, so
+  its kept positions are read from ``masked_key_indices`` (see :mod:`attnkit.eval.kvpress_worker`).
 - "snapkv+pad": attnkit's SnapKV with the average pooling counting the zero padding
   (``count_include_pad=True``, as ``F.avg_pool1d`` does by default in kvpress and in the SnapKV paper's
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.

@@ -25,5 +25,5 @@ from attnkit.methods.tova import TOVA
 from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "ExpectedAttention", "Full",
-           "GemFilter", "H2O", "KeyDiff", "Keyformer", "KNorm", "KVzip", "MInference", "MInferenceStatic", "Select", "Share",
-           "SnapKV", "Streaming", "TOVA", "Window"]
+           "GemFilter", "H2O", "KeyDiff", "Keyformer", "KNorm", "KVzip", "MInference", "MInferenceStatic", "Select",
+           "Share", "SnapKV", "Streaming", "TOVA", "Window"]

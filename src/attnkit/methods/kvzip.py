@@ -147,10 +147,11 @@ def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
 
 def one_pass_reconstruction(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, start: int,
                             end: int, sink: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`reconstruction_attention` in one pass per block of queries (at most :data:`SCORE_BLOCK_ELEMENTS` query head x query x key entries): the
-    logits over the keys the block sees, their exponentials, the output from their full normalisation and the score
-    from their normalisation over the scored keys (recomputed with the scored keys' own maximum where the row's
-    maximum lies so far above them that their exponentials lose precision, :data:`UNDERFLOW`)."""
+    """:func:`reconstruction_attention` in one pass per block of queries (about :data:`SCORE_BLOCK_ELEMENTS` query
+    head x query x key entries): the logits over the keys the block sees, their exponentials, the output from their
+    full normalisation and the score from their normalisation over the scored keys (recomputed with the scored keys'
+    own maximum where the row's maximum lies so far above them that their exponentials lose precision,
+    :data:`UNDERFLOW`)."""
     b, hq, m, d = q.shape
     kv, total = keys.shape[1], keys.shape[2]
     n, g = total - m, hq // kv

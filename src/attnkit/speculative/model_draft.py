@@ -100,9 +100,9 @@ class ModelDraft(DraftSource):
 
     `share_prefill` (self-speculation only): build the draft cache from the target's prompt pass
     instead of a second pass over the prompt (not for a method that runs the decoder layers itself,
-    ``Method.run_layers``: the shared pass runs the target's layers, so such a draft prefills on its own). `weights` ``"int8"``: draft with weight-only int8 copies of
-    the drafting model's linear layers (:mod:`attnkit.speculative.int8_weights`; QuantSpec's idea), made
-    once per model and kept.
+    ``Method.run_layers``: the shared pass runs the target's layers, so such a draft prefills on its own).
+    `weights` ``"int8"``: draft with weight-only int8 copies of the drafting model's linear layers
+    (:mod:`attnkit.speculative.int8_weights`; QuantSpec's idea), made once per model and kept.
     """
 
     def __init__(self, model: LoadedModel | None = None, method: str | Method | None = "full", *,
