@@ -27,7 +27,7 @@ from attnkit.methods.kvzip import (
 from attnkit.methods.spec import parse_method_spec
 from attnkit.sampling import SamplingConfig
 from attnkit.session import layer_contexts, new_session
-from attnkit.speculative import DraftRun, ModelDraft
+from attnkit.speculative import DraftRun, ModelDraft, speculative_generate
 from helpers import per_token_bytes, random_ids
 
 torch.set_num_threads(1)
@@ -352,6 +352,11 @@ def test_a_self_draft_prefills_its_own_cache(models):
     with torch.inference_mode():
         shared = draft.start(DraftRun(model, random_ids(80, seed=4), 8, SamplingConfig(), None))
     assert shared is None and draft.session.cache.lengths() == [24] * model.geometry.n_layers
+    prompts = [random_ids(n, seed=i).tolist() for i, n in enumerate((100, 100, 70))]
+    plain = attnkit.generate(model, prompts, "full", max_new_tokens=NEW, stop_at_eos=False)
+    out = speculative_generate(model, prompts, "self", draft="kvzip:budget_tokens=24", gamma=3, max_new_tokens=NEW,
+                               stop_at_eos=False)
+    assert [o.token_ids for o in out] == [p.token_ids for p in plain]  # lossless, drafting from a kvzip cache
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
