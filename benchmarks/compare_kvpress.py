@@ -49,6 +49,13 @@ Parameter mapping (kvpress -> attnkit), exact:
   sinks and the recent window (fake keys at decode; the entries stay in memory) and appends every generated
   token; attnkit removes them and rolls the window while decoding. So the kept (kvpress: unmasked) prompt positions
   and the first decode step's attended sets must agree exactly, the later steps differ by design.
+- ``KVzipPress(compression_ratio=r, layerwise=True, n_sink, chunk_size)`` -> ``kvzip(budget_tokens=n,
+  head_budgets="adaptive", alpha_safeguard=0, n_sink, chunk_size)`` (``--kvzip-chunk``), ``r`` chosen so that
+  KVzipPress prunes ``int(kv_heads * L * r) = kv_heads * (L - n)`` entries per layer across its kv heads, as
+  attnkit's adaptive budget keeps ``kv_heads * n``; both append while decoding. "kvzip vs layerwise=False"
+  (diagnostic): against kvpress's default, which ranks the scores of all layers together (layers keep different
+  counts; attnkit's budgets are per layer, by design). KVzipPress masks evicted keys instead of removing them, so
+  its kept positions are read from ``masked_key_indices`` (see :mod:`attnkit.eval.kvpress_worker`).
 - "snapkv+pad": attnkit's SnapKV with the average pooling counting the zero padding
   (``count_include_pad=True``, as ``F.avg_pool1d`` does by default in kvpress and in the SnapKV paper's
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
@@ -308,10 +315,49 @@ def decoding_press(press: str, prefill_ratio: float, every: int, target: int) ->
                                                                "target_size": target}}}}
 
 
+def ratio_pruning(total: int, pruned: int) -> float:
+    """A compression_ratio r with int(total * r) == pruned (how KVzipPress counts the entries a layer drops)."""
+    r = pruned / total
+    for _ in range(64):
+        got = int(total * r)
+        if got == pruned:
+            return r
+        r = math.nextafter(r, math.inf if got < pruned else -math.inf)
+    raise SystemExit(f"no compression_ratio prunes exactly {pruned} of {total}")
+
+
+def kvzip_cases(pair, name: str, n: int, keep: int, args) -> None:
+    """kvzip's rows: ``kvzip(budget_tokens=keep, head_budgets=adaptive, alpha_safeguard=0)`` against ``KVzipPress(
+    layerwise=True)`` pruning the layer's ``kv x (n - keep)`` lowest scores across its kv heads (equal by design),
+    and, as a diagnostic, against kvpress's default ``layerwise=False`` (the lowest scores of the whole model:
+    layers keep different counts, which attnkit's per-layer budgets do not do)."""
+    kv = args.kv_heads
+    params = {"budget_tokens": keep, "head_budgets": "adaptive", "alpha_safeguard": 0.0, "n_sink": args.n_sink,
+              "chunk_size": args.kvzip_chunk}
+    press = {"n_sink": args.n_sink, "chunk_size": args.kvzip_chunk}
+    ratio = ratio_pruning(kv * n, kv * (n - keep))
+    a_id = f"{name}/kvzip"
+    pair("kvzip", a_id, {"method": "kvzip", "params": params}, f"{name}/kvzip-layerwise",
+         {"press": {"kind": "class", "name": "KVzipPress", "masked_keys": True, "compression_ratio": ratio,
+                    "params": dict(press, compression_ratio=ratio, layerwise=True)}},
+         "attnkit head_budgets=adaptive,alpha_safeguard=0; kvpress layerwise=True")
+    if not args.diagnose:
+        return
+    pair("kvzip vs layerwise=False", a_id, {"method": "kvzip", "params": params}, f"{name}/kvzip-global",
+         {"diagnostic": True,
+          "press": {"kind": "class", "name": "KVzipPress", "masked_keys": True, "compression_ratio": ratio,
+                    "params": dict(press, compression_ratio=ratio, layerwise=False)}},
+         "diagnostic: kvpress's default ranks across layers, attnkit keeps kv x B per layer")
+
+
 def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
-    """The rows of knorm, keydiff, tova and expected_attention (``--scorers``), and of ``decode_every`` (``--decode-every``) for the
-    prompt `name` of `n` tokens, `keep` of them kept; ``pair`` adds a row (see :func:`build_cases`)."""
+    """The rows of knorm, keydiff, tova, expected_attention and kvzip (``--scorers``), and of ``decode_every``
+    (``--decode-every``) for the prompt `name` of `n` tokens, `keep` of them kept; ``pair`` adds a row (see
+    :func:`build_cases`)."""
     for method in filter(None, args.scorers.split(",")):
+        if method == "kvzip":
+            kvzip_cases(pair, name, n, keep, args)
+            continue
         press = PRESSES[method]
         k_case = {"press": {"kind": "class", "name": press, "params": {"compression_ratio": args.compression_ratio},
                             "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep}}
@@ -489,7 +535,10 @@ def main(argv=None) -> int:
     p.add_argument("--compression-ratio", type=float, default=0.75)
     p.add_argument("--n-sink", type=int, default=4)
     p.add_argument("--snapkv", default="64:5,32:7", help="window_size:kernel_size sets, comma-separated")
-    p.add_argument("--scorers", default=",".join(PRESSES), help=f"of {', '.join(PRESSES)} (empty: none)")
+    p.add_argument("--scorers", default=",".join(PRESSES) + ",kvzip",
+                   help=f"of {', '.join(PRESSES)}, kvzip (empty: none)")
+    p.add_argument("--kvzip-chunk", type=int, default=2048, help="kvzip's chunk_size (context tokens per "
+                   "reconstruction forward), the same on both sides")
     p.add_argument("--duo", default="RS/SR:16:64",
                    help="duo_attention's head pattern (one R or S per kv head, layers separated by /), sinks and "
                         "recent window, PATTERN:SINKS:RECENT, against DuoAttentionPress (empty: none)")
@@ -518,6 +567,7 @@ def main(argv=None) -> int:
         model = load_model(args.model, context=max(lens) + args.new_tokens)
     else:
         model = load_model(args.model)
+    args.kv_heads = model.geometry.n_kv_heads
     prompts = make_prompts(model, lens, kinds, args.seed)
     rows, ours, theirs = build_cases(prompts, args)
     warmup = min((ids for _, ids in prompts), key=len)  # a full-size warm-up generation (4 tokens), untimed

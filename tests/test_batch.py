@@ -34,6 +34,7 @@ UNLIMITED = [
     "duo_attention:retrieval_ratio=1", "duo_attention:pattern=RS/SR,sinks=4,recent=400,prefill=streaming",
     "kivi:residual=1000", "snapkv:budget_tokens=400+kivi:bits=2,residual=1000",
     "minference:k_v=0,k_s=400+h2o:budget_tokens=400+kivi:residual=1000",
+    "kvzip:budget_tokens=400", "kvzip:budget_tokens=400,head_budgets=adaptive",
 ]
 SMALL_BUDGET = [
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
@@ -54,6 +55,8 @@ SMALL_BUDGET = [
     "streaming:budget_tokens=32+kivi:residual=8,group=8", "tova:budget=0.3+kivi:residual=8,group=8",
     "knorm:budget_tokens=32,head_budgets=adaptive+kivi:residual=8,group=8",
     "a_shape:n_init=16,n_local=32,block_size=16+snapkv:budget_tokens=40,window_size=8+kivi:bits=2,residual=8,group=8",
+    "kvzip:budget_tokens=32", "kvzip:budget=0.3,chunk_size=48",
+    "kvzip:budget_tokens=32,chunk_size=64,head_budgets=adaptive,alpha_safeguard=0",
 ]
 
 
@@ -127,13 +130,15 @@ def test_small_budget_batch_equals_alone(models, spec):
                                   "snapkv:budget_tokens=40,window_size=8,decode_every=2",
                                   "expected_attention:budget_tokens=32,decode_every=2",
                                   "duo_attention:pattern=RS/SR,sinks=4,recent=16",
-                                  "h2o:budget_tokens=32+kivi:bits=4,residual=8,group=8"])
+                                  "h2o:budget_tokens=32+kivi:bits=4,residual=8,group=8",
+                                  "kvzip:budget_tokens=32,chunk_size=64"])
 def test_other_architectures(models, arch, spec):
     assert_batch_equals_alone(models[arch], spec)
 
 
 def test_chunked_prefill_and_sampling_batch_equal_alone(models):
     assert_batch_equals_alone(models["llama"], "h2o:budget_tokens=32", chunk_size=40)
+    assert_batch_equals_alone(models["llama"], "kvzip:budget_tokens=32,chunk_size=64", chunk_size=40)
     model = models["llama"]
     batch = attnkit.generate(model, prompts(), "h2o", params={"budget_tokens": 32}, max_new_tokens=NEW,
                              stop_at_eos=False, do_sample=True, seed=7, temperature=1.3)
@@ -157,7 +162,8 @@ def test_a_finished_row_leaves_its_session_and_the_others_go_on(models):
     model = models["llama"]
     for spec in ("h2o:budget_tokens=32", "keyformer:score=shared,budget_tokens=32", "snapkv:budget_tokens=40,window_size=8",
                  "snapkv:budget_tokens=40,window_size=8,decode_every=3", "tova:budget_tokens=32",
-                 "expected_attention:budget_tokens=32,decode_every=3", "h2o:budget_tokens=32+kivi:residual=4,group=4"):
+                 "expected_attention:budget_tokens=32,decode_every=3", "h2o:budget_tokens=32+kivi:residual=4,group=4",
+                 "kvzip:budget_tokens=32,chunk_size=40"):
         method = parse_method_spec(spec)
         ids = torch.stack([random_ids(90, seed=s) for s in (1, 2, 3)])
         session = new_session(model, method, 90, 12, rows=3)

@@ -103,6 +103,8 @@ def test_errors(model):
         AttnkitCache(model, "h2o", params={"budget_tokens": 30}, max_new_tokens=0)
     with pytest.raises(AttnkitError, match="recent window larger than the budget"):
         AttnkitCache(model, "h2o", params={"budget_tokens": 30, "recent_tokens": 31}, max_new_tokens=5)
+    with pytest.raises(AttnkitError, match="method 'kvzip' runs the decoder layers itself .* use attnkit.generate"):
+        AttnkitCache(model, "kvzip", params={"budget_tokens": 30}, max_new_tokens=5)  # its reconstruction forward
     with pytest.raises(AttnkitError, match="built for max_new_tokens=5"):
         hf_generate(model, ids, AttnkitCache(model, "h2o", params={"budget_tokens": 30}, max_new_tokens=5),
                     new_tokens=9)

@@ -173,8 +173,9 @@ class AttnkitCache(Cache):
                                f"got {max_new_tokens!r}")
         self.method = resolve_method(method, params)
         if self.method.run_layers is not None:
-            raise AttnkitError(f"method {self.method.name!r} changes which tokens the decoder layers see (a model-level "
-                               f"hook), which model.generate cannot do; use attnkit.generate instead")
+            raise AttnkitError(f"method {self.method.name!r} runs the decoder layers itself (a model-level hook: it "
+                               f"changes which tokens the layers see, or runs a forward of its own after the prompt), "
+                               f"which model.generate cannot do; use attnkit.generate instead")
         self.max_new_tokens = max_new_tokens
         self.n_layers = config.get_text_config(decoder=True).num_hidden_layers
         self.rope = Rope.from_model(hf)

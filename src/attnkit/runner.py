@@ -205,10 +205,11 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
 def _decode_step(model: LoadedModel, method: Method, active: list[_Group], i: int) -> list[torch.Tensor]:
     """One decoding step of every active sequence: the logits ``[rows, vocab]`` of each group."""
     device = model.device
-    if method.run_layers is not None:  # the method runs the layers itself: one forward per sequence
-        return [logits_of(model, forward(model, torch.tensor([g.members[0].emit.generated[-1]], device=device),
+    if method.run_layers is not None:  # the method runs the layers itself: one forward per session (its rows)
+        return [logits_of(model, forward(model, torch.tensor([[m.emit.generated[-1]] for m in g.members],
+                                                             device=device),
                                          g.session.prompt_len + i - 1,
-                                         lambda pos, g=g: Step(g.session, "decode", pos))) for g in active]
+                                         lambda pos, g=g: Step(g.session, "decode", pos))[:, -1]) for g in active]
     ids = torch.tensor([[m.emit.generated[-1]] for g in active for m in g.members], device=device)
     parts, row = [], 0
     for g in active:

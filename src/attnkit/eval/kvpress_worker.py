@@ -31,6 +31,8 @@ keys per head instead of removing them (``masked_key_indices``: kvpress's ``DuoA
 keeps them in the cache but never lets a later query see them, so the masked positions are left out of
 what a head holds and attends to. ``{"kind": "duo", ...}`` builds ``DuoAttentionPress`` with its head scores,
 sink and recent sizes given in the request (kvpress would download them or compute them from a dataset).
+``KVzipPress`` also masks evicted keys (its compression runs its own forwards when the press's context closes;
+the spec says ``"masked_keys": true``): its kept positions are read from ``masked_key_indices`` once it is done.
 """
 
 from __future__ import annotations
@@ -197,6 +199,22 @@ class Tracer:
             h.remove()
 
 
+def masked_kept(model, n: int) -> dict[str, list[list[int]]]:
+    """Per layer and kv head, the prompt positions a key-masking press keeps (batch row 0): all but those in
+    ``self_attn.masked_key_indices``, the (batch, head, position) triples kvpress's attention patch masks."""
+    heads = model.config.num_key_value_heads
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        dropped = [set() for _ in range(heads)]
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        if masked is not None:
+            for b, h, p in zip(*(t.tolist() for t in masked)):
+                if b == 0:
+                    dropped[h].add(p)
+        out[str(i)] = [[p for p in range(n) if p not in dropped[h]] for h in range(heads)]
+    return out
+
+
 @contextlib.contextmanager
 def applied(press, model, tracer: Tracer | None):
     ctx = press(model) if press is not None else contextlib.nullcontext()
@@ -213,7 +231,8 @@ def applied(press, model, tracer: Tracer | None):
 def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, stop_ids=()) -> dict:
     press, decoding = build_press(spec, len(ids))
     n = len(ids)
-    tracer = Tracer(model) if trace else None
+    masked = trace and spec.get("masked_keys", False)
+    tracer = Tracer(model) if trace and not masked else None
     cache = DynamicCache()
     input_ids = torch.tensor([ids])
     logits_kept = []
@@ -228,7 +247,9 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, st
     prefill_s = time.perf_counter() - t0
     if trace:
         logits_kept.append(logits.float().tolist())
+    kept = masked_kept(model, n) if masked else None
     t1 = time.perf_counter()
+    attended_masked: list = []
     with applied(press if decoding else None, model, tracer if decoding else None):
         after_handles = tracer.register_after() if (tracer and not decoding) else []
         for i in range(new_tokens - 1):
@@ -243,6 +264,9 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, st
             tokens.append(int(logits.argmax()))
             if trace:
                 logits_kept.append(logits.float().tolist())
+            if masked:
+                kept_now = {k: [p + list(range(n, pos + 1)) for p in v] for k, v in kept.items()}
+                attended_masked.append(kept_now)
         for h in after_handles:
             h.remove()
     decode_s = time.perf_counter() - t1
@@ -250,7 +274,9 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, st
     result = {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s, "cpu_s": cpu_s,
               "final_cache_len": [int(layer.keys.shape[2]) for layer in cache.layers],
               "kv_bytes": sum(int(layer.keys.nbytes + layer.values.nbytes) for layer in cache.layers)}
-    if trace:
+    if masked:
+        result["after_prefill"], result["attended"], result["logits"] = kept, attended_masked, logits_kept
+    elif trace:
         tracer.close()
         result["after_prefill"] = {str(k): v for k, v in sorted(tracer.after_prefill.items())}
         result["attended"] = [{str(k): v for k, v in sorted(step.items())} for step in tracer.attended]

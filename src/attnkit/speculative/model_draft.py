@@ -99,9 +99,10 @@ class ModelDraft(DraftSource):
     draft model; an eviction method for self-speculation, then `model` is None = the target itself).
 
     `share_prefill` (self-speculation only): build the draft cache from the target's prompt pass
-    instead of a second pass over the prompt. `weights` ``"int8"``: draft with weight-only int8 copies of
-    the drafting model's linear layers (:mod:`attnkit.speculative.int8_weights`; QuantSpec's idea), made
-    once per model and kept.
+    instead of a second pass over the prompt (not for a method that runs the decoder layers itself,
+    ``Method.run_layers``: the shared pass runs the target's layers, so such a draft prefills on its own).
+    `weights` ``"int8"``: draft with weight-only int8 copies of the drafting model's linear layers
+    (:mod:`attnkit.speculative.int8_weights`; QuantSpec's idea), made once per model and kept.
     """
 
     def __init__(self, model: LoadedModel | None = None, method: str | Method | None = "full", *,
@@ -185,7 +186,7 @@ class ModelDraft(DraftSource):
         self.cached = n
         self.forwards = 0
         self._cost = self._estimate_cost(run.target, n)
-        if self.model is None and self.share_prefill:
+        if self.model is None and self.share_prefill and self.method.run_layers is None:
             return self.session
         prefill(self.drafter, self.session, run.prompt_ids.to(self.drafter.device), run.chunk_size)
         return None
