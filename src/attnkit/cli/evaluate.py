@@ -28,7 +28,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tasks = None if args.tasks is None else name_list(args.tasks, "--tasks")
     methods = (split_spec_list(args.methods or "full") if args.methods or not args.recipe else [])
     methods += recipe_files(args.recipe)
-    model = load(args.model or "tiny")
+    model = load(args.model or "tiny", args=args)
     data = None
     if args.data:
         from attnkit.eval.longbench import LongBenchData
