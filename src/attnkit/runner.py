@@ -128,8 +128,8 @@ def check_batch(model: LoadedModel, groups: list[_Group], batched: bool) -> None
     for device, bytes_ in need.items() if batched else ():
         if bytes_ > (free := available_memory(device)):
             rows = sum(group.session.rows for group in groups)
-            raise AttnkitError(f"a batch of {rows} prompts needs about {bytes_ / 2**30:.2f} GiB of KV cache on "
-                               f"{device} with {groups[0].session.method.describe()}, but {free / 2**30:.2f} GiB is "
+            raise AttnkitError(f"a batch of {rows} prompts needs about {bytes_ / 2**30:.2f} GiB of KV cache with "
+                               f"{groups[0].session.method.describe()} on {device}, but {free / 2**30:.2f} GiB is "
                                f"free there; use a smaller batch")
 
 

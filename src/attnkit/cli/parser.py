@@ -119,6 +119,15 @@ def _eval_parser(sub) -> None:
                         f"cell's decode tokens of all sequences per second")
     p.add_argument("--out", default=None, help="directory for results.jsonl and table.txt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ray", action="store_true",
+                   help="with --sweep: run the cells as Ray tasks on actors that keep the model loaded (one per GPU, "
+                        "or --workers CPU actors); this process alone writes results.jsonl (needs pip install "
+                        "'attnkit[ray]')")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --ray: the Ray cluster to use (default: start a local one)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="with --ray: actors to start (default: one per GPU, else one per CPU of the cluster)")
+    add_placement_options(p)
     p.set_defaults(func=cmd_eval)
 
 
