@@ -22,6 +22,10 @@ appended to ``DIR/results.jsonl`` at once (flushed and fsynced). Run it again af
 the cells already in the results are skipped; the one that was interrupted is run again (a row cut off
 mid-write is removed first). The results file of an interrupted and resumed sweep holds the same rows as
 that of an uninterrupted one (timings aside).
+
+With a :class:`attnkit.eval.ray_cells.CellPool` (``--ray``) the cells run as Ray tasks on workers that keep the
+model loaded, several at once; this process builds the plan (the samples come from a worker), stays the single
+writer of ``results.jsonl`` and resumes the same way: the rows are those of a run without Ray.
 """
 
 from __future__ import annotations
