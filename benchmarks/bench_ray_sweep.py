@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     sweep_dict = sweep_spec(args.model, args.length, args.samples)
     cells = sweep_from_dict(sweep_dict).cell_count()
     t0 = time.perf_counter()
-    pool = CellPool(args.model, positions=sweep_positions(sweep_from_dict(sweep_dict)), workers=args.workers)
+    pool = CellPool(args.model, positions=sweep_positions(sweep_from_dict(sweep_dict)), workers=args.workers,
+                    threads=1)
     start_s = time.perf_counter() - t0
     recorder = Recorder(pool)
     runs = []

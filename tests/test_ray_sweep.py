@@ -56,7 +56,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def pool(cluster):
-    with CellPool(SPEC, positions=sweep_positions(sweep_from_dict(SWEEP)), workers=2) as p:
+    with CellPool(SPEC, positions=sweep_positions(sweep_from_dict(SWEEP)), workers=2, threads=1) as p:
         yield p
 
 
@@ -123,9 +123,9 @@ def test_a_killed_driver_resumes_without_redoing_anything(cluster, pool, referen
     results = out / results_store.RESULTS_FILE
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "attnkit.cli", "eval", "--sweep", str(path), "--out", str(out),
-                             "--ray", "--ray-address", cluster, "--workers", "2", "--no-progress"],
+                             "--ray", "--ray-address", cluster, "--workers", "1", "--no-progress"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 400  # a second driver imports torch and starts two workers that load the model
+    deadline = time.time() + 400  # a second driver imports torch and starts a worker that loads the model
     while time.time() < deadline and proc.poll() is None:
         if results.is_file() and results.read_text().count("\n") >= 2:
             break
@@ -155,6 +155,7 @@ def test_cli_errors(cluster, tmp_path, capsys, monkeypatch):
         (sweep + ["--ray", "--device-map", "auto"], "--ray runs a whole model in each worker"),
         (sweep + ["--ray", "--workers", "0"], "--workers"),
         (sweep + ["--ray", "--workers", "64"], "--workers 64 needs 64 CPUs; the Ray cluster has 4,"),
+        (sweep + ["--ray", "--ray-address", "127.0.0.1:1"], "could not reach the Ray cluster at '127.0.0.1:1'"),
     ]:
         assert main(args) == 2, args
         err = capsys.readouterr().err.strip().splitlines()  # progress lines, then the error in one line
@@ -170,5 +171,5 @@ def test_pool_errors(pool):
     with pytest.raises(AttnkitError, match="the Ray workers hold model .* the sweep names 'tiny'"):
         run_sweep(sweep_from_dict(dict(SWEEP, model="tiny")), "unused", pool=pool)
     with pytest.raises(AttnkitError, match="unknown random architecture"):
-        CellPool("random:nope", workers=1)  # the actor's own error, in one line
+        CellPool("random:nope", workers=1, threads=1)  # the actor's own error, in one line
     assert json.loads(json.dumps(pool.pids()))  # the pool still works after a failed one

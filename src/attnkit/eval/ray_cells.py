@@ -22,6 +22,7 @@ import importlib.util
 import itertools
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -50,6 +51,19 @@ def require_ray():
     import ray
 
     return ray
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A ``host:port`` (or ``ray://host:port``) Ray address that accepts connections; Ray itself retries an
+    unreachable one for minutes. ``auto`` and other forms are left to Ray."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise AttnkitError(f"could not reach the Ray cluster at {address!r}: {exc.strerror or exc}; give the "
+                           f"address of a running Ray head (host:port), or no address for a local Ray") from None
 
 
 @dataclass(frozen=True)
@@ -91,14 +105,19 @@ class CellWorker:
 
 class CellPool:
     """Ray actors holding model `model_spec` (a ``random:`` spec gets `positions` positions), started on a
-    local Ray or on the cluster at `address`; a context manager that stops the actors (and a Ray it started)."""
+    local Ray or on the cluster at `address`: one per GPU, or `workers` CPU actors, each with `threads` CPUs and
+    torch threads (default: an equal share of the free CPUs). A context manager that stops the actors (and a
+    Ray it started)."""
 
     def __init__(self, model_spec: str, *, positions: int = 4096, workers: int | None = None,
-                 address: str | None = None, threads: int = 1):
+                 address: str | None = None, threads: int | None = None):
         ray = require_ray()
         if workers is not None:
-            whole("--workers", workers, minimum=1)
-        whole("threads", threads, minimum=1)
+            whole("workers", workers, minimum=1)
+        if threads is not None:
+            whole("threads", threads, minimum=1)
+        if address is not None:
+            check_reachable(address)
         self._ray = ray
         self.requested = model_spec
         self._own = not ray.is_initialized()
@@ -121,7 +140,7 @@ class CellPool:
             where = f"the Ray cluster at {address!r}" if address else "a local Ray"
             raise AttnkitError(f"could not start or reach {where}: {str(exc).splitlines()[0]}") from None
 
-    def _start_actors(self, model_spec: str, positions: int, workers: int | None, threads: int) -> None:
+    def _start_actors(self, model_spec: str, positions: int, workers: int | None, threads: int | None) -> None:
         from ray.util.actor_pool import ActorPool
 
         total, free = self._ray.cluster_resources(), self._ray.available_resources()
@@ -131,7 +150,12 @@ class CellPool:
         if count > idle or count < 1:  # more would wait for resources that never come
             raise AttnkitError(f"--workers {count} needs {count} {kind}s; the Ray cluster has {have}, {idle} free")
         gpu = kind == "GPU"
-        worker = self._ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=RETRIES,
+        # a CPU worker reserves its share of the free CPUs (or `threads` of them) and runs that many torch threads
+        threads = threads or (1 if gpu else max(1, idle // count))
+        if not gpu and count * threads > idle:
+            raise AttnkitError(f"{count} workers x {threads} threads need {count * threads} CPUs; the Ray cluster has "
+                               f"{idle} free")
+        worker = self._ray.remote(num_cpus=0 if gpu else threads, num_gpus=1 if gpu else 0, max_restarts=RETRIES,
                                   max_task_retries=RETRIES)(CellWorker)
         self.actors = [worker.remote(model_spec, positions, device, threads) for _ in range(count)]
         info = self._get([a.describe.remote() for a in self.actors])  # waits for the models: a bad spec fails here
