@@ -32,7 +32,16 @@ import torch
 from tqdm.auto import tqdm
 
 from attnkit.errors import AttnkitError
-from attnkit.eval.cells import Group, Peers, cell_row, finish_row, group_key, run_cell, run_provenance
+from attnkit.eval.cells import (
+    DEFAULT_BATCH_SIZE,
+    Group,
+    Peers,
+    cell_row,
+    finish_row,
+    group_key,
+    run_cell,
+    run_provenance,
+)
 from attnkit.eval.items import task_items
 from attnkit.eval.table import column_label
 from attnkit.model import load_model_for_length
@@ -239,7 +248,7 @@ class CellPool:
 
 def run_groups(pool: CellPool, groups: list[Group], *, seed: int, out_path: Path | None = None,
                done: dict[str, dict] | None = None, progress: bool = True, desc: str = "sweep",
-               batch_size: int = 1, run_id: str | None = None) -> list[dict]:
+               batch_size: int = DEFAULT_BATCH_SIZE, run_id: str | None = None) -> list[dict]:
     """:func:`attnkit.eval.cells.run_cells` on the pool's actors, with the same rows (timings aside).
 
     A group's full runs first: its other cells are handed out once it has finished, so that their rows carry
