@@ -14,6 +14,11 @@ Three parts, each written to ``OUT/gpu_check.json`` (every row) and ``OUT/gpu_ch
 3. **Decode**: tokens/s of the whole batch and KV bytes per sequence of each ``--decode-methods`` method at
    ``--decode-context`` tokens and each of ``--batch-sizes``, with the decode floor from the measured memory
    bandwidth (:func:`attnkit.bench.speed.run_bench`: methods interleaved in every repeat, medians, ratios to full).
+4. **Placement**: the exactness batch again on the model spread by accelerate (``device_map``): the embedding
+   and the even layers on the device, the odd layers, the final norm and the LM head on the CPU, each running
+   where it sits (accelerate's main device is the CPU, so nothing placed there is moved to the GPU to run); on
+   a CPU run the odd layers and the head are offloaded to the disk instead. Every method must still give full
+   attention's tokens with its layers' caches on two devices (skipped, and said so, without accelerate).
 
 The default model has the bundled ``tiny``'s geometry with random weights (timings do not depend on what
 weights learnt); ``--model`` takes any attnkit model spec. ``--quick`` shrinks every length, batch and repeat
@@ -23,6 +28,7 @@ so the whole script runs in about a minute on a CPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -53,6 +59,7 @@ def unlimited_specs(total: int, static_config: str) -> dict[str, str]:
         "a_shape": f"a_shape:n_init={total},n_local={total}", "share": "share:config=none",
         "select": "select:filter_layer=1,p_decode=1.0", "gemfilter": f"gemfilter:filter_layer=1,k={total}",
         "compose": f"minference:k_v=0,k_s={total}+h2o:{b}", "duo_attention": f"duo_attention:retrieval_ratio=0,recent={total}",
+        "kivi": f"kivi:residual={total}",  # a residual holding every token: nothing is quantized
     }
     missing = sorted(set(METHODS) - set(specs))
     if missing:
@@ -106,6 +113,22 @@ def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, 
     return rows
 
 
+def placed_model(spec: str, device: str, dtype: torch.dtype, offload_dir: Path):
+    """The model spread over `device` and the CPU (on a CPU run: the CPU and the disk) by accelerate, as part 4
+    of the module docstring says, and the device map used."""
+    import accelerate
+
+    model = attnkit.load_model(spec, dtype=dtype)
+    gpu = device.startswith("cuda")
+    here, away = (torch.device(device).index or 0, "cpu") if gpu else ("cpu", "disk")
+    tied = getattr(model.hf.config, "tie_word_embeddings", False)  # one weight: the head stays with the embedding
+    device_map = {"model.embed_tokens": here, "model.rotary_emb": here, "model.norm": away,
+                  "lm_head": here if tied else away,
+                  **{f"model.layers.{i}": here if i % 2 == 0 else away for i in range(model.geometry.n_layers)}}
+    accelerate.dispatch_model(model.hf, device_map, main_device="cpu", offload_dir=str(offload_dir))
+    return attnkit.prepare(model.hf, model.tokenizer, spec), device_map
+
+
 def format_exactness(rows: list[dict]) -> str:
     lines = ["| method | spec | tokens equal to full | max abs logit diff |", "|---|---|---|---|"]
     for r in rows:
@@ -155,6 +178,11 @@ def main(argv=None) -> int:
               "device_name": torch.cuda.get_device_name() if compiled else "cpu", "argv": sys.argv[1:]}
     with tempfile.TemporaryDirectory() as tmp:
         result["exactness"] = exactness_rows(model, spec, exact, args.new_tokens, compiled, Path(tmp))
+        if importlib.util.find_spec("accelerate") is not None:
+            placed, device_map = placed_model(spec, args.device, dtype, Path(tmp) / "offload")
+            result["placement"] = {"device_map": device_map, "layer_devices": [str(d) for d in placed.layer_devices()],
+                                   "rows": exactness_rows(placed, spec, exact, args.new_tokens, compiled, Path(tmp))}
+            del placed
     sparse = [m if compiled or m == "full" else f"{m}:compile=false" for m in split_spec_list(args.prefill_methods)]
     result["prefill"] = [row for n in lengths for row in run_bench(model, n, 2, sparse, repeats=args.repeats)]
     bandwidth = measure_bandwidth(args.device)
@@ -165,7 +193,12 @@ def main(argv=None) -> int:
     text = (f"{spec} on {result['device_name']} ({result['dtype']}, torch {result['torch']})\n\n"
             f"### Exactness at an unlimited budget, prompts of {args.exact_lengths} tokens\n\n"
             f"{format_exactness(result['exactness'])}\n\n### Sparse prefill\n\n```\n{format_bench(result['prefill'])}\n```\n\n"
-            f"### Decode at {args.decode_context} tokens\n\n```\n{format_bench(result['decode'])}\n```\n")
+            f"### Decode at {args.decode_context} tokens\n\n```\n{format_bench(result['decode'])}\n```\n\n"
+            f"### Exactness with the model spread by accelerate\n\n")
+    placement = result.get("placement")
+    text += ("accelerate is not installed: skipped (pip install 'attnkit[accelerate]')\n" if placement is None else
+             f"layers on {', '.join(placement['layer_devices'])}; device_map `{json.dumps(placement['device_map'])}`"
+             f"\n\n{format_exactness(placement['rows'])}\n")
     (out / "gpu_check.md").write_text(text)
     print(text)
     return 0

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py keeps working where there is no GPU: its quick CPU run goes to the end and every method at
-an unlimited budget gives full attention's tokens; CUDA asked for without a device is refused in one line."""
+an unlimited budget gives full attention's tokens, on one device and with layers offloaded by accelerate; CUDA asked
+for without a device is refused in one line."""
 
 import json
 import subprocess
@@ -31,6 +32,14 @@ def test_quick_cpu_run_goes_to_the_end(tmp_path):
     assert {r["method"] for r in result["prefill"]} == {"full", "minference:compile=false", "a_shape:compile=false"}
     assert {r["batch_size"] for r in result["decode"]} == {1, 2}
     assert "### Decode at 512 tokens" in (tmp_path / "gpu_check.md").read_text()
+    # part 4: odd layers and the head offloaded to the disk by accelerate, every method still exact
+    placement = result["placement"]
+    assert placement["device_map"]["model.layers.1"] == "disk" and placement["layer_devices"][1] == "cpu"
+    assert {r["method"] for r in placement["rows"]} == set(METHODS)
+    for row in placement["rows"]:
+        assert "error" not in row, row
+        if row["unlimited"]:
+            assert row["tokens_equal"] and row["max_abs_logit_diff"] < 1e-3, row
 
 
 def test_cuda_without_a_device_is_refused(tmp_path):

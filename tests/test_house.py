@@ -14,7 +14,7 @@ LAYERS = [
     ("errors", "validate", "config_file", "version"),
     ("tokenizer", "rope", "masks", "sampling"),
     ("attention",),
-    ("model", "cache", "quant"),
+    ("model", "cache", "placement", "quant"),
     ("session", "generation", "forward"),
     ("sparse",),
     ("methods",),

@@ -9,6 +9,10 @@ A batch holds sequences of the same prompt length, which therefore hold the same
 at every step (their budgets resolve alike); sequences of other lengths live in other caches, so a
 batch is ragged across caches, and :meth:`KVCache.row_nbytes` is one sequence's share.
 
+A layer's tensors live where its layer runs (allocated on the device of the keys it is first given), so a model
+whose layers sit on several devices (``device_map``) keeps each layer's cache beside its layer; nothing moves a
+cache between devices.
+
 Capacity is allocated up front (the runner knows the prompt length and the token budget), so
 decoding never reallocates. ``keep`` compacts a layer to a chosen subset per head into fresh, smaller
 tensors: evicted entries really leave memory, and :meth:`KVCache.nbytes` shows it. In ring mode a
@@ -178,6 +182,7 @@ class LayerKV:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (sequences that go on generating); the others leave memory."""
+        rows = rows.to(self.positions.device)  # the indices, not the entries, go to where this layer lives
         self.keys, self.values, self.positions = self.keys[rows], self.values[rows], self.positions[rows]
         self.extras = {name: stat[rows] for name, stat in self.extras.items()}
 
@@ -233,7 +238,7 @@ class KVCache:
         for layer in self.layers:
             if layer is not None:
                 layer.keep_rows(rows)
-        self.extra = {name: t[rows] for name, t in self.extra.items()}
+        self.extra = {name: t[rows.to(t.device)] for name, t in self.extra.items()}
         self.rows = int(rows.shape[0])
 
     def lengths(self) -> list[int]:

@@ -13,7 +13,9 @@
   interpolation of the RoPE frequencies plus an attention temperature), as transformers implements it.
 
 ``device`` is ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a :class:`torch.device`; ``dtype`` a floating
-:class:`torch.dtype` or its name (``"float32"``, ``"float16"``, ``"bfloat16"``).
+:class:`torch.dtype` or its name (``"float32"``, ``"float16"``, ``"bfloat16"``). Instead of one device,
+``device_map`` (``"auto"`` or a mapping of module names to devices) spreads the model over several devices, or
+offloads weights to the CPU or the disk, through accelerate (:mod:`attnkit.placement`).
 
 Supported architectures are the Llama-family decoders whose modules the runner drives directly.
 """
@@ -38,6 +40,17 @@ from transformers import (
 
 from attnkit.attention import ATTN_IMPLEMENTATION
 from attnkit.errors import AttnkitError
+from attnkit.placement import (
+    check_covers,
+    check_device_map,
+    check_tied,
+    dispatch,
+    execution_device,
+    is_placed,
+    offload_folder,
+    placement_error,
+    require_accelerate,
+)
 from attnkit.tokenizer import build_byte_tokenizer
 from attnkit.validate import text
 
@@ -84,7 +97,22 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.hf.parameters()).device
+        """Where the prompt goes in: the device the input embedding runs on."""
+        return execution_device(self.hf.get_input_embeddings())
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where the logits come out: the device the LM head runs on (:attr:`device` unless placed)."""
+        return execution_device(self.hf.get_output_embeddings())
+
+    def layer_devices(self) -> list[torch.device]:
+        """The device each decoder layer runs on (its KV cache lives there)."""
+        return [execution_device(layer) for layer in self.hf.model.layers]
+
+    @property
+    def placed(self) -> bool:
+        """True when accelerate spread the model over several devices or offloads some of its weights."""
+        return is_placed(self.hf)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -245,26 +273,40 @@ def random_model(arch: str, spec: str = "", **overrides) -> LoadedModel:
     return prepare(hf, tokenizer, spec or f"random:{arch}")
 
 
-def load_model_for_length(spec: str, positions: int) -> LoadedModel:
-    """Like :func:`load_model`, but a ``random:`` spec without its own ``context=`` gets `positions`
-    positions (benchmarks and calibration at lengths beyond the default 4096)."""
+def load_model_for_length(spec: str, positions: int, **options) -> LoadedModel:
+    """Like :func:`load_model` (with its keyword `options`), but a ``random:`` spec without its own
+    ``context=`` gets `positions` positions (benchmarks and calibration at lengths beyond the default 4096)."""
     text("model spec", spec)
     if spec.startswith("random:") and "context=" not in spec:
-        return load_model(spec, context=positions)
-    return load_model(spec)
+        return load_model(spec, context=positions, **options)
+    return load_model(spec, **options)
 
 
-def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
+def load_model(spec: str, *, device: str | torch.device | None = None, dtype: torch.dtype | str = torch.float32,
+               device_map: str | dict | None = None, offload_dir: str | Path | None = None,
                **random_options) -> LoadedModel:
-    """Load a model by spec (see the module docstring)."""
+    """Load a model by spec (see the module docstring), on `device` (default cpu) or placed by `device_map`
+    (weights accelerate offloads to the disk go to `offload_dir`, default a temporary folder)."""
     text("model spec", spec)
-    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype)
+    if device_map is not None:
+        if device is not None:
+            raise AttnkitError(f"give device ({device!r}) or device_map, not both: device_map places every module")
+        require_accelerate()
+        device_map = check_device_map(device_map)
+    elif offload_dir is not None:
+        raise AttnkitError("offload_dir is where device_map's 'disk' entries go; give a device_map with it")
+    device = resolve_device("cpu" if device is None else device)
     if spec.startswith("random:"):
         arch, _, opts = spec[len("random:"):].partition(":")
         options = _parse_options(spec, opts)
         options.update(random_options)
         model = random_model(arch, spec, **{k: v for k, v in options.items()})
-        model.hf.to(device=device, dtype=dtype)
+        if device_map is None:
+            model.hf.to(device=device, dtype=dtype)
+        else:
+            model.hf.to(dtype=dtype)
+            dispatch(model.hf, device_map, offload_folder(model, offload_dir))
         return model
     base, yarn_factor = _split_yarn(spec)
     if base in BUNDLED:
@@ -275,11 +317,19 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     else:
         path = Path(base)
     source = str(path) if path.is_dir() else base
+    holder = _Holder()  # owns a temporary offload folder until the model does
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         extra = {} if yarn_factor is None else {"config": _yarn_config(source, yarn_factor)}
+        if device_map is not None:
+            check_tied(extra.get("config") or AutoConfig.from_pretrained(source), device_map)
+            extra.update(device_map=device_map, offload_folder=offload_folder(holder, offload_dir))
         hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", **extra)
     except (OSError, ValueError) as exc:
+        if isinstance(exc, AttnkitError):
+            raise
+        if device_map is not None and "device" in str(exc):
+            raise placement_error(exc) from None
         if path.is_dir():
             raise AttnkitError(f"could not load the model directory {spec!r}: {type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
@@ -287,5 +337,14 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
             f"model spec {spec!r} is not 'tiny', 'tiny-draft', 'random:<arch>' or a local model directory, "
             f"and loading it as a hub id failed ({type(exc).__name__}: {str(exc).splitlines()[0]})"
         ) from None
-    model = prepare(hf.to(device), tokenizer, spec)
+    if device_map is None:
+        return prepare(hf.to(device), tokenizer, spec)
+    if device_map != "auto":
+        check_covers(hf, device_map)  # transformers ignores names that match no module, and unplaced ones
+    model = prepare(hf, tokenizer, spec)
+    model.offload_holder = holder
     return model
+
+
+class _Holder:
+    """Keeps a temporary offload folder alive (:func:`attnkit.placement.offload_folder`) as long as the model."""

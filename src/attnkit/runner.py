@@ -107,26 +107,30 @@ def group_prompts(lengths: list[int], method: Method) -> list[list[int]]:
 
 def check_batch(model: LoadedModel, groups: list[_Group], batched: bool) -> None:
     """Before any work: every prompt's parameters fit it (budgets resolve per layer), and a batch's KV cache
-    fits in the device's free memory (what the method holds per layer once the prompt is processed)."""
+    fits in the free memory of each device (what the method holds per layer once the prompt is processed, on
+    the device that layer runs on)."""
     g = model.geometry
     slot_bytes = 2 * g.n_kv_heads * g.head_dim * model.dtype.itemsize  # a key and a value of one kv head
-    need = 0
+    devices = model.layer_devices()
+    need: dict[torch.device, int] = {}
     for group in groups:
         session = group.session
         try:
-            slots = sum(session.method.planned_slots(ctx) for ctx in layer_contexts(session))
+            for ctx in layer_contexts(session):
+                slots = session.method.planned_slots(ctx)
+                need[devices[ctx.index]] = need.get(devices[ctx.index], 0) + slots * slot_bytes * session.rows
         except AttnkitError as err:
             if not batched:
                 raise
             which = ", ".join(str(m.index) for m in group.members)
             raise AttnkitError(f"prompt{'s' if len(group.members) > 1 else ''} {which} "
                                f"({session.prompt_len} tokens): {err}") from None
-        need += slots * slot_bytes * session.rows
-    if batched and need > (free := available_memory(model.device)):
-        rows = sum(group.session.rows for group in groups)
-        raise AttnkitError(f"a batch of {rows} prompts needs about {need / 2**30:.2f} GiB of KV cache with "
-                           f"{groups[0].session.method.describe()}, but {free / 2**30:.2f} GiB is free on "
-                           f"{model.device}; use a smaller batch")
+    for device, bytes_ in need.items() if batched else ():
+        if bytes_ > (free := available_memory(device)):
+            rows = sum(group.session.rows for group in groups)
+            raise AttnkitError(f"a batch of {rows} prompts needs about {bytes_ / 2**30:.2f} GiB of KV cache with "
+                               f"{groups[0].session.method.describe()} on {device}, but {free / 2**30:.2f} GiB is "
+                               f"free there; use a smaller batch")
 
 
 @torch.inference_mode()
@@ -165,7 +169,7 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
         stream = on_token if not batched or on_token is None else (lambda t, text, i=i: on_token(i, t, text))
         seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
         return _Sequence(i, prompts[i], TokenEmitter(model.tokenizer, eos, config.stop, stream),
-                         seeded.generator(device), [] if keep_logits else None)
+                         seeded.generator(model.output_device), [] if keep_logits else None)  # the logits' device
 
     sequences = [sequence(i) for i in range(len(prompts))]
     groups = [_Group(new_session(model, method, lengths[idx[0]], max_new_tokens, rows=len(idx)),

@@ -51,11 +51,7 @@ class Session:
     def keep_rows(self, rows: list[int]) -> None:
         """Go on with the batch rows `rows` only (the others finished): their cache entries and the method's
         per-row state are kept, the rest released."""
-        index = torch.tensor(rows, dtype=torch.long)
-        for layer in self.cache.layers:
-            if layer is not None:
-                index = index.to(layer.positions.device)
-                break
+        index = torch.tensor(rows, dtype=torch.long)  # each layer takes it to its own device
         self.cache.keep_rows(index)
         self.method.keep_rows(self.layer_state, self.state, index)
 
@@ -72,16 +68,24 @@ class Step:
     memo: dict = field(default_factory=dict, repr=False)
 
     def shared_value(self, key, build):
-        """The value the layers of this forward share under `key`, built by ``build()`` on first use."""
+        """The value the layers of this forward share under `key`, built by ``build()`` on first use. A tensor
+        lives on the device of the layer that built it: where layers sit on several devices (a model placed by
+        ``device_map``), the key names the device too (:attr:`LayerContext.device`)."""
         value = self.memo.get(key)
         if value is None:
             value = self.memo[key] = build()
         return value
 
+    def positions_on(self, device: torch.device | None) -> torch.Tensor:
+        """:attr:`q_pos` on `device` (a layer's): one copy of these few positions per device and step."""
+        if device is None or self.q_pos.device == device:
+            return self.q_pos
+        return self.shared_value(("q_pos", device), lambda: self.q_pos.to(device))
+
     def attention(self, layer: int, q, k, v, scaling: float, native_window: int | None) -> torch.Tensor:
         """Run the session's method on one layer's q, k, v (after RoPE): allocate the layer's cache on
         first use, then the phase's hooks."""
-        ctx = LayerContext(self, layer, scaling, native_window)
+        ctx = LayerContext(self, layer, scaling, native_window, device=k.device)
         method = self.session.method
         if ctx.kv is None:
             capacity = method.layer_capacity(ctx)
@@ -135,6 +139,8 @@ class LayerContext:
     native_window: int | None  # the model's own sliding window for this layer, if any
     state_of: Any = None  # (the session's layer state) -> the state these hooks see; None: that state itself
     session_state_of: Any = None  # likewise for the session's per-generation state
+    # where this layer runs (its q, k, v and cache live there); None before any tensor is seen
+    device: torch.device | None = None
 
     @property
     def kv(self) -> LayerKV:
@@ -142,7 +148,8 @@ class LayerContext:
 
     @property
     def q_pos(self) -> torch.Tensor:
-        return self.step.q_pos
+        """The step's positions, on this layer's device."""
+        return self.step.positions_on(self.device)
 
     @property
     def state(self):
@@ -161,7 +168,8 @@ class LayerContext:
     def scoped(self, state_of, session_state_of) -> LayerContext:
         """The same layer and step, its hooks seeing ``state_of(layer state)`` and
         ``session_state_of(session state)`` (of the session's own states) as theirs."""
-        return LayerContext(self.step, self.index, self.scaling, self.native_window, state_of, session_state_of)
+        return LayerContext(self.step, self.index, self.scaling, self.native_window, state_of, session_state_of,
+                            self.device)
 
 
 def new_session(model: LoadedModel, method, prompt_len: int, max_new_tokens: int, rows: int = 1) -> Session:

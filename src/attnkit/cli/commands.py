@@ -50,11 +50,27 @@ def recipe_files(paths: list[str] | None) -> list[Recipe]:
     return [load_recipe_file(p) for p in paths or []]
 
 
-def load(spec: str, context: int | None = None):
-    """The model of ``--model`` (a ``random:`` spec gets `context` positions when given)."""
+def load(spec: str, context: int | None = None, args: argparse.Namespace | None = None):
+    """The model of ``--model`` (a ``random:`` spec gets `context` positions when given), placed by
+    ``--device-map`` / ``--offload-dir`` when `args` has them."""
     from attnkit.model import load_model, load_model_for_length
 
-    return load_model_for_length(spec, context) if context else load_model(spec)
+    options = placement_options(args)
+    return load_model_for_length(spec, context, **options) if context else load_model(spec, **options)
+
+
+def placement_options(args: argparse.Namespace | None) -> dict:
+    """``device_map`` / ``offload_dir`` keywords of :func:`attnkit.load_model` from ``--device-map`` and
+    ``--offload-dir``."""
+    from attnkit.placement import parse_device_map
+
+    device_map = getattr(args, "device_map", None)
+    offload_dir = getattr(args, "offload_dir", None)
+    if device_map is None:
+        if offload_dir is not None:
+            raise AttnkitError("--offload-dir is where --device-map's disk entries go; give --device-map with it")
+        return {}
+    return {"device_map": parse_device_map(device_map), "offload_dir": offload_dir}
 
 
 def read_prompt_file(name: str) -> str:
@@ -119,7 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = read_prompts_file(args.prompts_file)  # checked before the model loads
     else:
         prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
-    model = load(args.model)
+    model = load(args.model, args=args)
     sampling = dict(max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, do_sample=args.do_sample,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
 
@@ -188,7 +204,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     methods = split_spec_list(args.methods) + recipe_files(args.recipe)
     check_batch_sizes(batch_sizes, [as_recipe(m, "--methods") for m in methods], "--batch-sizes")  # before the model loads
-    model = load(args.model, context=args.context + args.new_tokens)
+    model = load(args.model, context=args.context + args.new_tokens, args=args)
 
     def progress(r, spec, run):
         batch = f" x{run.batch_size}" if len(batch_sizes) > 1 or run.batch_size > 1 else ""

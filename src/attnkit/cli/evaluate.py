@@ -24,11 +24,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         whole("--batch-size", args.batch_size, minimum=1)
     if args.sweep:
         return eval_sweep(args)
+    given = [f for f, v in (("--ray", args.ray), ("--ray-address", args.ray_address), ("--workers", args.workers)) if v]
+    if given:
+        raise AttnkitError(f"{', '.join(given)} run a sweep's cells on Ray: give --sweep FILE --out DIR")
     lengths = int_list(args.lengths, "--lengths", minimum=1)
     tasks = None if args.tasks is None else name_list(args.tasks, "--tasks")
     methods = (split_spec_list(args.methods or "full") if args.methods or not args.recipe else [])
     methods += recipe_files(args.recipe)
-    model = load(args.model or "tiny")
+    model = load(args.model or "tiny", args=args)
     data = None
     if args.data:
         from attnkit.eval.longbench import LongBenchData
@@ -48,13 +51,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def eval_sweep(args: argparse.Namespace) -> int:
     """``eval --sweep FILE``: the sweep file sets tasks, recipes and data; resumable from ``--out``."""
     from attnkit.eval.harness import format_table
-    from attnkit.eval.sweep import load_sweep, run_sweep
+    from attnkit.eval.sweep import load_sweep, run_sweep, sweep_positions
 
     given = [f"--{n}" for n in ("tasks", "methods", "recipe", "data") if getattr(args, n)]
     if given:
         raise AttnkitError(f"--sweep FILE sets the tasks, recipes and data; drop {', '.join(given)}")
     if not args.out:
         raise AttnkitError("--sweep needs --out DIR (where results.jsonl is written and resumed from)")
+    check_ray_options(args)
     sweep = load_sweep(args.sweep)
     if args.model:
         sweep.model = args.model
@@ -63,10 +67,38 @@ def eval_sweep(args: argparse.Namespace) -> int:
     print(f"sweep {args.sweep}: {sweep.cell_count()} cells on {sweep.model} ({len(sweep.tasks)} tasks x "
           f"{len(sweep.lengths)} lengths x recipes/budgets, {sweep.samples} samples each) -> {args.out}",
           file=sys.stderr)
-    rows = run_sweep(sweep, args.out, progress=not args.no_progress)
+    if args.ray:
+        rows = ray_sweep(args, sweep)
+    else:
+        model = load(sweep.model, sweep_positions(sweep), args) if args.device_map else None
+        rows = run_sweep(sweep, args.out, model=model, progress=not args.no_progress)
     print(format_table(rows))
     print(f"results: {Path(args.out) / 'results.jsonl'}; report: attnkit report {args.out}", file=sys.stderr)
     return 0
+
+
+def check_ray_options(args: argparse.Namespace) -> None:
+    """--ray's companions go with it, and --ray with no placement of its own."""
+    if not args.ray:
+        if args.workers is not None or args.ray_address is not None:
+            raise AttnkitError("--workers and --ray-address go with --ray")
+        return
+    if args.device_map or args.offload_dir:
+        raise AttnkitError("--ray runs a whole model in each worker, on one device; drop --device-map/--offload-dir")
+    if args.workers is not None:
+        whole("--workers", args.workers, minimum=1)
+
+
+def ray_sweep(args: argparse.Namespace, sweep) -> list[dict]:
+    """``eval --sweep FILE --ray``: the cells on Ray actors (a local Ray unless --ray-address)."""
+    from attnkit.eval.ray_cells import CellPool
+    from attnkit.eval.sweep import run_sweep, sweep_positions
+
+    print(f"starting {'a local Ray' if args.ray_address is None else 'on Ray at ' + args.ray_address} and its "
+          f"workers (each loads {sweep.model})", file=sys.stderr)
+    with CellPool(sweep.model, positions=sweep_positions(sweep), workers=args.workers, address=args.ray_address) as pool:
+        print(f"{len(pool.actors)} Ray workers on {pool.device}", file=sys.stderr)
+        return run_sweep(sweep, args.out, progress=not args.no_progress, pool=pool)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -16,6 +16,16 @@ CALIBRATION_TASKS_HELP = f"comma-separated calibration tasks from {', '.join(GEN
 THREADS_HELP = "torch intra-op threads (default: torch's choice)"
 
 
+def add_placement_options(p) -> None:
+    """``--device-map`` / ``--offload-dir``: the model over several devices through accelerate."""
+    p.add_argument("--device-map", default=None, metavar="MAP",
+                   help="place the model's modules through accelerate: auto, NAME=DEVICE,... "
+                        "(model.layers.1=disk,lm_head=cpu; devices cpu, disk, mps, N or cuda:N) or a JSON/YAML file "
+                        "mapping module names to devices (needs pip install 'attnkit[accelerate]')")
+    p.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="where --device-map's disk entries are written (default: a temporary folder)")
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="attnkit", description="Faster, lighter long-context inference.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -65,6 +75,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats (with "
                                                        "--prompts-file: one per line, with the prompt's index)")
     add_speculation_options(p)
+    add_placement_options(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -85,6 +96,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     add_speculation_options(p)
+    add_placement_options(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -107,6 +119,15 @@ def _eval_parser(sub) -> None:
                         f"cell's decode tokens of all sequences per second")
     p.add_argument("--out", default=None, help="directory for results.jsonl and table.txt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ray", action="store_true",
+                   help="with --sweep: run the cells as Ray tasks on actors that keep the model loaded (one per GPU, "
+                        "or --workers CPU actors); this process alone writes results.jsonl (needs pip install "
+                        "'attnkit[ray]')")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --ray: the Ray cluster to use (default: start a local one)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="with --ray: actors to start (default: one per GPU, else one per CPU of the cluster)")
+    add_placement_options(p)
     p.set_defaults(func=cmd_eval)
 
 

@@ -185,6 +185,47 @@ def method_of(recipe: Recipe) -> tuple[str, dict]:
     return method.name, method.params()
 
 
+def cell_row(model_spec: str, group: Group, recipe: Recipe, result: dict, wall: float, *, seed: int, key: str,
+             run: dict) -> dict:
+    """The results row of one finished cell (:func:`run_cell`'s `result`, `wall` seconds), without its score
+    relative to full (:func:`finish_row` adds it once full's score is known); `run` is :func:`run_provenance`'s."""
+    method_name, method_params = method_of(recipe)
+    items = group.items
+    return {
+        "schema": SCHEMA, "run_id": run["run_id"], "cell": key, "model": model_spec, "task": group.task,
+        "length": group.length, "method": method_name, "method_params": method_params,
+        "method_spec": column_label(recipe.label, recipe.budget), "recipe": recipe.to_dict(),
+        "recipe_name": recipe.label, "budget": recipe.budget, "samples": len(items),
+        "depths": None if group.task == PERPLEXITY else [s.depth for s in items],
+        "seeds": [seed + j for j in range(len(items))],
+        "score": result["score"], "scores": result["scores"], "depth_scores": result["depth_scores"],
+        "higher_is_better": group.task != PERPLEXITY, "score_rel_full": None,
+        "prefill_s": result["prefill_s"], "decode_tokens_per_s": result["decode_tokens_per_s"],
+        "throughput_tokens_per_s": result["throughput_tokens_per_s"], "batch_size": result["batch_size"],
+        "peak_kv_bytes": result["peak_kv_bytes"], "final_kv_bytes": result["final_kv_bytes"],
+        "kept_fraction": result["kept_fraction"], "wall_s": wall, "versions": run["versions"],
+        "git_commit": run["git_commit"], "timestamp": provenance.now(), "predictions": result["predictions"],
+    }
+
+
+def run_provenance(run_id: str | None = None) -> dict:
+    """What every row of one run records about it: its id, the package versions and the git commit."""
+    return {"run_id": run_id or provenance.now(), "versions": provenance.versions(), "git_commit": provenance.git_commit()}
+
+
+def finish_row(row: dict, full_score: float | None, out_path: Path | None) -> dict:
+    """`row` with its score relative to its group's full score, appended to `out_path` (fsynced) when given."""
+    row["score_rel_full"] = rel_full(row["score"], full_score, row["higher_is_better"])
+    if out_path is not None:
+        append_row(out_path, json.loads(json.dumps(row, default=str)))
+    return row
+
+
+def group_key(model_spec: str, group: Group, recipe: Recipe, seed: int) -> str:
+    """The :func:`attnkit.eval.results.cell_key` of one cell of `group`."""
+    return cell_key(model_spec, group.task, group.length, recipe.label, recipe.budget, len(group.items), seed)
+
+
 def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: Path | None = None,
               progress: bool = True, done: dict[str, dict] | None = None, run_id: str | None = None,
               desc: str = "eval", batch_size: int = DEFAULT_BATCH_SIZE) -> list[dict]:
@@ -193,55 +234,30 @@ def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: P
     is appended to `out_path` as soon as its cell finishes. Returns all rows."""
     whole("batch_size", batch_size, minimum=1)
     done = done or {}
-
-    def key(group: Group, recipe: Recipe) -> str:
-        return cell_key(model.spec, group.task, group.length, recipe.label, recipe.budget, len(group.items), seed)
-
-    todo = sum(len(g.items) for g in groups for r in g.recipes if key(g, r) not in done)
+    todo = sum(len(g.items) for g in groups for r in g.recipes if group_key(model.spec, g, r, seed) not in done)
     bar = tqdm(total=todo, desc=desc, unit="sample", dynamic_ncols=True) if progress and todo else None
-    run_id = run_id or provenance.now()
-    run_versions, commit = provenance.versions(), provenance.git_commit()  # the same for every cell of this run
+    run = run_provenance(run_id)  # the same for every cell of this run
     peers = Peers(model)
     rows: list[dict] = []
     try:
         for group in groups:
             full_score = None
             for recipe in group.recipes:
-                k = key(group, recipe)
-                higher = group.task != PERPLEXITY
+                k = group_key(model.spec, group, recipe, seed)
                 if k in done:
                     row = done[k]
                 else:
-                    label = column_label(recipe.label, recipe.budget)
                     if bar is not None:
-                        bar.set_postfix_str(f"{group.task} {group.length} {label}", refresh=False)
+                        bar.set_postfix_str(f"{group.task} {group.length} {column_label(recipe.label, recipe.budget)}",
+                                            refresh=False)
                     t0 = time.perf_counter()
                     result = run_cell(model, group.task, recipe, group.items, bar, peers, batch_size)
-                    wall = time.perf_counter() - t0
-                    method_name, method_params = method_of(recipe)
-                    items = group.items
-                    row = {
-                        "schema": SCHEMA, "run_id": run_id, "cell": k, "model": model.spec, "task": group.task,
-                        "length": group.length, "method": method_name, "method_params": method_params,
-                        "method_spec": label, "recipe": recipe.to_dict(), "recipe_name": recipe.label,
-                        "budget": recipe.budget, "samples": len(items),
-                        "depths": None if group.task == PERPLEXITY else [s.depth for s in items],
-                        "seeds": [seed + j for j in range(len(items))],
-                        "score": result["score"], "scores": result["scores"], "depth_scores": result["depth_scores"],
-                        "higher_is_better": higher, "score_rel_full": None,
-                        "prefill_s": result["prefill_s"], "decode_tokens_per_s": result["decode_tokens_per_s"],
-                        "throughput_tokens_per_s": result["throughput_tokens_per_s"],
-                        "batch_size": result["batch_size"],
-                        "peak_kv_bytes": result["peak_kv_bytes"], "final_kv_bytes": result["final_kv_bytes"],
-                        "kept_fraction": result["kept_fraction"], "wall_s": wall, "versions": run_versions,
-                        "git_commit": commit, "timestamp": provenance.now(), "predictions": result["predictions"],
-                    }
+                    row = cell_row(model.spec, group, recipe, result, time.perf_counter() - t0, seed=seed, key=k,
+                                   run=run)
                 if recipe.is_full and full_score is None:
                     full_score = row["score"]
                 if k not in done:
-                    row["score_rel_full"] = rel_full(row["score"], full_score, higher)
-                    if out_path is not None:
-                        append_row(out_path, json.loads(json.dumps(row, default=str)))
+                    finish_row(row, full_score, out_path)
                 rows.append(row)
     finally:
         peers.close()

@@ -90,6 +90,9 @@ class KvpressRunner:
     """One kvpress worker process for `model`, answering generations until :meth:`close`."""
 
     def __init__(self, model, threads: int | None = None):
+        if model.placed:  # the worker loads the model whole, on its own device
+            raise AttnkitError(f"kvpress recipes run the model on one device in their own process; model "
+                               f"{model.spec!r} is placed over several devices by device_map: drop the device_map")
         python = require_kvpress()
         self.model = model
         self._tmp = None

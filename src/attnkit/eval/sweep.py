@@ -22,6 +22,10 @@ appended to ``DIR/results.jsonl`` at once (flushed and fsynced). Run it again af
 the cells already in the results are skipped; the one that was interrupted is run again (a row cut off
 mid-write is removed first). The results file of an interrupted and resumed sweep holds the same rows as
 that of an uninterrupted one (timings aside).
+
+With a :class:`attnkit.eval.ray_cells.CellPool` (``--ray``) the cells run as Ray tasks on workers that keep the
+model loaded, several at once; this process builds the plan (the samples come from a worker), stays the single
+writer of ``results.jsonl`` and resumes the same way: the rows are those of a run without Ray.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from attnkit.eval.cells import DEFAULT_BATCH_SIZE, Group, run_cells
 from attnkit.eval.harness import check_lengths, check_peer_tasks, check_samples, check_tasks, depth_list
 from attnkit.eval.items import LONGBENCH_PREFIX, task_items
 from attnkit.eval.longbench import LongBenchData
+from attnkit.eval.ray_cells import CellPool, run_groups
 from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, read_results, repair_tail
 from attnkit.eval.table import format_table
 from attnkit.model import load_model_for_length
@@ -181,27 +186,45 @@ def _done_rows(results: Path) -> dict[str, dict]:
     return {row["cell"]: row for row in read_results(results) if row.get("cell")}
 
 
-def run_sweep(sweep: Sweep | str | Path, out_dir: str | Path, *, model=None, progress: bool = True) -> list[dict]:
+def run_sweep(sweep: Sweep | str | Path, out_dir: str | Path, *, model=None, progress: bool = True,
+              pool: CellPool | None = None) -> list[dict]:
     """Run every cell of `sweep` not yet in ``out_dir/results.jsonl``; returns the sweep's rows (done
-    before and now) in cell order and writes ``out_dir/table.txt``. `model` overrides the sweep's."""
+    before and now) in cell order and writes ``out_dir/table.txt``. `model` overrides the sweep's. With
+    `pool` (a :class:`attnkit.eval.ray_cells.CellPool` holding the sweep's model) the cells run on its Ray
+    actors, this process the single writer of the results (:func:`attnkit.eval.ray_cells.run_groups`)."""
     if not isinstance(sweep, Sweep):
         sweep = load_sweep(sweep)
+    if pool is not None and model is not None:
+        raise AttnkitError("run_sweep takes a model or a pool of Ray workers holding one, not both")
+    if pool is not None and pool.requested != sweep.model:
+        raise AttnkitError(f"the Ray workers hold model {pool.requested!r}, the sweep names {sweep.model!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / RESULTS_FILE
     done = _done_rows(results)
     data = LongBenchData.load(sweep.data) if sweep.data is not None else None
-    if model is None:
-        model = load_model_for_length(sweep.model, max(sweep.lengths) + 512)
-    check_lengths(model, sweep.lengths)
+    if model is None and pool is None:
+        model = load_model_for_length(sweep.model, sweep_positions(sweep))
+    planner = model if pool is None else pool  # the pool's actors build the samples: the driver needs no model
+    check_lengths(planner, sweep.lengths)
     depths = depth_list(sweep.samples, sweep.depths)
     groups = []
     for task in sweep.tasks:
         for length in sweep.lengths:
-            items = task_items(model, task, length, sweep.seed, sweep.samples, depths, data)
+            items = (task_items(model, task, length, sweep.seed, sweep.samples, depths, data) if pool is None
+                     else pool.items(task, length, sweep.seed, sweep.samples, depths, data))
             groups.append(Group(task, length, items, sweep.entries(length)))
     (out_dir / SWEEP_FILE).write_text(json.dumps(sweep.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
-    rows = run_cells(model, groups, seed=sweep.seed, out_path=results, progress=progress, done=done,
-                     desc="sweep", batch_size=sweep.batch_size)
+    if pool is None:
+        rows = run_cells(model, groups, seed=sweep.seed, out_path=results, progress=progress, done=done,
+                         desc="sweep", batch_size=sweep.batch_size)
+    else:
+        rows = run_groups(pool, groups, seed=sweep.seed, out_path=results, progress=progress, done=done,
+                          batch_size=sweep.batch_size)
     (out_dir / TABLE_FILE).write_text(format_table(rows) + "\n", encoding="utf-8")
     return rows
+
+
+def sweep_positions(sweep: Sweep) -> int:
+    """Positions a ``random:`` model needs for the sweep's longest prompt and its answer."""
+    return max(sweep.lengths) + 512

@@ -159,7 +159,7 @@ class Method:
                 slots = torch.arange(length, device=q.device)
                 return folded_bias(slots[length - n:], slots, groups, None, q.dtype)
 
-            bias = ctx.step.shared_value(("slot_order", n, length, groups, q.dtype), slot_order_bias)
+            bias = ctx.step.shared_value(("slot_order", n, length, groups, q.dtype, q.device), slot_order_bias)
             return folded_attention(q, keys, values, ctx.scaling, bias)
         return attend(q, keys, values, ctx.scaling, ctx.q_pos, positions, ctx.native_window)
 

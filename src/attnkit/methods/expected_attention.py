@@ -218,7 +218,7 @@ class ExpectedAttention(PromptScorer):
         b, kv, _, d = keys.shape
         if st.count:
             inv_freq = ctx.session.rope.inv_freq.to(keys.device)
-            c, s = ctx.step.shared_value(("expected_attention_rotation", start, self.n_future_positions),
+            c, s = ctx.step.shared_value(("expected_attention_rotation", start, self.n_future_positions, keys.device),
                                          lambda: averaged_rotation(inv_freq, start, self.n_future_positions))
             mu, sigma = future_moments(st.mean, st.scatter, st.count, c, s)
             logits = expected_attention_logits(keys, mu, sigma if self.use_covariance else None, ctx.scaling)

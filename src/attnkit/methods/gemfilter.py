@@ -117,7 +117,9 @@ class GemFilter(Method):
         n = session.prompt_len
         pos = kept if self.positions == "original" else torch.arange(kept.shape[0], device=kept.device)
         st.offset = n - int(pos[-1]) - 1
-        return run_decoder_layers(model, embeddings[kept][None], pos, Step(session, "prefill", pos, True))
+        # the chosen indices come from the filter layer's device; the embeddings stay where they were made
+        chosen = embeddings[kept.to(embeddings.device)][None]
+        return run_decoder_layers(model, chosen, pos, Step(session, "prefill", pos, True))
 
     # ---- attention hooks -------------------------------------------------------------------------------
     def layer_capacity(self, ctx: LayerContext):

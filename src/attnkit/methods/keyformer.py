@@ -161,6 +161,7 @@ class Keyformer(RecentWindowEviction):
 
     def keep_rows(self, layer_states: list, session_state: KeyformerRun, rows: torch.Tensor) -> None:
         if session_state.score is not None:
+            rows = rows.to(session_state.score.device)
             session_state.score = session_state.score[rows]
             session_state.pending = session_state.pending[rows]
 
@@ -190,7 +191,10 @@ class Keyformer(RecentWindowEviction):
             return
         shared = self._shared(ctx)
         positions = ctx.kv.view()[2][:, 0]  # shared mode: every head holds the same positions
-        shared.pending.scatter_add_(1, positions, contribution.sum(dim=1))
+        # one score per position for the whole model, on the device of the first layer: a layer elsewhere
+        # sends its per-position sums there (a vector per row, not its cache)
+        device = shared.pending.device
+        shared.pending.scatter_add_(1, positions.to(device), contribution.sum(dim=1).to(device))
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         length = ctx.kv.length
@@ -198,7 +202,8 @@ class Keyformer(RecentWindowEviction):
             return self.score_buffer(ctx)[:, :, :length]
         positions = ctx.kv.view()[2]
         b = positions.shape[0]
-        return self._shared(ctx).score.gather(1, positions.reshape(b, -1)).view(positions.shape)
+        score = self._shared(ctx).score
+        return score.gather(1, positions.reshape(b, -1).to(score.device)).view(positions.shape).to(positions.device)
 
     def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor | None:
         return self.recent_mask(ctx, self.recent_tokens_for(ctx), next_pos)

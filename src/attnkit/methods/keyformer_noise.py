@@ -228,5 +228,6 @@ class DecodeNoise:
             rows = [[h & (TABLE_SIZE - 1) for h in row_hash_ints(layer, q)] for layer in self.heads]
             self.offsets = torch.tensor(rows, dtype=torch.int64).to(self.device)
         kv_heads = k_pos.shape[1]
-        offsets = self.offsets[ctx.index].view(1, kv_heads, self.n_heads // kv_heads, 1, 1)
+        offsets = self.offsets[ctx.index].to(k_pos.device)  # a few numbers per head, to this layer's device
+        offsets = offsets.view(1, kv_heads, self.n_heads // kv_heads, 1, 1)
         return table_draws(self.kind, offsets, k_pos)

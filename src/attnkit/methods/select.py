@@ -183,7 +183,7 @@ class Select(Method):
             store = h.new_zeros(session.prompt_len + session.max_new_tokens, h.shape[-1])
             session.cache.extra[HIDDEN] = store
             session.cache.track_peak()
-        store[pos] = h[0]
+        store[pos.to(store.device)] = h[0]  # the store lives with the filter layer's output
         run = session.state
         chosen, run.chosen = run.chosen, None
         if step.phase == "prefill" and not step.last_chunk:
@@ -198,7 +198,7 @@ class Select(Method):
             if all_positions:
                 raise AttnkitError("select: with prefill_select=true only the last prompt position has an output; "
                                    "score every position with prefill_select=false")
-            sel = torch.unique(torch.cat([chosen, pos[-1:]]))
+            sel = torch.unique(torch.cat([chosen, pos[-1:].to(chosen.device)]))
         if all_positions and not (sel.shape[0] == pos.shape[0] and int(pos[0]) == 0):
             raise AttnkitError("select: scoring every prompt position needs the prompt in one chunk")
         if step.phase == "decode":
@@ -206,7 +206,7 @@ class Select(Method):
             run.kept += int(sel.shape[0])
             run.context += end
         sub = Step(session, step.phase, sel, step.last_chunk)
-        return run_decoder_layers(model, store[sel][None], sel, sub, range(L + 1, n_layers))
+        return run_decoder_layers(model, store[sel.to(store.device)][None], sel, sub, range(L + 1, n_layers))
 
     # ---- attention hooks ---------------------------------------------------------------------------------
     def _plan(self, ctx: LayerContext, q, k) -> LayerPlan | None:

@@ -338,6 +338,7 @@ class KiviLayerKV(LayerKV):
     def keep_rows(self, rows: torch.Tensor) -> None:
         if not self.sealed:
             return super().keep_rows(rows)
+        rows = rows.to(self.positions.device)  # the indices go to where this layer lives
         for name in STORED + ("positions",):
             setattr(self, name, getattr(self, name)[rows])
         self.extras = {name: stat[rows] for name, stat in self.extras.items()}

@@ -178,7 +178,7 @@ def _sequence(model: LoadedModel, target: VerifyingFull, generation: GenerationC
     stream = on_token if not batched or on_token is None else (lambda t, text, i=i: on_token(i, t, text))
     emit = TokenEmitter(model.tokenizer, generation.eos(model.tokenizer), generation.stop, stream)
     session = new_session(model, target, int(ids.shape[0]), generation.max_new_tokens)
-    return _Sequence(i, ids, source, session, sampling, sampling.generator(model.device), emit)
+    return _Sequence(i, ids, source, session, sampling, sampling.generator(model.output_device), emit)
 
 
 def _start(model: LoadedModel, seq: _Sequence, config: SpeculativeConfig, generation: GenerationConfig,
@@ -224,7 +224,7 @@ def _round(model: LoadedModel, active: list[_Sequence], generation: GenerationCo
     offset = 0
     for seq, row, (drafted, probs) in zip(active, rows, drafts, strict=True):
         if best is None:
-            results.append(speculative_accept(torch.tensor(drafted, dtype=torch.long, device=model.device), probs,
+            results.append(speculative_accept(torch.tensor(drafted, dtype=torch.long, device=row.device), probs,
                                               next_token_distribution(row, sampling), seq.generator))
         else:
             results.append(greedy_prefix(drafted, best[offset:offset + len(drafted) + 1]))

@@ -108,6 +108,10 @@ def _check_kernel(device: torch.device, dtype: torch.dtype) -> None:
 def int8_weight_view(model: LoadedModel) -> LoadedModel:
     """`model` with int8 copies of its linear layers (the LM head included) and everything else shared:
     a second :class:`LoadedModel` to draft with. The model itself is not changed."""
+    if model.placed:  # the copies are made from weights in memory, on one device
+        raise AttnkitError(f"int8 draft weights need the model's weights in memory on one device; model "
+                           f"{model.spec!r} is placed by device_map (offloaded or spread): draft with the model's "
+                           f"own weights (draft weights 'same')")
     dtype = model.dtype
     compute = torch.bfloat16 if dtype == torch.float32 else dtype
     _check_kernel(model.device, compute)
