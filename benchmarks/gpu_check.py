@@ -60,6 +60,7 @@ def unlimited_specs(total: int, static_config: str) -> dict[str, str]:
         "select": "select:filter_layer=1,p_decode=1.0", "gemfilter": f"gemfilter:filter_layer=1,k={total}",
         "compose": f"minference:k_v=0,k_s={total}+h2o:{b}", "duo_attention": f"duo_attention:retrieval_ratio=0,recent={total}",
         "kivi": f"kivi:residual={total}",  # a residual holding every token: nothing is quantized
+        "kvzip": f"kvzip:{b}",
     }
     missing = sorted(set(METHODS) - set(specs))
     if missing:
