@@ -205,6 +205,21 @@ class KVCache:
         if self.rows:
             self.peak_row_bytes = max(self.peak_row_bytes, total // self.rows)
 
+    def copy_rows(self, rows: torch.Tensor) -> KVCache:
+        """A new cache holding copies of the batch rows `rows` (indices; one may repeat, to copy a sequence
+        several times) of every layer and of ``extra``; its peaks start at this cache's peak per sequence. A copy
+        of a one-sequence cache into one sequence clones ``extra`` whole (a method that keeps one sequence per
+        session, Select-Attention, keeps its per-token tensors without a batch axis)."""
+        out = KVCache(len(self.layers), int(rows.shape[0]))
+        out.layers = [None if layer is None else LayerKV(
+            layer.keys[rows], layer.values[rows], layer.positions[rows], layer.length, layer.ring,
+            {name: stat[rows] for name, stat in layer.extras.items()}) for layer in self.layers]
+        single = self.rows == 1 and out.rows == 1
+        out.extra = {name: t.clone() if single else t[rows] for name, t in self.extra.items()}
+        out.peak_row_bytes = self.peak_row_bytes
+        out.peak_bytes = max(out.nbytes(), self.peak_row_bytes * out.rows)
+        return out
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (indices, ascending) of every layer and of ``extra``."""
         for layer in self.layers:
