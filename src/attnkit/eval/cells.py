@@ -174,8 +174,9 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
         work = {"context_prefills": len(items),
                 "prefill_tokens": sum(gen.stats.prompt_tokens for call in calls for _, gen in call)}
     interval = score_interval(scores)
-    return {**work, "score_interval": None if interval is None else list(interval[:2]),
-            "interval": None if interval is None else interval[2],
+    return {
+        **work, "score_interval": None if interval is None else list(interval[:2]),
+        "interval": None if interval is None else interval[2],
         "score": mean_present(scores), "scores": scores, "depth_scores": depth_scores(task, items, scores),
         "prefill_s": mean_present(prefill), "decode_tokens_per_s": mean_present(decode_tps),
         "throughput_tokens_per_s": steps / decode_wall if steps and decode_wall > 0 else None,

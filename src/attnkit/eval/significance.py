@@ -5,9 +5,9 @@ inside the noise and ranks only differences that hold.
 - A cell (method, task, length, protocol) differs from full when the paired bootstrap interval of its
   per-sample differences to full's excludes 0 (both scored the same samples).
 - A column's score relative to full (the mean over its cells of score / full's score) gets a bootstrap interval
-  that resamples every cell's samples (:func:`attnkit.eval.intervals.ratio_interval`). Columns are ranked by it
-  only where intervals do not overlap: a column's rank is 1 + the number of columns whose interval lies wholly
-  above its own, so columns inside each other's noise share a rank.
+  that resamples every cell's samples (:func:`attnkit.eval.intervals.ratio_interval`). Columns of a protocol are
+  ranked by it only where intervals do not overlap: a column's rank is 1 + the number of columns whose interval
+  lies wholly above its own, so columns inside each other's noise share a rank.
 - "Keeps >= 95 % of full" is claimed only when the interval's lower end is at or above 0.95.
 """
 
@@ -66,16 +66,19 @@ def column_interval(rows: list[dict], fulls: dict[tuple, dict]) -> tuple[float, 
 
 
 def rank(summary: list[dict]) -> None:
-    """Give every summary line a ``rank``: 1 + the number of lines whose interval of score / full lies wholly above
-    its own (lines without an interval get none); ``tied`` when another line shares the rank."""
+    """Give every summary line but full's a ``rank`` among the lines of its protocol: 1 + the number of them whose
+    interval of score / full lies wholly above its own (lines without an interval get none); ``tied`` when another
+    line shares the rank."""
     for s in summary:
-        s["rank"] = None
-        if s.get("rel_low") is None:
-            continue
-        s["rank"] = 1 + sum(o.get("rel_low") is not None and o["rel_low"] > s["rel_high"] for o in summary)
-    ranks = [s["rank"] for s in summary if s["rank"] is not None]
-    for s in summary:
-        s["tied"] = s["rank"] is not None and ranks.count(s["rank"]) > 1
+        s["rank"], s["tied"] = None, False
+    for protocol in {s.get("protocol") or "query-aware" for s in summary}:
+        ranked = [s for s in summary if (s.get("protocol") or "query-aware") == protocol and not s.get("is_full")
+                  and s.get("rel_low") is not None]
+        for s in ranked:
+            s["rank"] = 1 + sum(o["rel_low"] > s["rel_high"] for o in ranked)
+        ranks = [s["rank"] for s in ranked]
+        for s in ranked:
+            s["tied"] = ranks.count(s["rank"]) > 1
 
 
 def picks(summary: list[dict]) -> list[str]:
