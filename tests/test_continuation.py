@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import AttnkitError, forward, runner
+from attnkit import AttnkitError, continuation, forward, runner
 from attnkit.continuation import generate_after
 from attnkit.session import RowsStep
 from helpers import SMALL, random_ids
@@ -78,6 +78,38 @@ def test_each_question_starts_from_the_same_compressed_state(model, spec):
         if len(q) == max(map(len, QUESTIONS)):  # (shorter questions share the capacity reserved for the longest)
             assert (got.stats.peak_kv_bytes, got.stats.final_kv_bytes) == (alone.stats.peak_kv_bytes,
                                                                            alone.stats.final_kv_bytes)
+
+
+def kept_context(session, n: int) -> list:
+    """Per layer and kv head, the sorted positions before `n` the session's cache holds."""
+    return [[sorted(p for p in kv.view()[2][0, h].tolist() if p < n) for h in range(kv.view()[2].shape[1])]
+            for kv in session.cache.layers]
+
+
+def test_the_question_is_hidden_from_the_compression(model, monkeypatch):
+    """Query-agnostic SnapKV keeps the same context entries whatever the question, exactly those it keeps of the
+    context alone; query-aware SnapKV's observation window is the question, so what it keeps depends on it."""
+    spec, n = "snapkv:budget_tokens=40,window_size=4", len(CONTEXT)
+    agnostic, aware = [], []
+    real_feed, real_decode = continuation.feed, runner.decode_groups
+
+    def spy_feed(m, session, ids, start):
+        agnostic.append(kept_context(session, n))
+        return real_feed(m, session, ids, start)
+
+    def spy_decode(m, method, groups, sampling, max_new):
+        aware.append(kept_context(groups[0].session, n))
+        return real_decode(m, method, groups, sampling, max_new)
+
+    monkeypatch.setattr(continuation, "feed", spy_feed)
+    monkeypatch.setattr(runner, "decode_groups", spy_decode)
+    for q in QUESTIONS:
+        generate_after(model, CONTEXT, [q], spec, max_new_tokens=2)
+        attnkit.generate(model, CONTEXT + q, spec, max_new_tokens=2)
+    attnkit.generate(model, CONTEXT, spec, max_new_tokens=2)  # the context alone, no question
+    alone = aware.pop()
+    assert agnostic == [alone] * len(QUESTIONS)
+    assert aware[0] != aware[1] != aware[2] and alone not in aware
 
 
 def test_batch_of_contexts_equals_each_alone(model):
