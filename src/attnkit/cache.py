@@ -211,11 +211,13 @@ class KVCache:
         of a one-sequence cache into one sequence clones ``extra`` whole (a method that keeps one sequence per
         session, Select-Attention, keeps its per-token tensors without a batch axis)."""
         out = KVCache(len(self.layers), int(rows.shape[0]))
-        out.layers = [None if layer is None else LayerKV(
-            layer.keys[rows], layer.values[rows], layer.positions[rows], layer.length, layer.ring,
-            {name: stat[rows] for name, stat in layer.extras.items()}) for layer in self.layers]
+        for i, layer in enumerate(self.layers):
+            if layer is not None:
+                r = rows.to(layer.keys.device)  # layers may sit on different devices
+                out.layers[i] = LayerKV(layer.keys[r], layer.values[r], layer.positions[r], layer.length, layer.ring,
+                                        {name: stat[r] for name, stat in layer.extras.items()})
         single = self.rows == 1 and out.rows == 1
-        out.extra = {name: t.clone() if single else t[rows] for name, t in self.extra.items()}
+        out.extra = {name: t.clone() if single else t[rows.to(t.device)] for name, t in self.extra.items()}
         out.peak_row_bytes = self.peak_row_bytes
         out.peak_bytes = max(out.nbytes(), self.peak_row_bytes * out.rows)
         return out

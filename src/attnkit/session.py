@@ -66,11 +66,7 @@ class Session:
         one sequence, e.g. one compressed context answering several questions): its cache rows, and the
         method's per-layer and per-generation state copied (:func:`copy_state`), per-row tensors kept for
         `rows` by the method's ``keep_rows``. Nothing is recomputed; this session is left as it was."""
-        index = torch.tensor(rows, dtype=torch.long)
-        for layer in self.cache.layers:
-            if layer is not None:
-                index = index.to(layer.keys.device)
-                break
+        index = torch.tensor(rows, dtype=torch.long)  # on the CPU: each layer's copy moves it to its own device
         out = Session(self.method, self.cache.copy_rows(index), self.n_layers, self.prompt_len, self.max_new_tokens,
                       self.rope)
         out.layer_state, out.state = copy_state(self.layer_state), copy_state(self.state)
