@@ -8,10 +8,10 @@ This is how a compressed cache is used in practice: a long document, a cached sy
 is compressed before the question is known, so a method cannot pick what to keep by looking at the question.
 Evaluating with the question inside the compressed prompt ("query-aware") favours methods that score keys by
 the prompt's last queries (SnapKV's observation window); the query-agnostic protocol compresses the context
-first and feeds the question afterwards (kvpress's leaderboard measures this way: Devoto et al. 2025,
-"Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution",
-arXiv 2510.00636), and the shared-context protocol answers several questions about one compressed context
-(SCBench: Li et al. 2024, "SCBench: A KV Cache-Centric Analysis of Long-Context Methods", arXiv 2412.10319).
+first and feeds the question afterwards (as the leaderboard of the repository NVIDIA/kvpress measures; the term
+is Kim et al. 2025's, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv
+2505.23416), and the shared-context protocol answers several questions about one compressed context (SCBench:
+Li et al. 2024, "SCBench: A KV Cache-Centric Analysis of Long-Context Methods", arXiv 2412.10319).
 
 How: each context is prefilled as a prompt (in chunks with ``chunk_size``); the method compresses it in
 ``after_prefill`` as it compresses any prompt, its budget resolved on the context's length. Each question is
