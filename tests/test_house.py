@@ -18,7 +18,7 @@ LAYERS = [
     ("session", "generation", "forward"),
     ("sparse",),
     ("methods",),
-    ("runner", "hf_cache"),
+    ("runner", "hf_cache", "continuation"),
     ("speculative",),
     ("recipe",),
     ("eval",),

@@ -84,7 +84,7 @@ def test_other_schema_versions(results, tmp_path):
     new.mkdir()
     rows[3]["schema"] = results_store.SCHEMA + 1
     (new / results_store.RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(AttnkitError, match=r"line 4: results schema 3 is newer than this attnkit reads"):
+    with pytest.raises(AttnkitError, match=rf"line 4: results schema {results_store.SCHEMA + 1} is newer than this attnkit reads"):
         write_report(new)
     (new / results_store.RESULTS_FILE).write_text("{broken\n")
     with pytest.raises(AttnkitError, match="line 1 is not a JSON row"):

@@ -5,6 +5,7 @@
     out = attnkit.generate(model, "some long prompt", "window", params={"window": 512}, max_new_tokens=32)
 """
 
+from attnkit.continuation import generate_after
 from attnkit.errors import AttnkitError
 from attnkit.generation import GenerationConfig
 from attnkit.hf_cache import AttnkitCache
@@ -18,5 +19,6 @@ from attnkit.version import __version__
 __all__ = [
     "AttnkitError", "AttnkitCache", "GenerationConfig", "METHODS", "Method", "make_method", "parse_method_spec",
     "Geometry", "LoadedModel", "load_model", "prepare", "Recipe", "as_recipe", "load_recipe_file", "Generation",
-    "GenerationStats", "generate", "score_tokens", "token_nll", "speculative_generate", "__version__",
+    "GenerationStats", "generate", "generate_after", "score_tokens", "token_nll", "speculative_generate",
+    "__version__",
 ]

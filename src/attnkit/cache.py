@@ -233,6 +233,23 @@ class KVCache:
         if self.rows:
             self.peak_row_bytes = max(self.peak_row_bytes, total // self.rows)
 
+    def copy_rows(self, rows: torch.Tensor) -> KVCache:
+        """A new cache holding copies of the batch rows `rows` (indices; one may repeat, to copy a sequence
+        several times) of every layer and of ``extra``; its peaks start at this cache's peak per sequence. A copy
+        of a one-sequence cache into one sequence clones ``extra`` whole (a method that keeps one sequence per
+        session, Select-Attention, keeps its per-token tensors without a batch axis)."""
+        out = KVCache(len(self.layers), int(rows.shape[0]))
+        for i, layer in enumerate(self.layers):
+            if layer is not None:
+                r = rows.to(layer.keys.device)  # layers may sit on different devices
+                out.layers[i] = LayerKV(layer.keys[r], layer.values[r], layer.positions[r], layer.length, layer.ring,
+                                        {name: stat[r] for name, stat in layer.extras.items()})
+        single = self.rows == 1 and out.rows == 1
+        out.extra = {name: t.clone() if single else t[rows.to(t.device)] for name, t in self.extra.items()}
+        out.peak_row_bytes = self.peak_row_bytes
+        out.peak_bytes = max(out.nbytes(), self.peak_row_bytes * out.rows)
+        return out
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (indices, ascending) of every layer and of ``extra``."""
         for layer in self.layers:

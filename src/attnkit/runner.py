@@ -69,8 +69,8 @@ def peak_rss_bytes() -> int:
 
 
 @dataclass
-class _Sequence:
-    """One prompt of a batch while it generates."""
+class RunSequence:
+    """One prompt of a batch while it generates (:func:`generate`'s, or :mod:`attnkit.continuation`'s)."""
 
     index: int  # its place in the caller's batch
     ids: torch.Tensor
@@ -86,12 +86,15 @@ class _Sequence:
 
 
 @dataclass
-class _Group:
+class RunGroup:
     """Sequences of one prompt length that share a session (rows of its cache), or one sequence alone."""
 
     session: Session
-    members: list[_Sequence]  # the rows still generating, in row order
-    finished: list[_Sequence] = field(default_factory=list)
+    members: list[RunSequence]  # the rows still generating, in row order
+    finished: list[RunSequence] = field(default_factory=list)
+    # tokens fed after the session's prompt before the first generated one (a question continuing a
+    # compressed context, :mod:`attnkit.continuation`): the first generated token sits at prompt_len + offset
+    offset: int = 0
 
 
 def group_prompts(lengths: list[int], method: Method) -> list[list[int]]:
@@ -105,7 +108,7 @@ def group_prompts(lengths: list[int], method: Method) -> list[list[int]]:
     return list(groups.values())
 
 
-def check_batch(model: LoadedModel, groups: list[_Group], batched: bool) -> None:
+def check_batch(model: LoadedModel, groups: list[RunGroup], batched: bool) -> None:
     """Before any work: every prompt's parameters fit it (budgets resolve per layer), and a batch's KV cache
     fits in the free memory of each device (what the method holds per layer once the prompt is processed, on
     the device that layer runs on)."""
@@ -161,63 +164,76 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
     for i, ids in enumerate(prompts):
         check_length(model, ids.shape[0], max_new_tokens, f"prompt {i}" if batched else "the prompt")
     lengths = [int(ids.shape[0]) for ids in prompts]
-    device = model.device
-    sampling = config.sampling
-    eos = config.eos(model.tokenizer)
-
-    def sequence(i: int) -> _Sequence:
-        stream = on_token if not batched or on_token is None else (lambda t, text, i=i: on_token(i, t, text))
-        seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-        return _Sequence(i, prompts[i], TokenEmitter(model.tokenizer, eos, config.stop, stream),
-                         seeded.generator(model.output_device), [] if keep_logits else None)  # the logits' device
-
-    sequences = [sequence(i) for i in range(len(prompts))]
-    groups = [_Group(new_session(model, method, lengths[idx[0]], max_new_tokens, rows=len(idx)),
-                     [sequences[i] for i in idx]) for idx in group_prompts(lengths, method)]
+    sequences = [start_sequence(model, i, prompts[i], config, on_token if not batched or on_token is None
+                                else (lambda t, text, i=i: on_token(i, t, text)), keep_logits)
+                 for i in range(len(prompts))]
+    groups = [RunGroup(new_session(model, method, lengths[idx[0]], max_new_tokens, rows=len(idx)),
+                       [sequences[i] for i in idx]) for idx in group_prompts(lengths, method)]
     check_batch(model, groups, batched)
 
-    sync(device)
+    sync(model.device)
     t0 = time.perf_counter()
     for group in groups:
         t_group = time.perf_counter()
         ids = torch.stack([m.ids for m in group.members])
         hidden = prefill(model, group.session, ids, config.chunk_size)
         logits = logits_of(model, hidden[:, -1])
-        sync(device)
+        sync(model.device)
         prefill_s = time.perf_counter() - t_group
         for seq in group.members:
             seq.prefill_s = prefill_s
-        _choose(group, logits, sampling, t0, first=True)
+        choose_tokens(group, logits, config.sampling, t0, first=True)
+    decode_groups(model, method, groups, config.sampling, max_new_tokens)
+    gens = generations(groups, method, len(prompts))
+    return gens if batched else gens[0]
+
+
+def start_sequence(model: LoadedModel, index: int, ids: torch.Tensor, config: GenerationConfig,
+                   on_token: Callable | None = None, keep_logits: bool = False) -> RunSequence:
+    """The sequence of prompt `index` (`ids`: what its statistics count as the prompt): its stop conditions,
+    and its sampling generator (seed ``config.seed + index``, so prompt 0 samples as it would alone)."""
+    sampling = config.sampling
+    seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + index)
+    return RunSequence(index, ids, TokenEmitter(model.tokenizer, config.eos(model.tokenizer), config.stop, on_token),
+                       seeded.generator(model.output_device), [] if keep_logits else None)  # the logits' device
+
+
+def decode_groups(model: LoadedModel, method: Method, groups: list[RunGroup], sampling, max_new_tokens: int) -> None:
+    """Decode every group from its first chosen token on, all groups' rows in each forward, until each
+    sequence stops or has `max_new_tokens` tokens; finished sequences leave their group's rows."""
     t_decode = time.perf_counter()
-    _finish(groups, t_decode)
+    finish_rows(groups, t_decode)
     for i in range(1, max_new_tokens):
         active = [g for g in groups if g.members]
         if not active:
             break
         for group, logits in zip(active, _decode_step(model, method, active, i), strict=True):
-            _choose(group, logits, sampling, t_decode)
-        _finish(active, t_decode)
+            choose_tokens(group, logits, sampling, t_decode)
+        finish_rows(active, t_decode)
     for group in groups:  # sequences that ran to max_new_tokens
-        _finish([group], t_decode, everyone=True)
+        finish_rows([group], t_decode, everyone=True)
+
+
+def generations(groups: list[RunGroup], method: Method, batch_size: int) -> list[Generation]:
+    """Every finished sequence's :class:`Generation`, in the order of their indices."""
     rss = peak_rss_bytes()
-    out = [_generation(seq, method, g.session, len(prompts), rss) for g in groups for seq in g.finished]
+    out = [_generation(seq, method, g.session, batch_size, rss) for g in groups for seq in g.finished]
     out.sort(key=lambda gen: gen[0])
-    gens = [gen for _, gen in out]
-    return gens if batched else gens[0]
+    return [gen for _, gen in out]
 
 
-def _decode_step(model: LoadedModel, method: Method, active: list[_Group], i: int) -> list[torch.Tensor]:
+def _decode_step(model: LoadedModel, method: Method, active: list[RunGroup], i: int) -> list[torch.Tensor]:
     """One decoding step of every active sequence: the logits ``[rows, vocab]`` of each group."""
     device = model.device
     if method.run_layers is not None:  # the method runs the layers itself: one forward per session (its rows)
         return [logits_of(model, forward(model, torch.tensor([[m.emit.generated[-1]] for m in g.members],
                                                              device=device),
-                                         g.session.prompt_len + i - 1,
+                                         g.session.prompt_len + g.offset + i - 1,
                                          lambda pos, g=g: Step(g.session, "decode", pos))[:, -1]) for g in active]
     ids = torch.tensor([[m.emit.generated[-1]] for g in active for m in g.members], device=device)
     parts, row = [], 0
     for g in active:
-        pos = torch.tensor([g.session.prompt_len + i - 1], device=device)
+        pos = torch.tensor([g.session.prompt_len + g.offset + i - 1], device=device)
         parts.append((row, row + len(g.members), 1, Step(g.session, "decode", pos)))
         row += len(g.members)
     if len(parts) == 1:
@@ -229,7 +245,7 @@ def _decode_step(model: LoadedModel, method: Method, active: list[_Group], i: in
     return [logits[start:end] for start, end, _, _ in parts]
 
 
-def _choose(group: _Group, logits: torch.Tensor, sampling, t0: float, first: bool = False) -> None:
+def choose_tokens(group: RunGroup, logits: torch.Tensor, sampling, t0: float, first: bool = False) -> None:
     """Choose and emit each row's next token."""
     greedy = None if sampling.do_sample else logits.argmax(-1).tolist()
     for row, seq in enumerate(group.members):
@@ -241,7 +257,7 @@ def _choose(group: _Group, logits: torch.Tensor, sampling, t0: float, first: boo
         seq.done = seq.emit.push(token)
 
 
-def _finish(groups: list[_Group], t_decode: float, everyone: bool = False) -> None:
+def finish_rows(groups: list[RunGroup], t_decode: float, everyone: bool = False) -> None:
     """Record the sequences that finished and drop their rows (the others go on)."""
     for group in groups:
         ended = [m for m in group.members if m.done or everyone]
@@ -259,7 +275,7 @@ def _finish(groups: list[_Group], t_decode: float, everyone: bool = False) -> No
             group.session.keep_rows(keep)
 
 
-def _generation(seq: _Sequence, method: Method, session: Session, batch_size: int, rss: int) -> tuple[int, Generation]:
+def _generation(seq: RunSequence, method: Method, session: Session, batch_size: int, rss: int) -> tuple[int, Generation]:
     emit = seq.emit
     text = emit.close()
     steps = emit.decode_steps()

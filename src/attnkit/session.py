@@ -14,6 +14,8 @@ the methods and does not import them.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +56,18 @@ class Session:
         index = torch.tensor(rows, dtype=torch.long)  # each layer takes it to its own device
         self.cache.keep_rows(index)
         self.method.keep_rows(self.layer_state, self.state, index)
+
+    def fork(self, rows: list[int]) -> Session:
+        """A new session whose rows are copies of this one's rows `rows` (a row may repeat: several copies of
+        one sequence, e.g. one compressed context answering several questions): its cache rows, and the
+        method's per-layer and per-generation state copied (:func:`copy_state`), per-row tensors kept for
+        `rows` by the method's ``keep_rows``. Nothing is recomputed; this session is left as it was."""
+        index = torch.tensor(rows, dtype=torch.long)  # on the CPU: each layer's copy moves it to its own device
+        out = Session(self.method, self.cache.copy_rows(index), self.n_layers, self.prompt_len, self.max_new_tokens,
+                      self.rope)
+        out.layer_state, out.state = copy_state(self.layer_state), copy_state(self.state)
+        self.method.keep_rows(out.layer_state, out.state, index)
+        return out
 
 
 @dataclass
@@ -184,3 +198,25 @@ def layer_contexts(session: Session) -> list[LayerContext]:
     ahead of any work (:meth:`attnkit.methods.base.Method.planned_slots`)."""
     step = Step(session, "prefill", torch.zeros(0, dtype=torch.long))
     return [LayerContext(step, i, 1.0, None) for i in range(session.n_layers)]
+
+
+def copy_state(obj):
+    """Deep copy of the tensors inside a method's state dataclasses and the dicts/lists/tuples they hold; any
+    other object is kept by reference (e.g. the Step a method remembers, whose identity is what it compares,
+    or Keyformer's decode-noise tables, which depend on nothing a generation changes)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, (Step, Session)):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, copy_state(getattr(obj, f.name)))
+        return new
+    if isinstance(obj, dict):
+        return {k: copy_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [copy_state(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(copy_state(v) for v in obj)
+    return obj

@@ -16,8 +16,26 @@ from attnkit.methods.spec import split_spec_list
 from attnkit.validate import whole
 
 
+def protocol_options(args: argparse.Namespace) -> dict:
+    """``--protocol``, ``--queries`` and ``--seeds`` as :func:`attnkit.eval.harness.run_eval`'s keywords (only
+    those given; ``--queries`` defaults to 4 when multi-query runs)."""
+    out = {}
+    if args.protocol is not None:
+        out["protocols"] = name_list(args.protocol, "--protocol")
+    if args.queries is not None:
+        out["queries"] = whole("--queries", args.queries, minimum=1)
+    elif "multi-query" in out.get("protocols", []):
+        out["queries"] = DEFAULT_MULTI_QUERIES
+    if args.seeds is not None:
+        out["seeds"] = int_list(args.seeds, "--seeds", minimum=0)
+    return out
+
+
+DEFAULT_MULTI_QUERIES = 4
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    from attnkit.eval.harness import LONGBENCH_PREFIX, format_table, run_eval
+    from attnkit.eval.harness import format_table, run_eval
 
     whole("--samples", args.samples, minimum=1)
     if args.batch_size is not None:
@@ -31,17 +49,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tasks = None if args.tasks is None else name_list(args.tasks, "--tasks")
     methods = (split_spec_list(args.methods or "full") if args.methods or not args.recipe else [])
     methods += recipe_files(args.recipe)
+    protocol = protocol_options(args)
     model = load(args.model or "tiny", args=args)
     data = None
     if args.data:
-        from attnkit.eval.longbench import LongBenchData
+        from attnkit.eval.user_data import load_data
 
-        data = LongBenchData.load(args.data)
+        data = load_data(args.data)
     if tasks is None:
-        tasks = [LONGBENCH_PREFIX + d for d in data.datasets()] if data is not None else ["passkey"]
+        tasks = data.tasks() if data is not None else ["passkey"]
     batch = {} if args.batch_size is None else {"batch_size": args.batch_size}
     rows = run_eval(model, tasks, lengths, methods, args.samples, seed=args.seed,
-                    out_dir=Path(args.out) if args.out else None, progress=not args.no_progress, data=data, **batch)
+                    out_dir=Path(args.out) if args.out else None, progress=not args.no_progress, data=data, **batch,
+                    **protocol)
     print(format_table(rows))
     if args.out:
         print(f"results: {Path(args.out) / 'results.jsonl'}", file=sys.stderr)
@@ -53,9 +73,12 @@ def eval_sweep(args: argparse.Namespace) -> int:
     from attnkit.eval.harness import format_table
     from attnkit.eval.sweep import load_sweep, run_sweep, sweep_positions
 
-    given = [f"--{n}" for n in ("tasks", "methods", "recipe", "data") if getattr(args, n)]
+    given = [f"--{n}" for n in ("tasks", "methods", "recipe", "data", "queries", "seeds") if getattr(args, n)]
+    if args.protocol != "query-aware":
+        given.append("--protocol")
     if given:
-        raise AttnkitError(f"--sweep FILE sets the tasks, recipes and data; drop {', '.join(given)}")
+        raise AttnkitError(f"--sweep FILE sets the tasks, recipes, data, protocols, queries and seeds; drop "
+                           f"{', '.join(given)}")
     if not args.out:
         raise AttnkitError("--sweep needs --out DIR (where results.jsonl is written and resumed from)")
     check_ray_options(args)

@@ -109,7 +109,17 @@ def _eval_parser(sub) -> None:
     p.add_argument("--methods", default=None, help="comma-separated method specs (default: full)")
     p.add_argument("--recipe", action="append", metavar="FILE", help="a recipe file to evaluate too (repeatable)")
     p.add_argument("--sweep", metavar="FILE", help="a sweep file (recipes x budgets x tasks x lengths); resumable")
-    p.add_argument("--data", metavar="FILE.jsonl", help="LongBench-format items: tasks longbench:DATASET")
+    p.add_argument("--data", action="append", metavar="PATH",
+                   help="LongBench, RULER or InfiniteBench JSONL items (a file, or a folder of them; repeatable): "
+                        "tasks longbench:DATASET, ruler:TASK, infinitebench:TASK")
+    p.add_argument("--protocol", default="query-aware", metavar="NAME[,NAME...]",
+                   help="query-aware (the question is in the compressed prompt), query-agnostic (the context is "
+                        "compressed, then the question fed), multi-query (a context compressed once answers "
+                        "--queries questions); comma-separated to run several side by side; default: query-aware")
+    p.add_argument("--queries", type=int, default=None, metavar="K",
+                   help="questions per context, the task's own first (default: 1, or 4 with multi-query)")
+    p.add_argument("--seeds", default=None, metavar="S,...",
+                   help="seeds of a stochastic method (keyformer's noise): it runs once per seed")
     p.add_argument("--samples", type=int, default=20, help="prompts per task and length (>= 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",

@@ -6,7 +6,9 @@ rows it is handed, and appends each finished row to ``results.jsonl``
 (:func:`attnkit.eval.results.append_row`), so an interruption never leaves a half-written row that counts.
 ``full`` runs first in each group so that every row can carry its score relative to full. A cell's
 samples go through :func:`attnkit.generate` ``batch_size`` at a time (:data:`DEFAULT_BATCH_SIZE`); the
-scores are those of one sample at a time, and :func:`run_cell` says what the timings of a batch mean.
+scores are those of one sample at a time, and :func:`run_cell` says what the timings of a batch mean. A group
+runs one protocol (:mod:`attnkit.eval.protocols`); its rows say which, how much prefill it took, and the 95 %
+interval of the score (:mod:`attnkit.eval.intervals`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from attnkit.eval import provenance
+from attnkit.eval.intervals import score_interval
 from attnkit.eval.items import PERPLEXITY, bits_per_byte, score_prediction
 from attnkit.eval.peers import KvpressRunner
+from attnkit.eval.protocols import QUERY_AWARE, generate_protocol
 from attnkit.eval.results import SCHEMA, append_row, cell_key
 from attnkit.eval.table import column_label
 from attnkit.eval.task_registry import NEEDLE_TASKS
@@ -49,11 +53,14 @@ def rel_full(score: float | None, full: float | None, higher_is_better: bool) ->
 
 
 def depth_scores(task: str, items, scores: list[float]) -> list[list[float]] | None:
-    """``[[depth, mean score], ...]`` sorted by depth, for needle tasks (None for the others)."""
+    """``[[depth, mean score], ...]`` sorted by depth, for needle tasks (None for the others); from each
+    context's own question (a follow-up asks about another part of the context)."""
     if task not in NEEDLE_TASKS:
         return None
     by_depth: dict[float, list[float]] = {}
     for item, score in zip(items, scores):
+        if getattr(item, "query", 0):
+            continue
         by_depth.setdefault(round(float(item.depth), 6), []).append(score)
     return [[d, sum(v) / len(v)] for d, v in sorted(by_depth.items())]
 
@@ -117,7 +124,7 @@ def _generate(model: LoadedModel, recipe: Recipe, items, batch_size: int, progre
 
 
 def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar, peers: Peers,
-             batch_size: int = 1) -> dict:
+             batch_size: int = 1, protocol: str = QUERY_AWARE) -> dict:
     """Scores, predictions and statistics of one (task, length, recipe) cell; its samples are generated
     `batch_size` at a time (:func:`batches_samples`: where the recipe allows it; a sequence gets the same
     tokens in a batch as alone, so the scores do not depend on the batch size).
@@ -126,12 +133,16 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
     part in (a batch's prompts of one length are prefilled together: what a sample waited before its
     first token); ``decode_tokens_per_s`` is the mean over samples of each sequence's own decode rate (what
     one request sees; it falls as the batch grows); ``throughput_tokens_per_s`` is the cell's: the decode
-    tokens of all its sequences over the decode wall time of its calls (it rises with the batch size)."""
+    tokens of all its sequences over the decode wall time of its calls (it rises with the batch size).
+    Under the query-agnostic and multi-query protocols ``batch_size`` counts contexts, and ``prefill_s`` is the
+    prefill of a sample's context (shared by a context's questions); ``context_prefills`` and ``prefill_tokens``
+    count the prompt or context prefills the cell ran."""
     n = len(items)
     scores, predictions, prefill, decode_tps = [None] * n, [None] * n, [None] * n, [None] * n
     peak_kv, final_kv, method_stats = [], [], []
     steps = decode_wall = 0.0
     calls = []
+    work = None
     if task == PERPLEXITY:  # scored by a prefill each: nothing to batch
         for i, item in enumerate(items):
             t0 = time.perf_counter()
@@ -139,8 +150,11 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
             prefill[i] = time.perf_counter() - t0
             if progress_bar is not None:
                 progress_bar.update(1)
-    else:
+        work = {"context_prefills": len(items), "prefill_tokens": sum(len(item) for item in items)}
+    elif protocol == QUERY_AWARE:
         calls = _generate(model, recipe, items, batch_size, progress_bar, peers)
+    else:
+        calls, work = generate_protocol(model, recipe, items, protocol, batch_size, stop_of, progress_bar)
     for call in calls:
         for i, gen in call:
             scores[i] = score_prediction(task, gen.text, items[i])
@@ -156,7 +170,13 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
         decode_wall += max(gen.stats.decode_s for _, gen in call)  # a batch's sequences decode side by side
     peak_kv = [v for v in peak_kv if v is not None]
     final_kv = [v for v in final_kv if v is not None]
+    if work is None:  # every sample's whole prompt was prefilled
+        work = {"context_prefills": len(items),
+                "prefill_tokens": sum(gen.stats.prompt_tokens for call in calls for _, gen in call)}
+    interval = score_interval(scores)
     return {
+        **work, "score_interval": None if interval is None else list(interval[:2]),
+        "interval": None if interval is None else interval[2],
         "score": mean_present(scores), "scores": scores, "depth_scores": depth_scores(task, items, scores),
         "prefill_s": mean_present(prefill), "decode_tokens_per_s": mean_present(decode_tps),
         "throughput_tokens_per_s": steps / decode_wall if steps and decode_wall > 0 else None,
@@ -175,6 +195,8 @@ class Group:
     length: int
     items: list
     recipes: list[Recipe] = field(default_factory=list)
+    protocol: str = QUERY_AWARE
+    queries: int = 1  # questions asked per context (each context's first ones)
 
 
 def method_of(recipe: Recipe) -> tuple[str, dict]:
@@ -190,16 +212,21 @@ def cell_row(model_spec: str, group: Group, recipe: Recipe, result: dict, wall: 
     """The results row of one finished cell (:func:`run_cell`'s `result`, `wall` seconds), without its score
     relative to full (:func:`finish_row` adds it once full's score is known); `run` is :func:`run_provenance`'s."""
     method_name, method_params = method_of(recipe)
-    items = group.items
+    items, perplexity = group.items, group.task == PERPLEXITY
     return {
         "schema": SCHEMA, "run_id": run["run_id"], "cell": key, "model": model_spec, "task": group.task,
         "length": group.length, "method": method_name, "method_params": method_params,
         "method_spec": column_label(recipe.label, recipe.budget), "recipe": recipe.to_dict(),
-        "recipe_name": recipe.label, "budget": recipe.budget, "samples": len(items),
-        "depths": None if group.task == PERPLEXITY else [s.depth for s in items],
+        "recipe_name": recipe.label, "budget": recipe.budget, "method_seed": recipe.method_seed,
+        "protocol": group.protocol, "queries": group.queries,
+        "questions": None if perplexity else [s.query for s in items],
+        "contexts": None if perplexity else sum(s.query == 0 for s in items),
+        "context_prefills": result["context_prefills"], "prefill_tokens": result["prefill_tokens"],
+        "samples": len(items), "depths": None if perplexity else [s.depth for s in items],
         "seeds": [seed + j for j in range(len(items))],
         "score": result["score"], "scores": result["scores"], "depth_scores": result["depth_scores"],
-        "higher_is_better": group.task != PERPLEXITY, "score_rel_full": None,
+        "score_interval": result["score_interval"], "interval": result["interval"],
+        "higher_is_better": not perplexity, "score_rel_full": None,
         "prefill_s": result["prefill_s"], "decode_tokens_per_s": result["decode_tokens_per_s"],
         "throughput_tokens_per_s": result["throughput_tokens_per_s"], "batch_size": result["batch_size"],
         "peak_kv_bytes": result["peak_kv_bytes"], "final_kv_bytes": result["final_kv_bytes"],
@@ -222,8 +249,10 @@ def finish_row(row: dict, full_score: float | None, out_path: Path | None) -> di
 
 
 def group_key(model_spec: str, group: Group, recipe: Recipe, seed: int) -> str:
-    """The :func:`attnkit.eval.results.cell_key` of one cell of `group`."""
-    return cell_key(model_spec, group.task, group.length, recipe.label, recipe.budget, len(group.items), seed)
+    """The :func:`attnkit.eval.results.cell_key` of one cell of `group` (its protocol, questions per context and
+    method seed included; a query-aware cell of one question and no method seed keeps its old key)."""
+    return cell_key(model_spec, group.task, group.length, recipe.label, recipe.budget, len(group.items), seed,
+                    group.protocol, group.queries, recipe.method_seed)
 
 
 def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: Path | None = None,
@@ -251,7 +280,7 @@ def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: P
                         bar.set_postfix_str(f"{group.task} {group.length} {column_label(recipe.label, recipe.budget)}",
                                             refresh=False)
                     t0 = time.perf_counter()
-                    result = run_cell(model, group.task, recipe, group.items, bar, peers, batch_size)
+                    result = run_cell(model, group.task, recipe, group.items, bar, peers, batch_size, group.protocol)
                     row = cell_row(model.spec, group, recipe, result, time.perf_counter() - t0, seed=seed, key=k,
                                    run=run)
                 if recipe.is_full and full_score is None:

@@ -3,7 +3,10 @@
     rows = run_eval(model, ["passkey", "perplexity"], [1024, 2048], ["full", "window:window=512"], samples=8)
     print(format_table(rows))
 
-Every recipe of a (task, length) pair sees the same samples. Sample ``i`` uses eval seed ``seed + i``;
+Every recipe of a (task, length) pair sees the same samples, under every protocol asked
+(:mod:`attnkit.eval.protocols`: ``query-aware``, ``query-agnostic``, ``multi-query``; ``queries`` questions per
+context). A stochastic method (Keyformer) runs once per seed of ``seeds`` (one row each; the table and the
+report merge them). Sample ``i`` uses eval seed ``seed + i``;
 its needle depth is ``(i + 0.5) / samples`` unless explicit depths are given (then every depth gets
 ``samples`` samples). Generation is greedy and stops at the first newline (every task's answer is on
 the first line of the continuation; LongBench-format items, :mod:`attnkit.eval.longbench`, run to their
@@ -21,11 +24,12 @@ from pathlib import Path
 
 from attnkit.errors import AttnkitError
 from attnkit.eval.cells import DEFAULT_BATCH_SIZE, Group, run_cells
-from attnkit.eval.items import LONGBENCH_PREFIX, PERPLEXITY, task_items
-from attnkit.eval.longbench import as_longbench_data
+from attnkit.eval.items import LONGBENCH_PREFIX, PERPLEXITY, task_items  # noqa: F401  (LONGBENCH_PREFIX: re-exported)
+from attnkit.eval.protocols import QUERY_AWARE, check_protocols, check_queries, check_refusals
 from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, repair_tail
 from attnkit.eval.table import format_table
 from attnkit.eval.task_registry import ALL_TASKS
+from attnkit.eval.user_data import load_data
 from attnkit.model import LoadedModel
 from attnkit.recipe import Recipe, as_recipe
 from attnkit.validate import is_number, is_whole, whole
@@ -37,16 +41,17 @@ def _check_list(label: str, values) -> None:
 
 
 def check_tasks(tasks, data=None) -> None:
-    """Known task names; ``longbench:DATASET`` needs a LongBench-format file holding DATASET."""
+    """Known task names; ``longbench:DATASET``, ``ruler:TASK``, ``infinitebench:TASK`` need a data file holding
+    them (:mod:`attnkit.eval.user_data`)."""
     _check_list("tasks", tasks)
     if len(set(tasks)) != len(tasks):
         raise AttnkitError(f"tasks has duplicates: {list(tasks)}")
-    datasets = data.datasets() if data is not None else []
-    unknown = [t for t in tasks if t not in ALL_TASKS
-               and not (t.startswith(LONGBENCH_PREFIX) and t[len(LONGBENCH_PREFIX):] in datasets)]
+    known = data.tasks() if data is not None else []
+    unknown = [t for t in tasks if t not in ALL_TASKS and t not in known]
     if unknown:
-        extra = ", ".join(LONGBENCH_PREFIX + d for d in datasets)
-        hint = f", {extra} (from {data.source})" if extra else "; LongBench tasks come from a --data FILE"
+        extra = ", ".join(known)
+        hint = (f", {extra} (from {data.source})" if extra
+                else "; LongBench, RULER and InfiniteBench tasks come from a --data FILE")
         raise AttnkitError(f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
                            f"available: {', '.join(ALL_TASKS)}{hint}")
 
@@ -89,6 +94,18 @@ def check_peer_tasks(recipes: list[Recipe], tasks) -> None:
         raise AttnkitError(f"task 'perplexity' scores attnkit methods only; {', '.join(peers)} cannot run it")
 
 
+def with_seeds(recipes: list[Recipe], seeds) -> list[Recipe]:
+    """Every recipe, a stochastic one (:meth:`Recipe.takes_seeds`) once per seed of `seeds` (None: as it is)."""
+    if seeds is None:
+        return list(recipes)
+    if isinstance(seeds, (str, bytes)) or not list(seeds) or not all(is_whole(s) and s >= 0 for s in seeds):
+        raise AttnkitError(f"seeds must be a non-empty list of whole numbers >= 0, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise AttnkitError(f"seeds has duplicates: {list(seeds)}")
+    return [r.with_method_seed(s) if r.takes_seeds() else r for r in recipes
+            for s in (seeds if r.takes_seeds() else seeds[:1])]
+
+
 def _check_request(model: LoadedModel, tasks, lengths, methods, samples, depths, data=None
                    ) -> tuple[list[Recipe], list[float]]:
     check_tasks(tasks, data)
@@ -115,26 +132,37 @@ def full_first(recipes: list[Recipe]) -> list[Recipe]:
 
 def run_eval(model: LoadedModel, tasks: list[str], lengths: list[int], methods: list, samples: int,
              seed: int = 0, out_dir: Path | str | None = None, progress: bool = True,
-             depths: list[float] | None = None, data=None, batch_size: int = DEFAULT_BATCH_SIZE) -> list[dict]:
+             depths: list[float] | None = None, data=None, batch_size: int = DEFAULT_BATCH_SIZE,
+             protocols=QUERY_AWARE, queries: int = 1, seeds: list[int] | None = None) -> list[dict]:
     """Evaluate every (task, length, method) cell on `samples` seeded eval samples; one row per cell.
 
     `methods` are specs such as ``"full"`` or ``"window:window=512"``, recipes (:class:`attnkit.recipe.Recipe`
     or mappings) or method instances. `data` (:class:`attnkit.eval.longbench.LongBenchData` or a path)
-    provides ``longbench:DATASET`` tasks. With `out_dir`, each row is appended to
+    provides ``longbench:DATASET`` tasks (or any path :func:`attnkit.eval.user_data.load_data` reads: RULER's
+    and InfiniteBench's too). `protocols` is one protocol or a list (each runs every cell), `queries` the questions
+    per context, `seeds` the seeds a stochastic method runs with (one row each). With `out_dir`, each row is
+    appended to
     ``out_dir/results.jsonl`` as its cell finishes and ``out_dir/table.txt`` is written at the end.
     Rows come in run order (tasks, then lengths, then methods with ``full`` first). A cell's samples are
     generated `batch_size` at a time (the same scores as one at a time; what the timings of a batch mean:
     :func:`attnkit.eval.cells.run_cell`); each row records its ``batch_size``.
     """
     if data is not None:
-        data = as_longbench_data(data)
+        data = load_data(data)
     tasks, lengths, methods = list(tasks), list(lengths), list(methods)
     recipes, depth_values = _check_request(model, tasks, lengths, methods, samples, depths, data)
     whole("batch_size", batch_size, minimum=1)
-    recipes = full_first(recipes)
+    protocols = check_protocols(protocols)
+    queries = check_queries(queries, protocols)
+    recipes = full_first(with_seeds(recipes, seeds))
+    check_refusals(recipes, protocols)
     # build every sample before running anything: a bad length fails at once, not an hour in
-    groups = [Group(task, length, task_items(model, task, length, seed, samples, depth_values, data), recipes)
-              for task in tasks for length in lengths]
+    groups = []
+    for task in tasks:
+        for length in lengths:
+            items = task_items(model, task, length, seed, samples, depth_values, data, queries)
+            check_refusals(recipes, protocols, task, items)
+            groups += [Group(task, length, items, recipes, protocol, queries) for protocol in protocols]
     out_path = None
     if out_dir is not None:
         out_dir = Path(out_dir)

@@ -2,10 +2,10 @@
 
 The generated tasks (:mod:`attnkit.eval.tasks`, RULER-style: "RULER: What's the Real Context Size of
 Your Long-Context Language Models?", Hsieh et al. 2024, arXiv 2404.06654) make one seeded sample per
-needle depth; ``longbench:DATASET`` items come from a LongBench-format file (:mod:`attnkit.eval.longbench`;
-"LongBench: A Bilingual, Multitask Benchmark for Long Context Understanding", Bai et al. 2023, arXiv
-2308.14508); ``perplexity`` is a set of windows of held-out standard-library text, scored in bits per
-UTF-8 byte (lower is better).
+needle depth; ``longbench:DATASET``, ``ruler:TASK`` and ``infinitebench:TASK`` items come from data files
+(:mod:`attnkit.eval.user_data`); ``perplexity`` is a set of windows of held-out standard-library text, scored in
+bits per UTF-8 byte (lower is better). With ``queries`` K > 1 every context brings up to K questions (the
+task's own first, then its follow-ups), consecutive in the list: the samples every protocol runs.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import random
 
 from attnkit.errors import AttnkitError
 from attnkit.eval import corpus
-from attnkit.eval.longbench import score_sample
+from attnkit.eval.sample import Sample
 from attnkit.eval.task_registry import TASKS
-from attnkit.eval.tasks import Sample
+from attnkit.eval.user_data import PREFIXES, score_sample
 from attnkit.methods.base import Method
 from attnkit.model import LoadedModel
 from attnkit.runner import token_nll
@@ -27,8 +27,10 @@ PERPLEXITY = "perplexity"
 LONGBENCH_PREFIX = "longbench:"
 
 
-def make_samples(model: LoadedModel, task: str, length: int, seed: int, depths: list[float]) -> list[Sample]:
-    """One sample of a generated task per depth; sample ``i`` from seed ``seed + i``."""
+def make_samples(model: LoadedModel, task: str, length: int, seed: int, depths: list[float],
+                 queries: int = 1) -> list[Sample]:
+    """One sample of a generated task per depth, sample ``i`` from seed ``seed + i``, each followed by its
+    context's further questions up to `queries` questions in all."""
     out = []
     for i, depth in enumerate(depths):
         try:
@@ -38,26 +40,34 @@ def make_samples(model: LoadedModel, task: str, length: int, seed: int, depths: 
         except ValueError as exc:
             raise AttnkitError(f"task {task!r} at length {length}: {exc}") from None
         limit = model.geometry.max_positions
-        if length + sample.max_new_tokens > limit:
-            raise AttnkitError(f"task {task!r} at length {length} needs {length} + {sample.max_new_tokens} "
-                               f"positions; model {model.spec!r} allows {limit}")
-        out.append(sample)
+        for asked in sample.questions(queries):
+            n = len(model.tokenizer(asked.prompt).input_ids) if asked.query else length
+            if n + sample.max_new_tokens > limit:
+                raise AttnkitError(f"task {task!r} at length {length} needs {n} + {sample.max_new_tokens} "
+                                   f"positions; model {model.spec!r} allows {limit}")
+            out.append(asked)
     return out
 
 
 def task_items(model: LoadedModel, task: str, length: int, seed: int, samples: int, depths: list[float],
-               data=None) -> list:
-    """The samples every recipe of a (task, length) pair sees."""
+               data=None, queries: int = 1) -> list:
+    """The samples every recipe of a (task, length) pair sees (with `queries` > 1, up to that many questions
+    per context, consecutive)."""
     if task == PERPLEXITY:
         return perplexity_windows(model, length, seed, samples)
-    if task.startswith(LONGBENCH_PREFIX):
-        return data.samples(model, task[len(LONGBENCH_PREFIX):], length, samples)
-    return make_samples(model, task, length, seed, depths)
+    if task.startswith(PREFIXES):
+        return data.samples(model, task, length, samples, queries)
+    return make_samples(model, task, length, seed, depths, queries)
+
+
+def is_data_task(task: str) -> bool:
+    """Whether `task` comes from a data file (LongBench, RULER, InfiniteBench)."""
+    return task.startswith(PREFIXES)
 
 
 def score_prediction(task: str, prediction: str, item: Sample) -> float:
-    """The score of one prediction: the task's own scorer, or LongBench's metric for its dataset."""
-    if task.startswith(LONGBENCH_PREFIX):
+    """The score of one prediction: the task's own scorer, or its data format's metric."""
+    if is_data_task(task):
         return score_sample(prediction, item)
     return float(TASKS[task].score(prediction, item))
 

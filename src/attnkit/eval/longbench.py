@@ -12,7 +12,9 @@ A JSONL file, one item per line, with LongBench's fields::
 ``--lengths`` are prompt token budgets: a longer prompt loses its middle (the first half and the last
 half of the budget are kept, as LongBench does). The prompt is an instruction built from ``context``
 and ``input`` (attnkit's own wording per kind of dataset), wrapped in the tokenizer's chat template when
-it has one (not for the few-shot and code datasets, which are plain continuations, as in LongBench).
+it has one (not for the few-shot and code datasets, which are plain continuations, as in LongBench). What
+follows the context (the instruction after it, ``input``, the template's end) is the question; items that share
+a context are several questions about it (``queries`` > 1).
 
 The metric follows the dataset's name (a LongBench-E name ``X_e`` is scored as ``X``), each item's score
 being its best over the reference answers:
@@ -37,14 +39,16 @@ from __future__ import annotations
 
 import json
 import re
-import string
-import unicodedata
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.eval.metrics import normalize_answer, normalize_zh_answer, qa_f1, qa_f1_zh, rouge_l, token_f1
+from attnkit.eval.prompting import documents, prompt_ids, split_prompt, truncate_middle
 from attnkit.eval.tasks import Sample, edit_similarity, first_code_line
+
+__all__ = ["LongBenchData", "score", "score_sample", "prompt_ids", "truncate_middle", "normalize_answer",
+           "normalize_zh_answer", "qa_f1", "qa_f1_zh", "rouge_l", "token_f1", "DATASETS"]
 
 FIELDS = ("context", "input", "answers", "dataset")
 OPTIONAL_FIELDS = ("all_classes", "length", "_id", "language")
@@ -112,60 +116,6 @@ def dataset_info(name: str) -> tuple[str, str, int]:
 
 # --------------------------------------------------------------------------------------------------
 # metrics
-
-
-def normalize_answer(text: str) -> str:
-    """Lower case; no ASCII punctuation, no articles (a, an, the), single spaces."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in string.punctuation)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def _is_punctuation(ch: str) -> bool:
-    return ch in string.punctuation or unicodedata.category(ch).startswith("P")
-
-
-def normalize_zh_answer(text: str) -> str:
-    """Lower case; no punctuation (ASCII or CJK), no whitespace."""
-    return "".join(ch for ch in text.lower() if not ch.isspace() and not _is_punctuation(ch))
-
-
-def token_f1(prediction: list[str], reference: list[str]) -> float:
-    common = Counter(prediction) & Counter(reference)
-    same = sum(common.values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(prediction), same / len(reference)
-    return 2 * precision * recall / (precision + recall)
-
-
-def qa_f1(prediction: str, reference: str) -> float:
-    return token_f1(normalize_answer(prediction).split(), normalize_answer(reference).split())
-
-
-def qa_f1_zh(prediction: str, reference: str) -> float:
-    return token_f1(list(normalize_zh_answer(prediction)), list(normalize_zh_answer(reference)))
-
-
-class _CharTokenizer:
-    """rouge-score tokenizer for Chinese: every non-space, non-punctuation character is a token."""
-
-    @staticmethod
-    def tokenize(text: str) -> list[str]:
-        return list(normalize_zh_answer(text))
-
-
-_SCORERS: dict[bool, object] = {}
-
-
-def rouge_l(prediction: str, reference: str, chinese: bool = False) -> float:
-    """ROUGE-L F1 (rouge-score's RougeScorer; characters as tokens for Chinese)."""
-    if chinese not in _SCORERS:
-        from rouge_score import rouge_scorer
-
-        _SCORERS[chinese] = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_CharTokenizer() if chinese else None)
-    return float(_SCORERS[chinese].score(reference, prediction)["rougeL"].fmeasure)
 
 
 def classification_score(prediction: str, reference: str, all_classes) -> float:
@@ -291,64 +241,44 @@ class LongBenchData:
     def datasets(self) -> list[str]:
         return list(self.items)
 
-    def samples(self, model, dataset: str, length: int, count: int) -> list[Sample]:
-        """The first `count` items of `dataset` as prompts of at most `length` tokens."""
+    def tasks(self) -> list[str]:
+        return [PREFIX + d for d in self.items]
+
+    def samples(self, model, dataset: str, length: int, count: int, queries: int = 1) -> list[Sample]:
+        """The first `count` items of `dataset` as prompts of at most `length` tokens; with `queries` > 1, the
+        first `count` contexts, each with up to `queries` of the items that share it (in file order)."""
+        if dataset.startswith(PREFIX):
+            dataset = dataset[len(PREFIX):]
         if dataset not in self.items:
             raise AttnkitError(f"{self.source} has no dataset {dataset!r}; it has {', '.join(self.items)}")
         out = []
         limit = model.geometry.max_positions
-        for i, item in enumerate(self.items[dataset][:count]):
-            metric, kind, max_new = dataset_info(dataset)
-            if length + max_new > limit:
-                raise AttnkitError(f"task 'longbench:{dataset}' at length {length} needs {length} + {max_new} "
-                                   f"positions; model {model.spec!r} allows {limit}")
-            ids = prompt_ids(model.tokenizer, build_prompt(item, kind), length, kind not in NO_CHAT_TEMPLATE)
+        metric, kind, max_new = dataset_info(dataset)
+        if length + max_new > limit:
+            raise AttnkitError(f"task 'longbench:{dataset}' at length {length} needs {length} + {max_new} "
+                               f"positions; model {model.spec!r} allows {limit}")
+        for i, query, item in documents(self.items[dataset], count, queries):
+            context, question = build_prompt_parts(item, kind)
+            ids, asked = split_prompt(model.tokenizer, context, question, length, kind not in NO_CHAT_TEMPLATE)
             meta = {"dataset": dataset, "all_classes": item.get("all_classes"), "stop": None, "metric": metric,
                     "id": item.get("_id", i)}
-            out.append(Sample(f"longbench:{dataset}", ids, tuple(item["answers"]), item["answers"][0], len(ids),
-                              None, i, max_new, meta))
+            out.append(Sample(PREFIX + dataset, ids, tuple(item["answers"]), item["answers"][0], len(ids),
+                              None, i, max_new, meta, asked, query=query))
         return out
+
+
+PREFIX = "longbench:"
 
 
 def as_longbench_data(data) -> LongBenchData:
     return data if isinstance(data, LongBenchData) else LongBenchData.load(data)
 
 
+def build_prompt_parts(item: dict, kind: str) -> tuple[str, str]:
+    """The prompt's text before the question (the instruction and the item's context) and from it on."""
+    head, tail = PROMPTS[kind].split("{context}")
+    return head + item["context"], tail.format(input=item["input"])
+
+
 def build_prompt(item: dict, kind: str) -> str:
-    return PROMPTS[kind].format(context=item["context"], input=item["input"])
-
-
-def _wrap(tokenizer, text: str, chat: bool) -> list[int]:
-    """Token ids of `text` as the model sees it: in the chat template (when asked and the tokenizer has
-    one), else with the tokenizer's own special tokens (BOS)."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                  add_generation_prompt=True)
-        return list(tokenizer(templated, add_special_tokens=False).input_ids)
-    return list(tokenizer(text).input_ids)
-
-
-def truncate_middle(ids: list[int], budget: int) -> list[int]:
-    """`ids` if they fit in `budget`, else the first half and the last half of the budget."""
-    if len(ids) <= budget:
-        return list(ids)
-    head = budget // 2
-    return list(ids[:head]) + list(ids[len(ids) - (budget - head):])
-
-
-def prompt_ids(tokenizer, prompt: str, budget: int, chat: bool = True) -> list[int]:
-    """The prompt's token ids in at most `budget` tokens: its middle cut (first and last halves kept)
-    before the chat template goes around it."""
-    overhead = len(_wrap(tokenizer, "", chat))
-    body = tokenizer.encode(prompt, add_special_tokens=False)
-    room = budget - overhead
-    if room < 2:
-        raise AttnkitError(f"a prompt budget of {budget} tokens leaves no room for the text (the template "
-                           f"takes {overhead})")
-    for _ in range(8):  # decoding and encoding again can shift token boundaries: shrink until it fits
-        text = prompt if len(body) <= room else tokenizer.decode(truncate_middle(body, room))
-        ids = _wrap(tokenizer, text, chat)
-        if len(ids) <= budget:
-            return ids
-        room -= len(ids) - budget
-    raise AttnkitError(f"could not fit the prompt into {budget} tokens")
+    return "".join(build_prompt_parts(item, kind))

@@ -52,18 +52,20 @@ def plot_score_vs_budget(rows: list[dict], task: str) -> bytes | None:
     if not rs:
         return None
     lengths = sorted({r["length"] for r in rs})
+    many_protocols = len({r.get("protocol") or "query-aware" for r in rs}) > 1  # a line per recipe and protocol
     fig = Figure(figsize=(4.6 * len(lengths), 3.6), layout="constrained")
     axes = fig.subplots(1, len(lengths), squeeze=False)
     for ax, length in zip(axes[0], lengths):
         cell = [r for r in rs if r["length"] == length]
         series: dict[str, list] = defaultdict(list)
         for r in cell:
+            suffix = f" · {r.get('protocol') or 'query-aware'}" if many_protocols else ""
             if is_full(r):
-                ax.axhline(r["score"], color="black", linestyle="--", linewidth=1, label="full")
+                ax.axhline(r["score"], color="black", linestyle="--", linewidth=1, label="full" + suffix)
                 continue
             x = _x_budget(r)
             if x is not None:
-                series[str(r.get("recipe_name") or r["label"])].append((x, r["score"]))
+                series[str(r.get("recipe_name") or r["label"]) + suffix].append((x, r["score"]))
         for name, pts in sorted(series.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)

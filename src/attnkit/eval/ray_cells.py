@@ -43,6 +43,7 @@ from attnkit.eval.cells import (
     run_provenance,
 )
 from attnkit.eval.items import task_items
+from attnkit.eval.protocols import QUERY_AWARE
 from attnkit.eval.table import column_label
 from attnkit.model import load_model_for_length
 from attnkit.recipe import Recipe
@@ -85,6 +86,7 @@ class CellJob:
     recipe: Recipe
     items: object
     batch_size: int
+    protocol: str = QUERY_AWARE
 
 
 class CellWorker:
@@ -99,15 +101,16 @@ class CellWorker:
         return {"spec": self.model.spec, "geometry": self.model.geometry, "pid": os.getpid(),
                 "device": str(self.model.device)}
 
-    def items(self, task: str, length: int, seed: int, samples: int, depths: list[float], data) -> list:
-        return task_items(self.model, task, length, seed, samples, depths, data)
+    def items(self, task: str, length: int, seed: int, samples: int, depths: list[float], data,
+              queries: int = 1) -> list:
+        return task_items(self.model, task, length, seed, samples, depths, data, queries)
 
     def run(self, index: int, job: CellJob, items: list) -> dict:
         """Job `index`'s :func:`run_cell` result, its wall time, when it started and ended (wall clock), and
         which process ran it."""
         started = time.time()
         t0 = time.perf_counter()
-        result = run_cell(self.model, job.task, job.recipe, items, None, self.peers, job.batch_size)
+        result = run_cell(self.model, job.task, job.recipe, items, None, self.peers, job.batch_size, job.protocol)
         return {"index": index, "result": result, "wall_s": time.perf_counter() - t0, "started": started,
                 "ended": time.time(), "pid": os.getpid()}
 
@@ -202,9 +205,11 @@ class CellPool:
         """`value` in Ray's object store (a group's samples, shared by its cells and sent once per actor)."""
         return self._ray.put(value)
 
-    def items(self, task: str, length: int, seed: int, samples: int, depths: list[float], data=None) -> list:
-        """The samples of a (task, length) group, built by an actor (the driver needs no model)."""
-        return self._get(self.actors[0].items.remote(task, length, seed, samples, depths, data))
+    def items(self, task: str, length: int, seed: int, samples: int, depths: list[float], data=None,
+              queries: int = 1) -> list:
+        """The samples of a (task, length) group (up to `queries` questions per context), built by an actor
+        (:func:`attnkit.eval.items.task_items`; the driver needs no model)."""
+        return self._get(self.actors[0].items.remote(task, length, seed, samples, depths, data, queries))
 
     def run(self, jobs: Iterable[CellJob], follow: Callable[[CellJob, dict], Iterable[CellJob]] | None = None
             ) -> Iterator[tuple[CellJob, dict]]:
@@ -264,10 +269,10 @@ def run_groups(pool: CellPool, groups: list[Group], *, seed: int, out_path: Path
     waiting: dict[int, list[CellJob]] = {}  # group -> cells waiting for its full
     full_score: dict[int, float | None] = {}
     first: list[CellJob] = []
+    shared: dict[int, object] = {}  # id(samples) -> their object reference: a (task, length)'s protocols share them
     todo = 0
     for g, group in enumerate(groups):
         reference = group.recipes[0].is_full if group.recipes else False
-        items = None
         for r, recipe in enumerate(group.recipes):
             key = group_key(pool.spec, group, recipe, seed)
             if key in done:
@@ -275,8 +280,9 @@ def run_groups(pool: CellPool, groups: list[Group], *, seed: int, out_path: Path
                 if r == 0 and reference:
                     full_score[g] = done[key]["score"]
                 continue
-            items = items if items is not None else pool.put(group.items)
-            job = CellJob(group.task, group.length, recipe, items, batch_size)
+            if id(group.items) not in shared:
+                shared[id(group.items)] = pool.put(group.items)
+            job = CellJob(group.task, group.length, recipe, shared[id(group.items)], batch_size, group.protocol)
             where[id(job)] = (g, r)
             todo += len(group.items)
             if reference and r > 0 and g not in full_score:

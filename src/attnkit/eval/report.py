@@ -1,12 +1,15 @@
 """``attnkit report DIR``: one self-contained HTML page and its PNG plots, from ``DIR/results.jsonl`` alone.
 
-What it shows, per (recipe, budget) -- a *column* such as ``snapkv@0.25`` -- against ``full`` on the
-same model, task and length:
+What it shows, per (recipe, budget) -- a *column* such as ``snapkv@0.25``, and its protocol when several ran
+(``snapkv@0.25 · query-agnostic``) -- against ``full`` on the same model, task, length and protocol:
 
-- "Which method should I use?": per column, the mean score relative to full, the median prefill and
-  decode speed-ups and KV-memory ratios, whether it is on the Pareto front of score vs decode speed,
-  and the picks (fastest decoding / least KV memory keeping at least 95 % and 90 % of full's score);
-- the score table of ``attnkit eval`` (tasks x lengths x columns);
+- "Which method should I use?": per column, the mean score relative to full with its 95 % interval and
+  its rank (columns whose intervals overlap share a rank: :mod:`attnkit.eval.significance`), the median
+  prefill and decode speed-ups and KV-memory ratios, whether it is on the Pareto front of score vs decode
+  speed, and the picks per protocol (fastest decoding / least KV memory *shown* to keep at least 95 % and
+  90 % of full's score: the interval's lower end at or above the level);
+- the score tables (one per protocol): every score with its sample count and 95 % interval, greyed where its
+  difference from full is inside the noise (:mod:`attnkit.eval.score_table`);
 - plots: score vs KV budget per method for each task (where a recipe has no budget, its measured KV
   bytes relative to full stand in), a needle heatmap (depth x length) per column for each needle
   task, speed and memory bars relative to full, and score vs decode speed with the Pareto front.
@@ -30,23 +33,25 @@ from pathlib import Path
 
 from attnkit.errors import AttnkitError
 from attnkit.eval.cells import mean_present
-from attnkit.eval.plots import figures, is_full, plot_capacity
+from attnkit.eval.plots import figures, plot_capacity
 from attnkit.eval.results import latest_rows, read_results
-from attnkit.eval.table import format_table
+from attnkit.eval.score_table import score_tables
+from attnkit.eval.seed_rows import merge_seeds
+from attnkit.eval.significance import column_interval, full_index, is_reference, picks, rank, reference_key
 
 REPORT_FILE = "report.html"
 CAPACITY_FILE = "capacity.json"  # benchmarks/bench_batch.py's rows, shown when present
 PLOT_DIR = "report"
-KEEP_LEVELS = (0.95, 0.9)
 
 
 # --------------------------------------------------------------------------------------------------
 # numbers
 
 
-def _label(row: dict, many_models: bool) -> str:
+def _label(row: dict, many_models: bool, many_protocols: bool) -> str:
     label = str(row.get("method_spec") or row.get("recipe_name") or row.get("method") or "?")
-    return f"{row.get('model')} {label}" if many_models else label
+    label = f"{row.get('model')} {label}" if many_models else label
+    return f"{label} · {row.get('protocol') or 'query-aware'}" if many_protocols else label
 
 
 def _ratio(a, b):
@@ -61,17 +66,16 @@ def _median(values):
 
 
 def enrich(rows: list[dict]) -> tuple[list[dict], dict]:
-    """Rows with a ``label`` and ratios to the full row of the same (model, task, length); and the
-    full rows by that key."""
+    """Rows (a stochastic method's seeds merged) with a ``label`` and ratios to the full row of the same
+    (model, task, length, protocol, questions); and the full rows by that key."""
+    rows = merge_seeds(rows)
     many = len({r.get("model") for r in rows}) > 1
-    full = {}
-    for r in rows:
-        if is_full(r):
-            full.setdefault((r.get("model"), r.get("task"), r.get("length")), r)
+    many_protocols = len({r.get("protocol") or "query-aware" for r in rows}) > 1
+    full = full_index(rows)
     out = []
     for r in rows:
-        r = dict(r, label=_label(r, many))
-        f = full.get((r.get("model"), r.get("task"), r.get("length")))
+        r = dict(r, label=_label(r, many, many_protocols))
+        f = full.get(reference_key(r))
         if f is not None:
             r["prefill_speedup"] = _ratio(f.get("prefill_s"), r.get("prefill_s"))
             r["decode_speedup"] = _ratio(r.get("decode_tokens_per_s"), f.get("decode_tokens_per_s"))
@@ -82,15 +86,21 @@ def enrich(rows: list[dict]) -> tuple[list[dict], dict]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One line per column: cells, mean score relative to full, median speed-ups and KV ratios, Pareto."""
+    """One line per column: cells, samples, mean score relative to full with its 95 % interval and rank, median
+    speed-ups and KV ratios, Pareto."""
     by: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         by[r["label"]].append(r)
+    fulls = full_index(rows)
     lines = []
     for label, rs in by.items():
+        interval = column_interval(rs, fulls)
         lines.append({
             "label": label, "recipe": rs[0].get("recipe_name"), "budget": rs[0].get("budget"), "cells": len(rs),
+            "protocol": rs[0].get("protocol") or "query-aware", "is_full": is_reference(rs[0]),
+            "samples": sum(r.get("samples") or 0 for r in rs),
             "score_rel_full": mean_present([r.get("score_rel_full") for r in rs]),
+            "rel_low": None if interval is None else interval[0], "rel_high": None if interval is None else interval[1],
             "prefill_speedup": _median([r.get("prefill_speedup") for r in rs]),
             "decode_speedup": _median([r.get("decode_speedup") for r in rs]),
             "peak_kv_ratio": _median([r.get("peak_kv_ratio") for r in rs]),
@@ -101,29 +111,9 @@ def summarize(rows: list[dict]) -> list[dict]:
     for s, (x, y) in zip(lines, points):
         s["pareto"] = x is not None and y is not None and not any(
             ox is not None and oy is not None and ox >= x and oy >= y and (ox > x or oy > y) for ox, oy in points)
+    rank(lines)
     lines.sort(key=lambda s: (-(s["score_rel_full"] if s["score_rel_full"] is not None else -1), s["label"]))
     return lines
-
-
-def picks(summary: list[dict]) -> list[str]:
-    """Sentences naming the fastest and the leanest columns that keep most of full's score."""
-    out = []
-    for keep in KEEP_LEVELS:
-        ok = [s for s in summary if s["score_rel_full"] is not None and s["score_rel_full"] >= keep
-              and s["label"] != "full"]
-        fast = [s for s in ok if s["decode_speedup"] is not None]
-        lean = [s for s in ok if s["final_kv_ratio"] is not None]
-        if fast:
-            best = max(fast, key=lambda s: s["decode_speedup"])
-            out.append(f"Fastest decoding keeping >= {keep:.0%} of full's score: {best['label']} "
-                       f"({best['decode_speedup']:.2f}x full's decode speed, {best['score_rel_full']:.2f}x its score)")
-        if lean:
-            best = min(lean, key=lambda s: s["final_kv_ratio"])
-            out.append(f"Least KV memory keeping >= {keep:.0%} of full's score: {best['label']} "
-                       f"({best['final_kv_ratio']:.2f}x full's final KV bytes, {best['score_rel_full']:.2f}x its score)")
-        if not ok:
-            out.append(f"No method other than full keeps >= {keep:.0%} of full's score in these results.")
-    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,13 +130,29 @@ def _fmt(v, kind: str = "ratio") -> str:
     return html.escape(str(v))
 
 
+def _rank(s: dict) -> str:
+    if s.get("rank") is None or s.get("is_full"):
+        return "-"
+    return f"{'=' if s.get('tied') else ''}{s['rank']}"
+
+
+def _rel_cell(s: dict) -> str:
+    """score / full with its interval, greyed when the interval holds 1 (not distinguishable from full)."""
+    text = _fmt(s["score_rel_full"])
+    if s.get("rel_low") is None or s.get("is_full"):
+        return f"<td>{text}</td>"
+    same = s["rel_low"] <= 1.0 <= s["rel_high"]
+    return (f"<td{' class=same' if same else ''}>{text} <span class=ci>[{s['rel_low']:.2f}-{s['rel_high']:.2f}]"
+            f"</span></td>")
+
+
 def _summary_table(summary: list[dict]) -> str:
-    head = ("<tr><th>method@budget</th><th>cells</th><th>score / full</th><th>prefill speed-up</th>"
-            "<th>decode speed-up</th><th>decode tok/s</th><th>peak KV / full</th><th>final KV / full</th>"
-            "<th>Pareto</th></tr>")
+    head = ("<tr><th>method@budget</th><th>rank</th><th>cells</th><th>samples</th><th>score / full [95 %]</th>"
+            "<th>prefill speed-up</th><th>decode speed-up</th><th>decode tok/s</th><th>peak KV / full</th>"
+            "<th>final KV / full</th><th>Pareto</th></tr>")
     body = "".join(
-        f"<tr><td>{html.escape(s['label'])}</td><td>{s['cells']}</td><td>{_fmt(s['score_rel_full'])}</td>"
-        f"<td>{_fmt(s['prefill_speedup'])}</td><td>{_fmt(s['decode_speedup'])}</td>"
+        f"<tr><td>{html.escape(s['label'])}</td><td>{_rank(s)}</td><td>{s['cells']}</td><td>{s['samples']}</td>"
+        f"{_rel_cell(s)}<td>{_fmt(s['prefill_speedup'])}</td><td>{_fmt(s['decode_speedup'])}</td>"
         f"<td>{_fmt(s['decode_tokens_per_s'], 'num')}</td><td>{_fmt(s['peak_kv_ratio'])}</td>"
         f"<td>{_fmt(s['final_kv_ratio'])}</td><td>{'&#9733;' if s['pareto'] else ''}</td></tr>"
         for s in summary)
@@ -171,7 +177,8 @@ def _provenance(rows: list[dict]) -> str:
 CSS = """body{font-family:sans-serif;margin:24px;max-width:1400px;color:#222}
 table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 td:first-child,th:first-child{text-align:left}th{background:#f2f2f2}pre{background:#f8f8f8;padding:8px;overflow:auto}
-img{max-width:100%;border:1px solid #eee;margin:6px 0}.note{color:#555;font-size:90%}"""
+img{max-width:100%;border:1px solid #eee;margin:6px 0}.note{color:#555;font-size:90%}
+.same{color:#aaa}.ci{color:#777;font-size:85%}.same .ci{color:#bbb}"""
 
 
 def _capacity_section(base: Path, plot_dir: Path) -> list[str]:
@@ -220,7 +227,8 @@ def write_report(results_dir: str | Path, out: str | Path | None = None) -> Path
         (plot_dir / name).write_bytes(png)
 
     fields = ["label", "recipe", "budget", "cells", "score_rel_full", "prefill_speedup", "decode_speedup",
-              "decode_tokens_per_s", "peak_kv_ratio", "final_kv_ratio", "pareto"]
+              "decode_tokens_per_s", "peak_kv_ratio", "final_kv_ratio", "pareto", "protocol", "samples", "rel_low",
+              "rel_high", "rank"]
     with open(page.parent / "summary.csv", "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -233,10 +241,13 @@ def write_report(results_dir: str | Path, out: str | Path | None = None) -> Path
              "<h2>Which method should I use?</h2><ul>",
              "".join(f"<li>{html.escape(p)}</li>" for p in picks(summary)), "</ul>", _summary_table(summary),
              "<p class='note'>score / full: mean over the method's cells of its score relative to full on the same "
-             "task and length (below 1 is worse; for perplexity, full's bits per byte over the method's). Speed-ups "
-             "and KV ratios: medians over cells, against full on the same cell (above 1 is faster; below 1 is less "
-             "memory). Pareto &#9733;: no other column is both faster and better.</p>",
-             "<h2>Scores</h2>", f"<pre>{html.escape(format_table(rows))}</pre>"]
+             "task, length and protocol (below 1 is worse; for perplexity, full's bits per byte over the method's), "
+             "with its 95 % bootstrap interval (every cell's samples resampled; grey: the interval holds 1, the "
+             "method is not distinguishable from full). rank: 1 + the columns whose interval lies wholly above this "
+             "one's (=: shared). The picks above count a method only where the interval's lower end reaches the "
+             "level. Speed-ups and KV ratios: medians over cells, against full on the same cell (above 1 is faster; "
+             "below 1 is less memory). Pareto &#9733;: no other column is both faster and better.</p>",
+             "<h2>Scores</h2>", score_tables(rows)]
     parts += _capacity_section(base, plot_dir)
     section = None
     for sec, name, png in plots:

@@ -14,16 +14,20 @@ import warnings
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.eval.intervals import score_interval
 from attnkit.validate import is_whole
 
 RESULTS_FILE = "results.jsonl"
 TABLE_FILE = "table.txt"
-# the version of the row format; rows without one are version 1 (before recipes, budgets and depth scores)
-SCHEMA = 2
+# the version of the row format; rows without one are version 1 (before recipes, budgets and depth scores);
+# version 2 rows are before protocols, intervals and method seeds
+SCHEMA = 3
 
 ROW_FIELDS = (
     "schema", "run_id", "cell", "model", "task", "length", "method", "method_params", "method_spec", "recipe",
-    "recipe_name", "budget", "samples", "depths", "seeds", "score", "scores", "depth_scores", "higher_is_better",
+    "recipe_name", "budget", "method_seed", "protocol", "queries", "questions", "contexts", "context_prefills",
+    "prefill_tokens", "samples", "depths", "seeds", "score", "scores", "depth_scores", "score_interval", "interval",
+    "higher_is_better",
     "score_rel_full", "prefill_s", "decode_tokens_per_s", "throughput_tokens_per_s", "batch_size", "peak_kv_bytes",
     "final_kv_bytes", "kept_fraction", "wall_s", "versions", "git_commit", "timestamp", "predictions",
 )
@@ -32,9 +36,12 @@ VOLATILE_FIELDS = ("run_id", "timestamp", "prefill_s", "decode_tokens_per_s", "t
                    "wall_s")
 
 
-def cell_key(model: str, task: str, length: int, recipe_name: str, budget, samples: int, seed: int) -> str:
-    """What identifies a cell: a results row with the same key is the same measurement."""
-    return json.dumps([model, task, length, recipe_name, budget, samples, seed])
+def cell_key(model: str, task: str, length: int, recipe_name: str, budget, samples: int, seed: int,
+             protocol: str = "query-aware", queries: int = 1, method_seed: int | None = None) -> str:
+    """What identifies a cell: a results row with the same key is the same measurement. A query-aware cell of
+    one question per context and no method seed has the key it had before protocols existed."""
+    extra = [] if (protocol, queries, method_seed) == ("query-aware", 1, None) else [protocol, queries, method_seed]
+    return json.dumps([model, task, length, recipe_name, budget, samples, seed, *extra])
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -77,6 +84,13 @@ def upgrade_row(row: dict, where: str) -> dict:
         row.setdefault("budget", None)
         row.setdefault("depth_scores", None)
         row.setdefault("cell", None)
+        for name, value in (("protocol", "query-aware"), ("queries", 1), ("method_seed", None), ("questions", None),
+                            ("contexts", None), ("context_prefills", None), ("prefill_tokens", None)):
+            row.setdefault(name, value)
+        if "score_interval" not in row:
+            interval = score_interval(row.get("scores") or [])
+            row["score_interval"] = None if interval is None else list(interval[:2])
+            row["interval"] = None if interval is None else interval[2]
         row["schema_read"] = schema
         row["schema"] = SCHEMA
     return row
@@ -126,6 +140,8 @@ def latest_rows(rows: list[dict]) -> list[dict]:
     for row in rows:
         key = row.get("cell") or cell_key(row.get("model"), row.get("task"), row.get("length"),
                                           row.get("recipe_name") or row.get("method_spec"), row.get("budget"),
-                                          row.get("samples"), (row.get("seeds") or [None])[0])
+                                          row.get("samples"), (row.get("seeds") or [None])[0],
+                                          row.get("protocol") or "query-aware", row.get("queries") or 1,
+                                          row.get("method_seed"))
         out[key] = row
     return list(out.values())

@@ -36,6 +36,7 @@ class Example:
     answers: tuple[str, ...]  # reference strings of the first query
     prompt_len: int  # ids before the first answer token
     meta: dict = field(default_factory=dict)
+    question_at: int | None = None  # where the first question starts (its ids up to prompt_len ask it)
 
 
 def _enc(tok, text: str) -> list[int]:
@@ -85,6 +86,13 @@ class _Builder:
 
     def __init__(self, tok):
         self.tok, self.ids, self.answer = tok, [], []
+        self.question_at = None
+
+    def ask(self, piece) -> None:
+        """Add a question (the first one marks where the first question starts)."""
+        if self.question_at is None:
+            self.question_at = len(self.ids)
+        self.add(piece)
 
     def add(self, piece, is_answer: bool = False) -> None:
         ids = _enc(self.tok, piece) if isinstance(piece, str) else list(piece)
@@ -95,7 +103,7 @@ class _Builder:
         if len(self.ids) != length:
             raise ValueError(f"{task}: built {len(self.ids)} tokens, not the {length} asked")
         first = self.answer.index(True) if True in self.answer else length
-        return Example(task, tuple(self.ids), tuple(self.answer), tuple(answers), first, meta)
+        return Example(task, tuple(self.ids), tuple(self.answer), tuple(answers), first, meta, self.question_at)
 
 
 @functools.lru_cache(maxsize=16)
@@ -159,7 +167,7 @@ def make_needle(tok, length: int, rng: random.Random, split: str = "train", dept
     b = _Builder(tok)
     b.add(head)
     b.add(_with_needles(tok, split, rng, length - fixed, kind, needles))
-    b.add(tail)
+    b.ask(tail)
     b.add(ans, True)
     meta = {"templates": sorted(set(templates)), "question": question, "intro": intro, "filler": kind,
             "key": keys[0], "depth": depth, "slots": {"key": keys, "value": values}}
@@ -209,7 +217,7 @@ def make_kv_listing(tok, length: int, rng: random.Random, split: str = "train", 
         b.add(ids)
     b.add([_space_id(tok)] * pad)  # whitespace after the last line keeps the length exact
     for q, a in tail:
-        b.add(q)
+        b.ask(q)
         b.add(a, True)
     meta = {"format": fmt, "n_pairs": len(pairs), "depth": where, "slots": {"key": [pairs[i][0] for i in asked]}}
     return b.example("kv_listing", length, (pairs[asked[0]][1],), meta)
@@ -233,7 +241,7 @@ def make_assoc_recall(tok, length: int, rng: random.Random, split: str = "train"
         q, a = _enc(tok, f" {keys[i]}"), _enc(tok, f" {values[i]}")
         if len(b.ids) + len(q) + len(a) > length:
             break
-        b.add(q)
+        b.ask(q)
         b.add(a, True)
     if True not in b.answer:
         raise _too_short("assoc_recall", length, len(b.ids) + 8)
@@ -273,7 +281,7 @@ def make_variable_chain(tok, length: int, rng: random.Random, split: str = "trai
     b = _Builder(tok)
     b.add(head)
     b.add(_with_needles(tok, split, rng, length - fixed, kind, needles))
-    b.add(tail)
+    b.ask(tail)
     b.add(ans, True)
     meta = {"templates": sorted(set(used)), "question": question, "filler": kind, "hops": n_hops, "depth": depth,
             "slots": {"var": names, "dst": names, "src": names + values}}
@@ -318,7 +326,8 @@ def example(task: str, tok, length: int, rng: random.Random, split: str = "train
 
 
 # --------------------------------------------------------------------------------------------------
-# evaluation tasks: prompt = the text before the first answer, one query per sample
+# evaluation tasks: prompt = the text before the first answer, one query per sample (the question: from where
+# the first query starts)
 
 
 def _eval_maker(task: str, max_new_tokens: int):
@@ -334,7 +343,12 @@ def _eval_maker(task: str, max_new_tokens: int):
         prompt = tokenizer.decode(list(ex.ids[: ex.prompt_len]))
         n_target = next((i for i in range(ex.prompt_len, len(ex.ids)) if not ex.answer[i]), len(ex.ids))
         target = tokenizer.decode(list(ex.ids[ex.prompt_len : n_target]))
-        return Sample(f"v2_{task}", prompt, ex.answers, target, length, depth, seed, max_new_tokens, ex.meta)
+        question = None  # the text of the question's ids, when the prompt's text ends with it
+        if ex.question_at is not None:
+            question = tokenizer.decode(list(ex.ids[ex.question_at : ex.prompt_len]))
+            question = question if question and prompt.endswith(question) else None
+        return Sample(f"v2_{task}", prompt, ex.answers, target, length, depth, seed, max_new_tokens, ex.meta,
+                      question)
 
     return make
 

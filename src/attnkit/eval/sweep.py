@@ -12,12 +12,16 @@ A sweep file (YAML or JSON)::
       - snapkv                          # a method spec
       - {name: sparse+snap, prefill: minference, cache: snapkv}
       - kvpress:SnapKVPress             # a peer (needs kvpress, see attnkit.eval.peers)
-    data: longbench.jsonl               # optional: LongBench-format items; task "longbench" = all its datasets
+    data: longbench.jsonl               # optional: LongBench/RULER/InfiniteBench items (a path or a list); task
+                                        # "longbench" (or "ruler", "infinitebench") = all its tasks
     batch_size: 8                       # optional: samples per generate call (the scores do not depend on it)
+    protocols: [query-aware, query-agnostic]   # optional (or protocol: NAME): attnkit.eval.protocols
+    queries: 1                          # optional: questions per context (>= 2 with multi-query)
+    seeds: [0, 1, 2]                    # optional: a stochastic method (Keyformer) runs once per seed
 
 Every recipe that leaves its budget open runs once per budget; one that sets its own (or takes none)
-runs once. ``full`` runs once per (task, length) as the reference, first. The cells run in order
-(tasks, lengths, recipes, budgets) through :func:`attnkit.eval.cells.run_cells`, each finished row
+runs once. ``full`` runs once per (task, length, protocol) as the reference, first. The cells run in order
+(tasks, lengths, protocols, recipes, budgets, seeds) through :func:`attnkit.eval.cells.run_cells`, each finished row
 appended to ``DIR/results.jsonl`` at once (flushed and fsynced). Run it again after an interruption and
 the cells already in the results are skipped; the one that was interrupted is run again (a row cut off
 mid-write is removed first). The results file of an interrupted and resumed sweep holds the same rows as
@@ -37,18 +41,19 @@ from pathlib import Path
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.eval.cells import DEFAULT_BATCH_SIZE, Group, run_cells
-from attnkit.eval.harness import check_lengths, check_peer_tasks, check_samples, check_tasks, depth_list
-from attnkit.eval.items import LONGBENCH_PREFIX, task_items
-from attnkit.eval.longbench import LongBenchData
+from attnkit.eval.harness import check_lengths, check_peer_tasks, check_samples, check_tasks, depth_list, with_seeds
+from attnkit.eval.items import task_items
+from attnkit.eval.protocols import QUERY_AWARE, check_protocols, check_queries, check_refusals
 from attnkit.eval.ray_cells import CellPool, run_groups
 from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, read_results, repair_tail
 from attnkit.eval.table import format_table
+from attnkit.eval.user_data import load_data
 from attnkit.model import load_model_for_length
 from attnkit.recipe import Recipe, as_recipe, check_budget_value
 from attnkit.validate import is_whole, text, whole
 
 SWEEP_KEYS = ("model", "recipes", "budgets", "tasks", "lengths", "samples", "seed", "depths", "data", "name",
-              "description", "batch_size")
+              "description", "batch_size", "protocol", "protocols", "queries", "seeds")
 SWEEP_FILE = "sweep.json"
 
 
@@ -62,20 +67,24 @@ class Sweep:
     budgets: list[float | int] = field(default_factory=list)
     seed: int = 0
     depths: list[float] | None = None
-    data: str | None = None
+    data: str | list[str] | None = None
     name: str | None = None
     description: str | None = None
     source: str = "sweep"
     batch_size: int = DEFAULT_BATCH_SIZE
+    protocols: list[str] = field(default_factory=lambda: [QUERY_AWARE])
+    queries: int = 1
+    seeds: list[int] | None = None
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "model": self.model, "samples": self.samples,
                 "seed": self.seed, "tasks": self.tasks, "lengths": self.lengths, "budgets": self.budgets,
                 "depths": self.depths, "data": self.data, "batch_size": self.batch_size,
+                "protocols": self.protocols, "queries": self.queries, "seeds": self.seeds,
                 "recipes": [r.to_dict() for r in self.recipes]}
 
     def entries(self, length: int) -> list[Recipe]:
-        """The recipes of one (task, length) pair, budgets applied, ``full`` first and once."""
+        """The recipes of one (task, length) pair, budgets and seeds applied, ``full`` first and once."""
         out = [as_recipe("full")]
         for recipe in self.recipes:
             if recipe.is_full:
@@ -84,10 +93,10 @@ class Sweep:
                 out.extend(recipe.with_budget(b, length) for b in self.budgets)
             else:
                 out.append(recipe)
-        return out
+        return with_seeds(out, self.seeds)
 
     def cell_count(self) -> int:
-        return len(self.tasks) * sum(len(self.entries(n)) for n in self.lengths)
+        return len(self.tasks) * len(self.protocols) * sum(len(self.entries(n)) for n in self.lengths)
 
 
 def _int_list(value, what: str, source: str, minimum: int) -> list[int]:
@@ -138,29 +147,47 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
     data_path = data.get("data")
     lb = None
     if data_path is not None:
-        if not isinstance(data_path, str):
-            raise AttnkitError(f"{source}: data must be the path of a LongBench-format JSONL file")
-        path = Path(data_path)
-        if not path.is_absolute() and base_dir is not None and not path.exists():
-            path = base_dir / path
-        data_path = str(path)
-        lb = LongBenchData.load(data_path)
-    tasks = data.get("tasks") or ["longbench"]
+        paths = [data_path] if isinstance(data_path, str) else data_path
+        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+            raise AttnkitError(f"{source}: data must be the path (or a list of paths) of LongBench, RULER or "
+                               f"InfiniteBench JSONL files")
+        resolved = []
+        for p in paths:
+            path = Path(p)
+            if not path.is_absolute() and base_dir is not None and not path.exists():
+                path = base_dir / path
+            resolved.append(str(path))
+        data_path = resolved[0] if isinstance(data_path, str) else resolved
+        lb = load_data(resolved)
+    tasks = data.get("tasks") or ["data"]
     if isinstance(tasks, str):
         tasks = [tasks]
     if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
         raise AttnkitError(f"{source}: tasks must be a list of task names")
     expanded: list[str] = []
     for t in tasks:
-        if t == "longbench":
-            if lb is None:
-                raise AttnkitError(f"{source}: task 'longbench' needs data: FILE (LongBench-format JSONL)")
-            expanded.extend(LONGBENCH_PREFIX + d for d in lb.datasets())
+        if t in ("longbench", "ruler", "infinitebench", "data"):
+            found = [] if lb is None else (lb.tasks() if t == "data" else lb.expand(t))
+            if not found:
+                raise AttnkitError(f"{source}: task {t!r} needs data: FILE holding {t if t != 'data' else 'items'} "
+                                   f"(LongBench, RULER or InfiniteBench JSONL)")
+            expanded.extend(found)
         else:
             expanded.append(t)
     check_tasks(expanded, lb)
     check_lengths(None, lengths)
     check_peer_tasks(recipes, expanded)
+    if data.get("protocol") is not None and data.get("protocols") is not None:
+        raise AttnkitError(f"{source}: give protocol or protocols, not both")
+    protocols = check_protocols(data.get("protocols", data.get("protocol", QUERY_AWARE)), f"{source}: protocols")
+    queries = check_queries(data.get("queries", 1), protocols, f"{source}: queries")
+    seeds = data.get("seeds")
+    if seeds is not None:
+        with_seeds(recipes, seeds)
+    check_refusals(recipes, protocols, None)
+    for t in expanded:
+        if t == "perplexity":
+            check_refusals([as_recipe("full")], protocols, t)
     depths = data.get("depths")
     if depths is not None:
         depth_list(samples, depths)
@@ -168,7 +195,7 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
         if data.get(key) is not None:
             text(f"{source}: {key}", data[key], empty=True)
     sweep = Sweep(recipes, expanded, lengths, samples, model, budgets, seed, depths, data_path, data.get("name"),
-                  data.get("description"), source, batch_size)
+                  data.get("description"), source, batch_size, protocols, queries, seeds)
     for n in lengths:  # budgets that do not fit a recipe fail now, not an hour in
         sweep.entries(n)
     return sweep
@@ -202,7 +229,7 @@ def run_sweep(sweep: Sweep | str | Path, out_dir: str | Path, *, model=None, pro
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / RESULTS_FILE
     done = _done_rows(results)
-    data = LongBenchData.load(sweep.data) if sweep.data is not None else None
+    data = load_data(sweep.data) if sweep.data is not None else None
     if model is None and pool is None:
         model = load_model_for_length(sweep.model, sweep_positions(sweep))
     planner = model if pool is None else pool  # the pool's actors build the samples: the driver needs no model
@@ -211,9 +238,10 @@ def run_sweep(sweep: Sweep | str | Path, out_dir: str | Path, *, model=None, pro
     groups = []
     for task in sweep.tasks:
         for length in sweep.lengths:
-            items = (task_items(model, task, length, sweep.seed, sweep.samples, depths, data) if pool is None
-                     else pool.items(task, length, sweep.seed, sweep.samples, depths, data))
-            groups.append(Group(task, length, items, sweep.entries(length)))
+            items = (task_items(model, task, length, sweep.seed, sweep.samples, depths, data, sweep.queries)
+                     if pool is None else pool.items(task, length, sweep.seed, sweep.samples, depths, data, sweep.queries))
+            check_refusals(sweep.entries(length), sweep.protocols, task, items)
+            groups += [Group(task, length, items, sweep.entries(length), p, sweep.queries) for p in sweep.protocols]
     (out_dir / SWEEP_FILE).write_text(json.dumps(sweep.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
     if pool is None:
         rows = run_cells(model, groups, seed=sweep.seed, out_path=results, progress=progress, done=done,

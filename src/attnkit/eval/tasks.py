@@ -9,6 +9,10 @@ needle at a requested depth, from a seed. Samples for evaluation (`split="eval"`
 (`split="train"`) come from different random streams and from disjoint standard-library files, so an
 evaluation sample is never a training sample.
 
+Every sample says which suffix of its prompt is the question (:class:`~attnkit.eval.sample.Sample`), and the
+retrieval tasks offer follow-up questions about the same context (other keys, another chain, rephrasings) for
+the multi-query protocol; the task's own question comes first and its prompt is unchanged by them.
+
 Retrieval tasks (`passkey`, `niah_multikey`, `niah_multivalue`, `kv_retrieval`, `variable_tracking`)
 are scored by the fraction of reference strings found in the first line of the prediction (RULER's
 string match). `code_completion` is scored by edit similarity of the first predicted line
@@ -20,10 +24,12 @@ from __future__ import annotations
 import functools
 import random
 import string
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from attnkit.eval import corpus
+from attnkit.eval.sample import Followup, Sample, Task
+
+__all__ = ["Sample", "Task", "Followup", "TASKS", "NEEDLE_TASKS", "string_match_score", "code_score",
+           "edit_similarity", "first_line", "first_code_line"]
 
 SPLITS = ("eval", "train")
 
@@ -37,29 +43,6 @@ _WORDS = (
     "silver slate sparrow spruce storm summit thistle thunder tiger topaz tulip tundra velvet violet walnut "
     "willow winter wolf zephyr"
 ).split()
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One task instance. `prompt` is text (the runner adds BOS); `answers` are the reference strings."""
-
-    task: str
-    prompt: str
-    answers: tuple[str, ...]
-    target: str  # the exact continuation a perfect model writes (used for training)
-    length: int  # requested prompt length in tokens, BOS included
-    depth: float
-    seed: int
-    max_new_tokens: int
-    meta: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Task:
-    name: str
-    make: Callable[..., Sample]
-    score: Callable[[str, Sample], float]
-    description: str
 
 
 def first_line(prediction: str) -> str:
@@ -170,10 +153,16 @@ def _assemble(tokenizer, split, length, rng, prefix: str, needles: list[tuple[fl
 
 def _needle_sample(task: str, tokenizer, split: str, length: int, depth: float, seed: int, rng: random.Random, *,
                    prefix: str, needles: list[tuple[float, str]], suffix: str, answers: tuple[str, ...], target: str,
-                   max_new_tokens: int, meta: dict | None = None) -> Sample:
-    """A needle task's sample: the prompt :func:`_assemble` builds, with its answers and target."""
+                   max_new_tokens: int, meta: dict | None = None, followups: tuple[Followup, ...] = ()) -> Sample:
+    """A needle task's sample: the prompt :func:`_assemble` builds, with its answers and target; the `suffix`
+    is its question."""
     prompt = _assemble(tokenizer, split, length, rng, prefix, needles, suffix, task)
-    return Sample(task, prompt, answers, target, length, depth, seed, max_new_tokens, meta or {})
+    return Sample(task, prompt, answers, target, length, depth, seed, max_new_tokens, meta or {}, suffix, followups)
+
+
+def _asks(question: str, value: str, meta: dict | None = None) -> Followup:
+    """A follow-up whose answer is `value`, written as the tasks' targets are (" value.")."""
+    return Followup(question, (value,), f" {value}.\n", meta or {})
 
 
 def _number(rng: random.Random, digits: int = 5) -> str:
@@ -201,6 +190,8 @@ def make_passkey(tokenizer, length: int, depth: float = 0.5, seed: int = 0, spli
         needles=[(depth, f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")],
         suffix="\nWhat is the pass key? The pass key is",
         answers=(key,), target=f" {key}.\n", max_new_tokens=8,
+        followups=(_asks("\nWhich number was the pass key? The pass key is", key),
+                   _asks("\nRepeat the pass key. The pass key is", key)),
     )
 
 
@@ -220,9 +211,14 @@ def make_niah_multikey(tokenizer, length: int, depth: float = 0.5, seed: int = 0
         "niah_multikey", tokenizer, split, length, depth, seed, rng,
         prefix="Special magic numbers are hidden in the text below. Memorize them.\n",
         needles=needles,
-        suffix=f"\nWhat is the special magic number for {target_key}? The special magic number for {target_key} is:",
+        suffix=_multikey_question(target_key),
         answers=(target_value,), target=f" {target_value}.\n", max_new_tokens=10, meta={"key": target_key},
+        followups=tuple(_asks(_multikey_question(k), v, {"key": k}) for k, v in zip(keys[1:], values[1:])),
     )
+
+
+def _multikey_question(key: str) -> str:
+    return f"\nWhat is the special magic number for {key}? The special magic number for {key} is:"
 
 
 def make_niah_multivalue(tokenizer, length: int, depth: float = 0.5, seed: int = 0, split: str = "eval",
@@ -243,6 +239,8 @@ def make_niah_multivalue(tokenizer, length: int, depth: float = 0.5, seed: int =
         needles=needles,
         suffix=f"\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are:",
         answers=tuple(values), target=" " + ", ".join(values) + ".\n", max_new_tokens=36, meta={"key": key},
+        followups=(Followup(f"\nList every special magic number for {key}. The special magic numbers for {key} are:",
+                            tuple(values), " " + ", ".join(values) + ".\n"),),
     )
 
 
@@ -282,7 +280,12 @@ def make_kv_retrieval(tokenizer, length: int, depth: float = 0.5, seed: int = 0,
     head = prefix + "".join(lines)
     suffix = suffix_template.format(k=key)
     prompt = head + _pad_to(tokenizer, head, suffix, length) + suffix
-    return Sample("kv_retrieval", prompt, (value,), f'{value}"\n', length, depth, seed, 12, {"key": key})
+    # the question starts after the object's closing brace; follow-ups ask the pairs a quarter of the way apart
+    others = dict(pairs[(target + j * n_pairs // 4) % n_pairs] for j in (1, 2, 3))
+    followups = tuple(Followup(suffix_template.format(k=k)[1:], (v,), f'{v}"\n', {"key": k})
+                      for k, v in others.items() if k != key)
+    return Sample("kv_retrieval", prompt, (value,), f'{value}"\n', length, depth, seed, 12, {"key": key}, suffix[1:],
+                  followups)
 
 
 def make_variable_tracking(tokenizer, length: int, depth: float = 0.5, seed: int = 0, split: str = "eval",
@@ -315,12 +318,17 @@ def make_variable_tracking(tokenizer, length: int, depth: float = 0.5, seed: int
         statements += [f"\nVAR {a} is assigned to VAR {b}.\n" for a, b in zip(chain, chain[1:])]
         needles += list(zip(hop_depths, statements))
     value, chain = chains[0]
+
+    def question(value: str) -> str:
+        return f"\nQuestion: which variables are assigned the value {value}? Answer: they are VAR"
+
     return _needle_sample(
         "variable_tracking", tokenizer, split, length, depth, seed, rng,
         prefix="Variables are assigned in the text below. Track them.\n",
         needles=needles,
-        suffix=f"\nQuestion: which variables are assigned the value {value}? Answer: they are VAR",
+        suffix=question(value),
         answers=tuple(chain), target=" " + ", VAR ".join(chain) + ".\n", max_new_tokens=40,
+        followups=tuple(Followup(question(v), tuple(c), " " + ", VAR ".join(c) + ".\n") for v, c in chains[1:]),
     )
 
 
@@ -344,8 +352,9 @@ def make_code_completion(tokenizer, length: int, depth: float = 1.0, seed: int =
             continue
         prompt = tokenizer.decode(context_ids[-(length - 1):])
         answer = lines[i]
+        # nothing is asked after the code: the whole prompt is context (LongBench's lcc has no question either)
         return Sample("code_completion", prompt, (answer,), answer + "\n", length, depth, seed,
-                      min(128, len(_encode(tokenizer, answer)) + 16))
+                      min(128, len(_encode(tokenizer, answer)) + 16), question="")
     raise ValueError(f"code_completion: no held-out file has {length} tokens of context")
 
 

@@ -41,6 +41,7 @@ from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
 from attnkit.methods.spec import is_quantizer, make_method, method_from_dict, split_method_spec
 from attnkit.recipe import budget as budgets
+from attnkit.recipe import seeds
 from attnkit.recipe.peer import PREFIX as PEER_PREFIX
 from attnkit.recipe.peer import check_press_name, parse_peer_spec, require_kvpress
 from attnkit.runner import generate
@@ -95,6 +96,7 @@ class Recipe:
     name: str | None = None
     description: str | None = None
     budget: float | int | None = None  # the sweep budget applied by with_budget, if any
+    method_seed: int | None = None  # the seed applied by with_method_seed, if any
     source: str = "recipe"
     _method: Method | None = field(default=None, init=False, repr=False, compare=False)  # built on first use
 
@@ -221,6 +223,16 @@ class Recipe:
         tokens) turns a fraction into a window size."""
         out = budgets.with_budget(self, budget, length)
         out._method = None
+        out.check()
+        return out
+
+    def takes_seeds(self) -> bool:
+        """Whether an evaluation's seeds apply (a stochastic method whose seed is left open)."""
+        return seeds.takes_seeds(self)
+
+    def with_method_seed(self, seed: int) -> Recipe:
+        """This recipe with its stochastic method drawing from `seed` (:mod:`attnkit.recipe.seeds`)."""
+        out = seeds.with_method_seed(self, seed)
         out.check()
         return out
 

@@ -14,36 +14,10 @@ replay forward).
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from attnkit.errors import AttnkitError
-from attnkit.session import Session, Step
-
-
-def _copy_state(obj):
-    """Deep copy of tensors inside a method's state dataclasses and the dicts/lists/tuples they hold; any
-    other object is kept by reference (e.g. the Step a method remembers, whose identity is what it
-    compares, or Keyformer's decode-noise tables, which depend on nothing a round changes)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, (Step, Session)):
-        return obj
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        new = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(new, f.name, _copy_state(getattr(obj, f.name)))
-        return new
-    if isinstance(obj, dict):
-        return {k: _copy_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy_state(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_copy_state(v) for v in obj)
-    return obj
+from attnkit.session import Session, copy_state
 
 
 @dataclass
@@ -57,7 +31,7 @@ def snapshot_session(session: Session) -> SessionSnapshot:
     """Everything a method may change while decoding: every layer's slots (keys, values, positions,
     length, extras) and the per-layer and shared method state."""
     layers = [None if kv is None else kv.clone() for kv in session.cache.layers]
-    return SessionSnapshot(layers, _copy_state(session.layer_state), _copy_state(session.state))
+    return SessionSnapshot(layers, copy_state(session.layer_state), copy_state(session.state))
 
 
 def restore_session(session: Session, snap: SessionSnapshot) -> None:

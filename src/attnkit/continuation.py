@@ -1,0 +1,176 @@
+"""Questions after a compressed context: prefill (and compress) a context once, then answer each question from
+that compressed state.
+
+    answers = attnkit.generate_after(model, document, ["Who wrote it?", "When?"], "snapkv",
+                                     params={"budget": 0.3}, max_new_tokens=16)
+
+This is how a compressed cache is used in practice: a long document, a cached system prompt or a chat history
+is compressed before the question is known, so a method cannot pick what to keep by looking at the question.
+Evaluating with the question inside the compressed prompt ("query-aware") favours methods that score keys by
+the prompt's last queries (SnapKV's observation window); the query-agnostic protocol compresses the context
+first and feeds the question afterwards (as the leaderboard of the repository NVIDIA/kvpress measures; the term
+is Kim et al. 2025's, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv
+2505.23416), and the shared-context protocol answers several questions about one compressed context (SCBench:
+Li et al. 2024, "SCBench: A KV Cache-Centric Analysis of Long-Context Methods", arXiv 2412.10319).
+
+How: each context is prefilled as a prompt (in chunks with ``chunk_size``); the method compresses it in
+``after_prefill`` as it compresses any prompt, its budget resolved on the context's length. Each question is
+then fed *through the compressed cache* with the method's decode hooks, exactly as generated tokens are fed:
+in one step when the method's decoding only appends (``full``, ``snapkv`` and the other prompt-time scorers),
+else one token per step (so a method that evicts while decoding, H2O, keeps evicting while the question
+streams in, as it would in use). The answer is then generated from the last question token's logits.
+Every question of a context starts from the same compressed state: the context's session is forked
+(:meth:`attnkit.session.Session.fork`: its cache rows and the method's state copied, nothing recomputed), one
+fork per question length, the questions of one length side by side as rows. A context is prefilled once, however
+many questions it has. Every method at an unlimited budget gives full attention's output here too (tested).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.forward import forward, logits_of, prefill
+from attnkit.generation import GenerationConfig, check_length, encode_prompt, encode_prompts, sync
+from attnkit.methods.base import Method, resolve_method
+from attnkit.model import LoadedModel, check_loaded_model
+from attnkit.runner import (
+    Generation,
+    RunGroup,
+    check_batch,
+    choose_tokens,
+    decode_groups,
+    generations,
+    group_prompts,
+    start_sequence,
+)
+from attnkit.session import Session, Step, new_session
+
+
+def _questions_of(model: LoadedModel, questions, what: str) -> list[torch.Tensor]:
+    """One context's questions -> 1-D id tensors. A text is tokenized without special tokens (it continues the
+    context); a list of ids is taken as it is. One question may be given alone."""
+    if isinstance(questions, (str, torch.Tensor)) or (isinstance(questions, (list, tuple)) and questions
+                                                      and all(isinstance(q, int) for q in questions)):
+        questions = [questions]
+    if not isinstance(questions, (list, tuple)) or not questions:
+        raise AttnkitError(f"{what}: give at least one question (a text or a list of token ids)")
+    out = []
+    for j, q in enumerate(questions):
+        label = f"{what}, question {j}"
+        if isinstance(q, str):
+            q = model.tokenizer(q, add_special_tokens=False).input_ids
+        empty = len(q) == 0  # nothing asked: the answer follows the context
+        out.append(torch.zeros(0, dtype=torch.long, device=model.device) if empty else encode_prompt(model, q, label))
+    return out
+
+
+def feed(model: LoadedModel, session: Session, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Feed tokens ``ids`` ``[rows, n]`` at positions ``start..start+n-1`` through `session`'s cache with the
+    method's decode hooks; the logits ``[rows, vocab]`` after the last one. One step when decoding only appends
+    (and the method runs no layers itself), else one token per step."""
+    method = session.method
+    n = ids.shape[1]
+
+    def step(pos):
+        return Step(session, "decode", pos)
+
+    if method.run_layers is None and method.decode_only_appends():
+        return logits_of(model, forward(model, ids, start, step)[:, -1])
+    hidden = None
+    for t in range(n):
+        if method.run_layers is not None:  # such a method decodes one sequence's token at a time
+            hidden = forward(model, ids[0, t:t + 1], start + t, step)[None]
+        else:
+            hidden = forward(model, ids[:, t:t + 1], start + t, step)
+    return logits_of(model, hidden[:, -1])
+
+
+def _forks(lengths: list[int], batches: bool) -> list[list[int]]:
+    """Which (row, question) pairs share a fork: those whose questions have the same length `lengths[k]` (one
+    each when the method keeps one sequence per session); indices into the pairs."""
+    if not batches:
+        return [[k] for k in range(len(lengths))]
+    by_length: dict[int, list[int]] = {}
+    for k, n in enumerate(lengths):
+        by_length.setdefault(n, []).append(k)
+    return list(by_length.values())
+
+
+@torch.inference_mode()
+def generate_after(model: LoadedModel, context, questions, method: str | Method | None = "full", *,
+                   params: dict | None = None, config: GenerationConfig | None = None,
+                   **options) -> list[Generation] | list[list[Generation]]:
+    """Prefill `context` once with `method` (which compresses it as a prompt), then answer every question of
+    `questions` from that compressed state; see the module docstring.
+
+    `context` is one context (text or token ids) or a batch of them (a list of texts or of id lists); for one
+    context `questions` is a list of questions (texts, tokenized without special tokens, or id lists) or one
+    question, and the result one :class:`Generation` per question; for a batch, `questions` holds one such list
+    per context and the result one list per context. Options are :func:`attnkit.generate`'s (a
+    :class:`GenerationConfig` or its fields); a generation's ``prompt_tokens`` counts context and question, its
+    ``prefill_s`` is its context's prefill (shared by the context's questions).
+    """
+    model = check_loaded_model(model)
+    config = GenerationConfig.build(config, **options)
+    method = resolve_method(method, params)
+    contexts, batched = encode_prompts(model, context)
+    if batched and (not isinstance(questions, (list, tuple)) or len(questions) != len(contexts)):
+        raise AttnkitError(f"a batch of {len(contexts)} contexts needs one list of questions per context")
+    per_context = [_questions_of(model, qs, f"context {i}" if batched else "the context")
+                   for i, qs in enumerate(questions if batched else [questions])]
+    max_new = config.max_new_tokens
+    for i, (ctx, qs) in enumerate(zip(contexts, per_context)):
+        for j, q in enumerate(qs):
+            check_length(model, ctx.shape[0] + q.shape[0], max_new,
+                         f"context {i} + question {j}" if batched else f"the context + question {j}")
+    # every (context, question) pair is one sequence, numbered in order
+    pairs = [(i, j) for i, qs in enumerate(per_context) for j in range(len(qs))]
+    seqs = {pair: start_sequence(model, k, torch.cat([contexts[pair[0]], per_context[pair[0]][pair[1]]]), config)
+            for k, pair in enumerate(pairs)}
+    ctx_lengths = [int(c.shape[0]) for c in contexts]
+    parents, plan = [], group_prompts(ctx_lengths, method)
+    for idx in plan:
+        after = max(q.shape[0] for i in idx for q in per_context[i]) + max_new  # question + answer tokens
+        session = new_session(model, method, ctx_lengths[idx[0]], after, rows=len(idx))
+        parents.append(RunGroup(session, [seqs[(i, 0)] for i in idx]))
+    check_batch(model, parents, batched)
+
+    sync(model.device)
+    t0 = time.perf_counter()
+    groups = []
+    for p, idx in enumerate(plan):
+        t_group = time.perf_counter()
+        session, parents[p] = parents[p].session, None  # the uncompressed parent lives on only in its forks
+        last = prefill(model, session, torch.stack([contexts[i] for i in idx]), config.chunk_size)  # compressed
+        sync(model.device)
+        prefill_s = time.perf_counter() - t_group
+        rows = [(r, j) for r, i in enumerate(idx) for j in range(len(per_context[i]))]
+        lengths = [int(per_context[idx[r]][j].shape[0]) for r, j in rows]
+        forks = _forks(lengths, method.batches)
+        for members in forks:
+            fork_rows = [rows[k][0] for k in members]
+            whole = len(forks) == 1 and fork_rows == list(range(session.rows))
+            child = session if whole else session.fork(fork_rows)
+            ids = torch.stack([per_context[idx[rows[k][0]]][rows[k][1]] for k in members])
+            if ids.shape[1]:
+                logits = feed(model, child, ids, session.prompt_len)
+            else:  # empty questions: the answers follow the context
+                logits = logits_of(model, last[torch.tensor(fork_rows, device=last.device), -1])
+            group = RunGroup(child, [seqs[(idx[rows[k][0]], rows[k][1])] for k in members], offset=ids.shape[1])
+            for seq in group.members:
+                seq.prefill_s = prefill_s
+            choose_tokens(group, logits, config.sampling, t0, first=True)
+            groups.append(group)
+        del session
+    decode_groups(model, method, groups, config.sampling, max_new)
+    gens = generations(groups, method, len(pairs))
+    if not batched:
+        return gens
+    out, k = [], 0
+    for qs in per_context:
+        out.append(gens[k:k + len(qs)])
+        k += len(qs)
+    return out
