@@ -175,10 +175,16 @@ class LayerKV:
             if name != "head":
                 stat[:, 0, slots] = 0
 
-    def clone(self) -> LayerKV:
-        """An independent copy, every tensor cloned (a snapshot that speculative decoding restores)."""
-        return LayerKV(self.keys.clone(), self.values.clone(), self.positions.clone(), self.length, self.ring,
-                       {name: stat.clone() for name, stat in self.extras.items()})
+    def clone(self, rows: torch.Tensor | None = None) -> LayerKV:
+        """An independent copy, every tensor cloned (a snapshot that speculative decoding restores); with `rows`
+        (batch row indices, one may repeat) a copy of those rows only (:meth:`KVCache.copy_rows`)."""
+        rows = None if rows is None else rows.to(self.positions.device)  # where this layer lives
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            return t.clone() if rows is None else t[rows]
+
+        return LayerKV(copy(self.keys), copy(self.values), copy(self.positions), self.length, self.ring,
+                       {name: copy(stat) for name, stat in self.extras.items()})
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (sequences that go on generating); the others leave memory."""
@@ -240,10 +246,8 @@ class KVCache:
         session, Select-Attention, keeps its per-token tensors without a batch axis)."""
         out = KVCache(len(self.layers), int(rows.shape[0]))
         for i, layer in enumerate(self.layers):
-            if layer is not None:
-                r = rows.to(layer.keys.device)  # layers may sit on different devices
-                out.layers[i] = LayerKV(layer.keys[r], layer.values[r], layer.positions[r], layer.length, layer.ring,
-                                        {name: stat[r] for name, stat in layer.extras.items()})
+            if layer is not None:  # the layer copies itself (a quantized layer its codes), on its own device
+                out.layers[i] = layer.clone(rows)
         single = self.rows == 1 and out.rows == 1
         out.extra = {name: t.clone() if single else t[rows.to(t.device)] for name, t in self.extra.items()}
         out.peak_row_bytes = self.peak_row_bytes

@@ -352,12 +352,16 @@ class KiviLayerKV(LayerKV):
         self.positions = _pad(self.positions, capacity, -1)
         self.extras = {name: _pad(stat, capacity) for name, stat in self.extras.items()}
 
-    def clone(self) -> KiviLayerKV:
+    def clone(self, rows: torch.Tensor | None = None) -> KiviLayerKV:
+        rows = None if rows is None else rows.to(self.positions.device)
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.clone() if rows is None else t[rows]
+
         new = copy.copy(self)
         for name in STORED + ("keys", "values", "positions"):
-            value = getattr(self, name)
-            setattr(new, name, None if value is None else value.clone())
-        new.extras = {name: stat.clone() for name, stat in self.extras.items()}
+            setattr(new, name, take(getattr(self, name)))
+        new.extras = {name: take(stat) for name, stat in self.extras.items()}
         new._view = None
         return new
 
