@@ -80,11 +80,8 @@ def feed(model: LoadedModel, session: Session, ids: torch.Tensor, start: int) ->
     if method.run_layers is None and method.decode_only_appends():
         return logits_of(model, forward(model, ids, start, step)[:, -1])
     hidden = None
-    for t in range(n):
-        if method.run_layers is not None:  # such a method decodes one sequence's token at a time
-            hidden = forward(model, ids[0, t:t + 1], start + t, step)[None]
-        else:
-            hidden = forward(model, ids[:, t:t + 1], start + t, step)
+    for t in range(n):  # a method that runs the layers itself decodes all its session's rows in one forward too
+        hidden = forward(model, ids[:, t:t + 1], start + t, step)
     return logits_of(model, hidden[:, -1])
 
 
