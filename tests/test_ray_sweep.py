@@ -34,6 +34,14 @@ SWEEP = {
     "recipes": ["snapkv", "window", {"name": "pl", "decode": {"speculate": "prompt_lookup", "gamma": 3}}],
 }
 CELLS = 12
+# the protocols on Ray: 1 task x 1 length x 3 protocols x (full + snapkv + keyformer at 2 seeds) = 12 cells, each
+# of 2 contexts x 2 questions
+PROTOCOL_SWEEP = {
+    "model": SPEC, "samples": 2, "seed": 5, "tasks": ["passkey"], "lengths": [256], "budgets": [0.25],
+    "recipes": ["snapkv", "keyformer"], "seeds": [0, 1], "queries": 2,
+    "protocols": ["query-aware", "query-agnostic", "multi-query"],
+}
+PROTOCOL_CELLS = 12
 
 
 def _stable(rows: list[dict]) -> list[dict]:
@@ -60,23 +68,40 @@ def pool(cluster):
         yield p
 
 
+def _plain(sweep: dict, out: Path) -> list[dict]:
+    torch.set_num_threads(1)
+    return run_sweep(sweep_from_dict(sweep), out, progress=False)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The same sweep without Ray."""
     out = tmp_path_factory.mktemp("plain")
-    torch.set_num_threads(1)
-    return run_sweep(sweep_from_dict(SWEEP), out, progress=False), out
+    return _plain(SWEEP, out), out
 
 
-def test_ray_sweep_gives_the_rows_of_a_plain_sweep(pool, reference, tmp_path):
-    ref_rows, ref_dir = reference
-    rows = run_sweep(sweep_from_dict(SWEEP), tmp_path, progress=False, pool=pool)
-    assert len(rows) == CELLS and _stable(rows) == _stable(ref_rows)  # plan order, scores, recipes, budgets
-    written = results_store.read_results(tmp_path)
-    assert len({r["cell"] for r in written}) == len(written) == CELLS
+@pytest.mark.parametrize("sweep, cells", [(SWEEP, CELLS), (PROTOCOL_SWEEP, PROTOCOL_CELLS)], ids=["sweep", "protocols"])
+def test_ray_sweep_gives_the_rows_of_a_plain_sweep(pool, reference, tmp_path, sweep, cells):
+    if sweep is SWEEP:
+        ref_rows, ref_dir = reference
+    else:
+        ref_dir = tmp_path / "plain"
+        ref_rows = _plain(sweep, ref_dir)
+    out = tmp_path / "ray"
+    rows = run_sweep(sweep_from_dict(sweep), out, progress=False, pool=pool)
+    assert len(rows) == cells and _stable(rows) == _stable(ref_rows)  # plan order, scores, recipes, budgets
+    written = results_store.read_results(out)
+    assert len({r["cell"] for r in written}) == len(written) == cells
     assert _by_cell(written) == _by_cell(results_store.read_results(ref_dir))
-    assert (tmp_path / "table.txt").read_text() == (ref_dir / "table.txt").read_text()
+    assert (out / "table.txt").read_text() == (ref_dir / "table.txt").read_text()
     assert {r["model"] for r in rows} == {SPEC} and all(r["wall_s"] > 0 for r in rows)
+    if sweep is PROTOCOL_SWEEP:  # the protocols, questions and method seeds reached the workers
+        assert [r["protocol"] for r in rows] == [p for p in sweep["protocols"] for _ in range(4)]
+        assert [r["method_seed"] for r in rows[:4]] == [None, None, 0, 1]
+        assert all(r["queries"] == 2 and r["questions"] == [0, 1, 0, 1] and r["contexts"] == 2 for r in rows)
+        prefills = {r["protocol"]: r["context_prefills"] for r in rows}
+        assert prefills == {"query-aware": 4, "query-agnostic": 4, "multi-query": 2}
+        assert all(r["score_interval"] is not None for r in rows)
 
 
 def _running(pid: int) -> bool:
