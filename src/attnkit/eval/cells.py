@@ -189,7 +189,8 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
 
 @dataclass
 class Group:
-    """Cells sharing one (task, length) and its samples; the first recipe is the reference (full)."""
+    """Cells sharing one (task, length) and its samples, run under one protocol (a (task, length) gets a group
+    per protocol, sharing the samples); the first recipe is the reference (full)."""
 
     task: str
     length: int

@@ -78,8 +78,8 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
 
 @dataclass(frozen=True)
 class CellJob:
-    """One cell to run: a recipe on the samples of a (task, length) group (`items`: a Ray object reference
-    shared by the group's cells, resolved on the actor)."""
+    """One cell to run: a recipe on the samples of a (task, length) group under its protocol (`items`: a Ray
+    object reference shared by the cells of the (task, length)'s groups, resolved on the actor)."""
 
     task: str
     length: int
