@@ -203,6 +203,28 @@ def test_interrupted_sweep_resumes_to_the_same_results(reference, tmp_path, monk
     assert len(results_store.read_results(results)) == len(rows)
 
 
+PROTOCOL_FIELDS = ("method_seed", "protocol", "queries", "questions", "contexts", "context_prefills", "prefill_tokens",
+                   "score_interval", "interval")
+
+
+def test_a_results_directory_from_before_protocols_resumes(reference, tmp_path, monkeypatch):
+    """Rows written before protocols existed (schema 2, keys without protocol/queries/method seed) are the
+    query-aware cells of one question they measured: a rerun finds every cell done."""
+    rows, _ = reference
+    old = []
+    for row in results_store.read_results(reference[1]):
+        assert row["protocol"] == "query-aware" and row["queries"] == 1 and row["method_seed"] is None
+        assert row["cell"] == json.dumps([row["model"], row["task"], row["length"], row["recipe_name"], row["budget"],
+                                          row["samples"], SWEEP["seed"]])  # the key a schema-2 row has
+        old.append(dict({k: v for k, v in row.items() if k not in PROTOCOL_FIELDS}, schema=2))
+    (tmp_path / results_store.RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in old))
+    calls = []
+    monkeypatch.setattr(cells, "run_cell", lambda *a: calls.append(a[2].label))
+    resumed = run_sweep(sweep_from_dict(SWEEP), tmp_path, progress=False)
+    assert calls == [] and len(resumed) == len(rows) == len(old)
+    assert (tmp_path / results_store.TABLE_FILE).read_text().strip()
+
+
 def test_killed_sweep_resumes_to_the_same_results(reference, tmp_path):
     rows, ref_dir = reference
     path = _write(tmp_path, SWEEP)
