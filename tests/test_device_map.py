@@ -88,6 +88,26 @@ def test_drafts_give_the_tokens_of_one_device(models, source, options):
         assert got == want, (source, name)
 
 
+@pytest.mark.parametrize("spec", ["snapkv:budget=0.3,window_size=8", "h2o:budget=0.3", "keyformer:budget=0.3",
+                                  "snapkv:budget=0.4+kivi:bits=2,residual=16", "kvzip:budget=0.3",
+                                  "select:filter_layer=0,p_decode=0.5"])
+def test_questions_after_a_compressed_context_give_the_tokens_of_one_device(models, spec):
+    """attnkit.generate_after (the query-agnostic and multi-query protocols) on a placed model: two contexts of one
+    length as rows of one session, forked per question length (Session.fork, KVCache.copy_rows)."""
+    contexts = [random_ids(90, seed=30 + i).tolist() for i in range(2)]
+    questions = [[random_ids(5, seed=40 + j).tolist() for j in range(3)] for _ in contexts]
+    questions[0][1] = questions[0][1][:3]  # another length: another fork
+
+    def tokens(model):
+        out = attnkit.generate_after(model, contexts, questions, parse_method_spec(spec), max_new_tokens=NEW,
+                                     stop_at_eos=False)
+        return [[g.token_ids for g in gens] for gens in out]
+
+    want = tokens(models["one"])
+    for name in ("disk", "cpu_offload"):
+        assert tokens(models[name]) == want, (spec, name)
+
+
 def test_attnkit_cache_in_model_generate(models):
     ids = torch.tensor([random_ids(100, seed=4).tolist()])
     out = {}
