@@ -2,6 +2,7 @@
 
     nice -n 19 python training/train_v2.py --run-dir runs/model_v2          # starts, or resumes the run there
     python training/train_v2.py --run-dir runs/model_v2 --max-minutes 60    # stop (after saving) past an hour
+    python training/train_v2.py --run-dir runs/new --init-from training/resume/model_v2   # go on from weights
 
 Run from the checkout with PYTHONPATH=src:training. The run directory holds the tokenizer (trained on the
 first start from the training corpus, see tokenizer_v2.py), ckpt.pt (model, optimizer, step, phase),
@@ -36,6 +37,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from attnkit.eval import retrieval_data as R  # noqa: E402
@@ -116,6 +118,10 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=None, help="stop (after saving) at this step")
     ap.add_argument("--extra-final-steps", type=int, default=0, help="lengthen the last phase (continue later)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start a run without a checkpoint from an export directory (weights, tokenizer and "
+                         "training.json of an earlier run): its step and phase go on, with a fresh optimizer whose "
+                         "learning rate warms up again")
     args = ap.parse_args()
 
     config = json.loads(args.config.read_text())
@@ -124,18 +130,28 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(args.threads)
     args.run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = args.run_dir / "ckpt.pt"
+    if args.init_from is not None and not ckpt.exists() and not (args.run_dir / "tokenizer").exists():
+        PreTrainedTokenizerFast.from_pretrained(args.init_from).save_pretrained(args.run_dir / "tokenizer")
     tok = load_tokenizer(args.run_dir, config)
     model = make_model(config, len(tok)).to(device)
     oc = config["optimizer"]
     opt = torch.optim.AdamW(model.parameters(), lr=oc["lr"], betas=tuple(oc["betas"]), weight_decay=oc["weight_decay"])
     st = {"step": 0, "seconds": 0.0, "tokens": 0, "phase_idx": 0, "phase_start": 0}
-    ckpt = args.run_dir / "ckpt.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False, map_location=device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         st = state["state"]
         print(f"resumed at step {st['step']} ({st['seconds'] / 60:.1f} min trained)", flush=True)
+    elif args.init_from is not None:
+        loaded = model.load_state_dict(load_file(args.init_from / "model.safetensors"), strict=False)
+        if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight"}:  # the head is the tied embedding
+            raise SystemExit(f"{args.init_from} does not hold this config's model: {loaded}")
+        model.tie_weights()
+        meta = json.loads((args.init_from / "training.json").read_text())
+        st = {k: meta[k] for k in st} | {"rewarm_from": meta["step"]}
+        print(f"initialised from {args.init_from} at step {st['step']} (fresh optimizer)", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{config['name']}: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}, device {device}, "
           f"{'bf16 autocast' if fast_bf16(device) else 'fp32'}", flush=True)
@@ -167,6 +183,8 @@ def main() -> None:
         phase, step = phases[st["phase_idx"]], st["step"]
         final_start = st["phase_start"] if st["phase_idx"] == len(phases) - 1 else None
         lr = lr_at(step, final_start, phase["steps"], oc["lr"], oc["warmup"])
+        if "rewarm_from" in st:  # a fresh optimizer's moments are estimated anew: warm the rate up again
+            lr *= min(1.0, (step - st["rewarm_from"] + 1) / oc["warmup"])
         for group in opt.param_groups:
             group["lr"] = lr
         ids, weights, answer, kinds = rows.batch(phase, step)
