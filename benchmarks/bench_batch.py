@@ -121,9 +121,9 @@ def main(argv=None) -> int:
             ("spec", "method"), ("kv_bytes_per_sequence", "KV bytes / sequence"), ("sequences", "sequences"),
             ("sequences_vs_full", "vs full"), ("tokens_per_s", "tokens/s"),
             ("tokens_per_s_vs_full", "tokens/s vs full")]))
-        png = plot_capacity(rows)
-        if png:
-            (out / "capacity.png").write_bytes(png)
+        plot = plot_capacity(rows)
+        if plot:
+            (out / "capacity.png").write_bytes(plot.png)
     if "eval" not in skip:
         rows = eval_rows(load_model(args.eval_model, device=args.device), args.eval_tasks.split(","),
                          split_spec_list(args.eval_methods), args.eval_length, args.eval_samples, args.eval_batch,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attnkit import AttnkitError, load_model
+from attnkit.cli import main
 from attnkit.eval import cells, corpus, harness, task_registry, tasks
 from attnkit.eval import results as results_store
 from attnkit.eval.table import format_table
@@ -57,6 +58,23 @@ def test_rows_have_every_field(rows_and_dir):
     assert [r["batch_size"] for r in rows] == [2, 2, 1, 1]
     assert all(r["throughput_tokens_per_s"] > 0 for r in passkey)
     assert all(r["throughput_tokens_per_s"] is None for r in rows if r["task"] == "perplexity")
+
+
+def test_eval_out_twice_keeps_one_row_per_cell(tmp_path, capsys):
+    args = ["eval", "--model", SPEC, "--tasks", "passkey", "--lengths", "256", "--samples", "1", "--out", str(tmp_path),
+            "--no-progress", "--methods"]
+    assert main([*args, "full,window:window=64"]) == 0
+    first = results_store.read_results(tmp_path)
+    assert len(first) == 2
+    capsys.readouterr()
+    assert main([*args, "full,window:window=64"]) == 0  # nothing new to run: the rows are those of the first run
+    out = capsys.readouterr()
+    assert "2 of 2 cells were already in" in out.err and "window:window=64" in out.out
+    assert results_store.read_results(tmp_path) == first
+    assert main([*args, "full,window:window=32"]) == 0  # a new method: only its cell runs, full is reused
+    rows = results_store.read_results(tmp_path)
+    assert rows[:2] == first and [r["method_spec"] for r in rows[2:]] == ["window:window=32"]
+    assert rows[2]["score_rel_full"] == cells.rel_full(rows[2]["score"], first[0]["score"], True)
 
 
 def test_full_row_is_relative_one(rows_and_dir):

@@ -7,6 +7,7 @@ import argparse
 import importlib
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from attnkit.cli.commands import load, recipe_files
@@ -59,13 +60,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if tasks is None:
         tasks = data.tasks() if data is not None else ["passkey"]
     batch = {} if args.batch_size is None else {"batch_size": args.batch_size}
+    before = cells_in(args.out) if args.out else set()
     rows = run_eval(model, tasks, lengths, methods, args.samples, seed=args.seed,
                     out_dir=Path(args.out) if args.out else None, progress=not args.no_progress, data=data, **batch,
                     **protocol)
     print(format_table(rows))
     if args.out:
+        reused = sum(r.get("cell") in before for r in rows)
+        if reused:
+            print(f"{reused} of {len(rows)} cells were already in {Path(args.out) / 'results.jsonl'} and were not run "
+                  f"again (another --out directory measures them anew)", file=sys.stderr)
         print(f"results: {Path(args.out) / 'results.jsonl'}", file=sys.stderr)
     return 0
+
+
+def cells_in(out: str) -> set:
+    """The cell keys of ``OUT/results.jsonl`` (empty when there is none); read without repairing the file, which
+    another run may be writing (``run_eval`` repairs it once it holds the directory's lock)."""
+    from attnkit.eval.results import RESULTS_FILE, read_results
+
+    path = Path(out) / RESULTS_FILE
+    if not path.is_file():
+        return set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an unterminated last line, which run_eval removes under the lock
+        return {r.get("cell") for r in read_results(path)}
 
 
 def eval_sweep(args: argparse.Namespace) -> int:

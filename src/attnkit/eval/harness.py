@@ -25,8 +25,9 @@ from pathlib import Path
 from attnkit.errors import AttnkitError
 from attnkit.eval.cells import DEFAULT_BATCH_SIZE, Group, run_cells
 from attnkit.eval.items import LONGBENCH_PREFIX, PERPLEXITY, task_items  # noqa: F401  (LONGBENCH_PREFIX: re-exported)
+from attnkit.eval.lock import results_lock
 from attnkit.eval.protocols import QUERY_AWARE, check_protocols, check_queries, check_refusals
-from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, repair_tail
+from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, done_rows
 from attnkit.eval.table import format_table
 from attnkit.eval.task_registry import ALL_TASKS
 from attnkit.eval.user_data import load_data
@@ -141,8 +142,10 @@ def run_eval(model: LoadedModel, tasks: list[str], lengths: list[int], methods: 
     provides ``longbench:DATASET`` tasks (or any path :func:`attnkit.eval.user_data.load_data` reads: RULER's
     and InfiniteBench's too). `protocols` is one protocol or a list (each runs every cell), `queries` the questions
     per context, `seeds` the seeds a stochastic method runs with (one row each). With `out_dir`, each row is
-    appended to
-    ``out_dir/results.jsonl`` as its cell finishes and ``out_dir/table.txt`` is written at the end.
+    appended to ``out_dir/results.jsonl`` as its cell finishes and ``out_dir/table.txt`` is written at the end; a
+    cell already in that file is not run again (its row is returned, as a resumed sweep's: run twice, the file
+    holds each cell once), and the directory is locked while the cells run (another run writing into it is
+    refused: :mod:`attnkit.eval.lock`).
     Rows come in run order (tasks, then lengths, then methods with ``full`` first). A cell's samples are
     generated `batch_size` at a time (the same scores as one at a time; what the timings of a batch mean:
     :func:`attnkit.eval.cells.run_cell`); each row records its ``batch_size``.
@@ -163,13 +166,12 @@ def run_eval(model: LoadedModel, tasks: list[str], lengths: list[int], methods: 
             items = task_items(model, task, length, seed, samples, depth_values, data, queries)
             check_refusals(recipes, protocols, task, items)
             groups += [Group(task, length, items, recipes, protocol, queries) for protocol in protocols]
-    out_path = None
-    if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir is None:
+        return run_cells(model, groups, seed=seed, progress=progress, batch_size=batch_size)
+    out_dir = Path(out_dir)
+    with results_lock(out_dir):
         out_path = out_dir / RESULTS_FILE
-        repair_tail(out_path)
-    rows = run_cells(model, groups, seed=seed, out_path=out_path, progress=progress, batch_size=batch_size)
-    if out_dir is not None:
+        rows = run_cells(model, groups, seed=seed, out_path=out_path, progress=progress, done=done_rows(out_path),
+                         batch_size=batch_size)
         (out_dir / TABLE_FILE).write_text(format_table(rows) + "\n", encoding="utf-8")
     return rows

@@ -134,6 +134,15 @@ def read_results(path: Path | str) -> list[dict]:
     return rows
 
 
+def done_rows(path: Path) -> dict[str, dict]:
+    """The rows of the results file at `path` by cell key (a row cut off mid-write removed first; rows without a
+    key, from before keys, are left out): the cells a resumed run does not run again."""
+    if not path.is_file():
+        return {}
+    repair_tail(path)
+    return {row["cell"]: row for row in read_results(path) if row.get("cell")}
+
+
 def latest_rows(rows: list[dict]) -> list[dict]:
     """One row per cell (the last one written), in first-seen order: a cell run twice counts once."""
     out: dict = {}

@@ -43,9 +43,10 @@ from attnkit.errors import AttnkitError
 from attnkit.eval.cells import DEFAULT_BATCH_SIZE, Group, run_cells
 from attnkit.eval.harness import check_lengths, check_peer_tasks, check_samples, check_tasks, depth_list, with_seeds
 from attnkit.eval.items import task_items
+from attnkit.eval.lock import results_lock
 from attnkit.eval.protocols import QUERY_AWARE, check_protocols, check_queries, check_refusals
 from attnkit.eval.ray_cells import CellPool, run_groups
-from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, read_results, repair_tail
+from attnkit.eval.results import RESULTS_FILE, TABLE_FILE, done_rows
 from attnkit.eval.table import format_table
 from attnkit.eval.user_data import load_data
 from attnkit.model import load_model_for_length
@@ -206,19 +207,13 @@ def load_sweep(path: str | Path) -> Sweep:
     return sweep_from_dict(read_config_file(path, "sweep file"), f"sweep file {str(path)!r}", path.parent)
 
 
-def _done_rows(results: Path) -> dict[str, dict]:
-    if not results.is_file():
-        return {}
-    repair_tail(results)
-    return {row["cell"]: row for row in read_results(results) if row.get("cell")}
-
-
 def run_sweep(sweep: Sweep | str | Path, out_dir: str | Path, *, model=None, progress: bool = True,
               pool: CellPool | None = None) -> list[dict]:
     """Run every cell of `sweep` not yet in ``out_dir/results.jsonl``; returns the sweep's rows (done
     before and now) in cell order and writes ``out_dir/table.txt``. `model` overrides the sweep's. With
     `pool` (a :class:`attnkit.eval.ray_cells.CellPool` holding the sweep's model) the cells run on its Ray
-    actors, this process the single writer of the results (:func:`attnkit.eval.ray_cells.run_groups`)."""
+    actors, this process the single writer of the results (:func:`attnkit.eval.ray_cells.run_groups`). The directory
+    is locked while the sweep runs (:func:`attnkit.eval.lock.results_lock`): another run writing into it is refused."""
     if not isinstance(sweep, Sweep):
         sweep = load_sweep(sweep)
     if pool is not None and model is not None:
@@ -226,9 +221,13 @@ def run_sweep(sweep: Sweep | str | Path, out_dir: str | Path, *, model=None, pro
     if pool is not None and pool.requested != sweep.model:
         raise AttnkitError(f"the Ray workers hold model {pool.requested!r}, the sweep names {sweep.model!r}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with results_lock(out_dir):
+        return _run_locked(sweep, out_dir, model, progress, pool)
+
+
+def _run_locked(sweep: Sweep, out_dir: Path, model, progress: bool, pool: CellPool | None) -> list[dict]:
     results = out_dir / RESULTS_FILE
-    done = _done_rows(results)
+    done = done_rows(results)
     data = load_data(sweep.data) if sweep.data is not None else None
     if model is None and pool is None:
         model = load_model_for_length(sweep.model, sweep_positions(sweep))
