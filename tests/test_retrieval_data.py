@@ -53,7 +53,7 @@ def _rendered(template: str, slots: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("task", QUESTION_TASKS)
+@pytest.mark.parametrize("task", QUESTION_TASKS + ("needle_wild",))
 def test_training_samples_never_hold_a_heldout_phrasing(task):
     held = [t for templates in T.ALL_POOLS.values() for t in T.heldout(templates)]
     # fragments of held-out phrasings that ordinary text never contains: looked for verbatim
@@ -129,3 +129,17 @@ def test_heldout_tasks_run_in_attnkit_eval(tmp_path, capsys):
     assert sorted(r["task"] for r in rows) == ["kv_listing_heldout", "needle_heldout"]
     assert all(r["samples"] == 2 and 0.0 <= r["score"] <= 1.0 for r in rows)
     assert "needle_heldout" in capsys.readouterr().out
+
+
+def test_wild_phrasings_are_training_only_and_share_nothing_with_heldout_phrasings():
+    held_words = {w for templates in T.ALL_POOLS.values() for t in T.heldout(templates)
+                  for w in re.findall(r"[a-z]+", t.lower())}
+    rng = random.Random(11)
+    for _ in range(200):
+        for template in (T.wild_needle(rng), T.wild_question(rng)):
+            words = set(re.findall(r"[a-z]+", template.lower())) - {"key", "value"}
+            assert words and not words & held_words, template
+    ex = R.example("needle_wild", TOK, 900, rng, "train")
+    assert ex.meta["key"] in ex.meta["question"] and len(set(ex.meta["slots"]["key"])) == 3
+    with pytest.raises(ValueError, match="training-only"):
+        R.example("needle_wild", TOK, 900, rng, "eval")

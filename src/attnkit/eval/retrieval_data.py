@@ -137,25 +137,31 @@ def _pick_filler(rng, split) -> str:
 
 
 def make_needle(tok, length: int, rng: random.Random, split: str = "train", depth: float | None = None,
-                n_keys: int = 1, n_values: int = 1) -> Example:
+                n_keys: int = 1, n_values: int = 1, wild: bool = False) -> Example:
     """Facts phrased with the split's needle templates, hidden in filler; a question about the first key.
 
     n_keys > 1: other keys are distractors (niah_multikey); n_values > 1: the asked key has several
-    values, all wanted, in order of appearance (niah_multivalue)."""
+    values, all wanted, in order of appearance (niah_multivalue). `wild` (training only): the facts and the
+    question are phrased with random words (:func:`~attnkit.eval.retrieval_templates.wild_needle`), so only
+    the key links the question to its fact."""
     task = "needle" if n_keys == 1 and n_values == 1 else "needle_multivalue" if n_values > 1 else "needle_multikey"
+    if wild:
+        if split != "train":
+            raise ValueError("wild phrasings are training-only")
+        task = "needle_wild"
     depth = rng.random() if depth is None else depth
     key_kind = rng.choice(("name", "words", "uuid", "item", "code"))
     value_kind = rng.choice(("digits", "digits", "word", "hex"))
     keys = T.distinct(lambda r: T.make_key(r, key_kind), n_keys, rng)
     values = T.distinct(lambda r: T.make_value(r, value_kind), n_values + n_keys - 1, rng)
-    needles_pool = T.pool(T.NEEDLES, split)
+    needles_pool = T.pool(T.NEEDLES, split) if not wild else [T.wild_needle(rng) for _ in range(n_keys + n_values)]
     one_template = rng.choice(needles_pool) if rng.random() < 0.5 else None
     facts = [(keys[0], v) for v in values[:n_values]] + list(zip(keys[1:], values[n_values:]))
     depths = sorted([depth] + [rng.random() for _ in range(n_values - 1)]) + [rng.random() for _ in keys[1:]]
     templates = [one_template or rng.choice(needles_pool) for _ in facts]
     needles = [(d, _enc(tok, t.format(key=k, value=v) + "\n")) for d, t, (k, v) in zip(depths, templates, facts)]
     intro = rng.choice(T.pool(T.INTROS, split))
-    qpool = T.pool(T.MULTI_QUESTIONS if n_values > 1 else T.QUESTIONS, split)
+    qpool = T.pool(T.MULTI_QUESTIONS if n_values > 1 else T.QUESTIONS, split) if not wild else [T.wild_question(rng)]
     question = rng.choice(qpool).format(key=keys[0])
     wanted = values[:n_values]
     answer = " " + ", ".join(wanted) + "\n"
@@ -309,6 +315,7 @@ GENERATORS = {
     "needle": make_needle,
     "needle_multikey": functools.partial(make_needle, n_keys=4),
     "needle_multivalue": functools.partial(make_needle, n_values=4),
+    "needle_wild": functools.partial(make_needle, n_keys=3, wild=True),
     "kv_listing": make_kv_listing,
     "kv_multiquery": functools.partial(make_kv_listing, n_queries=4),
     "assoc_recall": make_assoc_recall,

@@ -303,3 +303,37 @@ def grammar_prose(rng: random.Random, n_sentences: int) -> str:
         if rng.random() < 0.15:
             out.append("\n\n")
     return " ".join(out)
+
+
+# Training-only phrasings drawn word by word: a fact or a question whose wording is a random run of ordinary words
+# around the key (and the value), so that nothing but the key itself can be keyed on. Words of any held-out
+# phrasing are left out, so no held-out phrasing (or a fragment of one) is ever drawn.
+_WILD_WORDS = ("the a an of for with is was has had it this that then so also now here there please note value "
+               "number code entry record item answer tag label stored kept given listed marked written holds shows "
+               "gives goes maps links names means next first last new old main real final true known saved list "
+               "book page card box file slot table sheet row line mark sign word term key keys data fact facts")
+
+
+@functools.cache
+def _wild_vocabulary() -> tuple[str, ...]:
+    held = {w for templates in ALL_POOLS.values() for t in heldout(templates)
+            for w in re.findall(r"[a-z]+", t.lower())}
+    return tuple(w for w in _WILD_WORDS.split() if w not in held)
+
+
+def _wild(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(_wild_vocabulary()) for _ in range(rng.randint(lo, hi)))
+
+
+def wild_needle(rng: random.Random) -> str:
+    """A fact template (``{key}``, ``{value}``) of random words; training only."""
+    words = [_wild(rng, 0, 3), "{key}", _wild(rng, 1, 3), "{value}"]
+    text = " ".join(w for w in words if w) + rng.choice((".", "", ";", " .", ","))
+    return text[:1].upper() + text[1:]
+
+
+def wild_question(rng: random.Random) -> str:
+    """A question template (``{key}``) of random words, after which the value is the answer; training only."""
+    words = [_wild(rng, 1, 4), "{key}" + rng.choice(("?", ":", "", " -", ",")), _wild(rng, 0, 3)]
+    text = " ".join(w for w in words if w)
+    return text[:1].upper() + text[1:]
