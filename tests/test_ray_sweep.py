@@ -23,6 +23,8 @@ from attnkit.cli import main
 from attnkit.eval import results as results_store
 from attnkit.eval.ray_cells import CellPool
 from attnkit.eval.sweep import run_sweep, sweep_from_dict, sweep_positions
+from attnkit.eval.tune import TuneSettings, run_tune
+from attnkit.eval.tune_space import space_from_dict
 
 ray = pytest.importorskip("ray")
 
@@ -198,3 +200,30 @@ def test_pool_errors(pool):
     with pytest.raises(AttnkitError, match="unknown random architecture"):
         CellPool("random:nope", workers=1, threads=1)  # the actor's own error, in one line
     assert json.loads(json.dumps(pool.pids()))  # the pool still works after a failed one
+
+
+def test_tune_on_ray_gives_the_rows_and_choice_of_a_plain_tune(pool, tmp_path, capsys):
+    """``attnkit tune --ray``: the cells run on the pool's actors (CellPool.run), the driver writes them; the rows,
+    eliminations and winner are those without Ray."""
+    settings = dict(model=SPEC, tasks=["passkey", "code_completion"], lengths=[256], samples=1, rounds=2,
+                    space=space_from_dict({"cache": ["full", "snapkv"], "budgets": [0.5], "quantize": ["none", 2]}))
+    torch.set_num_threads(1)
+    plain = run_tune(TuneSettings(**settings), tmp_path / "plain", progress=False)
+    on_ray = run_tune(TuneSettings(**settings), tmp_path / "ray", pool=pool, progress=False)
+    assert [(e["kept"], e["eliminated"]) for e in on_ray["rounds"]] == [(e["kept"], e["eliminated"])
+                                                                        for e in plain["rounds"]]
+    assert on_ray["winner"]["recipe"] == plain["winner"]["recipe"]
+    assert _by_cell(results_store.read_results(tmp_path / "ray")) == _by_cell(results_store.read_results(tmp_path /
+                                                                                                          "plain"))
+    # the command line, on the module's Ray (a worker of its own), reuses every cell: nothing runs
+    assert main(["tune", "--model", SPEC, "--tasks", "passkey,code_completion", "--lengths", "256", "--samples", "1",
+                 "--rounds", "2", "--space", str(_write_space(tmp_path)), "--out", str(tmp_path / "ray"), "--ray",
+                 "--workers", "1", "--no-progress"]) == 0
+    assert "1 Ray workers" in capsys.readouterr().err
+    assert len(results_store.read_results(tmp_path / "ray")) == len(results_store.read_results(tmp_path / "plain"))
+
+
+def _write_space(tmp_path: Path) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"cache": ["full", "snapkv"], "budgets": [0.5], "quantize": ["none", 2]}))
+    return path

@@ -1,4 +1,4 @@
-"""The ``attnkit`` command: methods, generate, eval, bench, calibrate, report, demo.
+"""The ``attnkit`` command: methods, generate, eval, tune, bench, calibrate, report, demo.
 
 :func:`main` turns what a user can get wrong into one line on stderr: bad input (an :class:`AttnkitError`,
 argparse's usage errors included) exits 2, a failed read or write exits 1, Ctrl-C exits 130, and a reader

@@ -6,6 +6,7 @@ from attnkit.cli.commands import cmd_bench, cmd_generate, cmd_methods
 from attnkit.cli.evaluate import cmd_calibrate, cmd_demo, cmd_eval, cmd_report
 from attnkit.cli.options import Parser
 from attnkit.cli.speculation import add_speculation_options
+from attnkit.cli.tune import cmd_tune
 from attnkit.eval.cells import DEFAULT_BATCH_SIZE
 from attnkit.eval.task_registry import ALL_TASKS, GENERATED_TASKS
 
@@ -34,6 +35,7 @@ def build_parser() -> Parser:
     _generate_parser(sub)
     _bench_parser(sub)
     _eval_parser(sub)
+    _tune_parser(sub)
     _calibrate_parsers(sub)
 
     p = sub.add_parser("report", help="an HTML page (tables, plots) and PNGs from a results directory")
@@ -139,6 +141,39 @@ def _eval_parser(sub) -> None:
                    help="with --ray: actors to start (default: one per GPU, else one per CPU of the cluster)")
     add_placement_options(p)
     p.set_defaults(func=cmd_eval)
+
+
+def _tune_parser(sub) -> None:
+    p = sub.add_parser("tune", help="the recipe that keeps a score floor at the least KV memory or time (resumable)")
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+    p.add_argument("--tasks", default="passkey", help=f"comma-separated tasks from {', '.join(ALL_TASKS)}")
+    p.add_argument("--lengths", default="1024", help="comma-separated prompt lengths in tokens")
+    p.add_argument("--floor", type=float, default=0.95,
+                   help="the score relative to full to keep on every task and length (0 < f <= 1)")
+    p.add_argument("--target", default="kv", choices=["kv", "decode", "prefill"],
+                   help="least peak KV bytes, fastest decode or fastest prefill")
+    p.add_argument("--space", metavar="FILE", default=None,
+                   help="a YAML/JSON space (prefill, cache, budgets, allocation, quantize, decode, recipes); default: "
+                        "the target's (docs/evaluation.md)")
+    p.add_argument("--samples", type=int, default=2, help="samples per task and length in the first round")
+    p.add_argument("--rounds", type=int, default=3, help="successive-halving rounds (round r: samples x eta^r)")
+    p.add_argument("--eta", type=int, default=2, help="keep the best 1/eta of the candidates each round (>= 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first round's prompts (the next rounds follow)")
+    p.add_argument("--protocol", default="query-aware", choices=["query-aware", "query-agnostic", "multi-query"],
+                   help="how the compressed cache meets the question (see eval --protocol)")
+    p.add_argument("--queries", type=int, default=None, metavar="K",
+                   help="questions per context (default: 1, or 4 with multi-query)")
+    p.add_argument("--confirm", action="store_true", help="run the winner once more on fresh samples")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help=f"samples per generate call (default: {DEFAULT_BATCH_SIZE})")
+    p.add_argument("--out", default=None, help="directory for results.jsonl, recipe.json, tune.json, report.html")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ray", action="store_true", help="run the cells on Ray actors that keep the model loaded "
+                                                      "(needs pip install 'attnkit[ray]')")
+    p.add_argument("--ray-address", default=None, metavar="ADDR", help="with --ray: the Ray cluster to use")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="with --ray: actors to start")
+    add_placement_options(p)
+    p.set_defaults(func=cmd_tune)
 
 
 def _calibrate_parsers(sub) -> None:

@@ -39,6 +39,7 @@ from attnkit.eval.results import latest_rows, read_results
 from attnkit.eval.score_table import score_tables
 from attnkit.eval.significance import picks
 from attnkit.eval.summary import enrich, summarize
+from attnkit.eval.tune_report import tune_section
 
 __all__ = ["REPORT_FILE", "PLOT_DIR", "Report", "enrich", "read_report", "summarize", "write_report"]
 
@@ -100,6 +101,7 @@ class Report:
                  SUMMARY_NOTE, no_ratio_note(summary),
                  "<h2>Scores</h2>", score_tables(self.rows, [s["label"] for s in summary])]
         parts += capacity_section(self.base, plot_dir)
+        parts += tune_section(self.base, plot_dir)
         section = None
         for plot in self.plots:
             if plot.section != section:

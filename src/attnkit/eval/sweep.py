@@ -254,4 +254,9 @@ def _run_locked(sweep: Sweep, out_dir: Path, model, progress: bool, pool: CellPo
 
 def sweep_positions(sweep: Sweep) -> int:
     """Positions a ``random:`` model needs for the sweep's longest prompt and its answer."""
-    return max(sweep.lengths) + 512
+    return positions_for(sweep.lengths)
+
+
+def positions_for(lengths: list[int]) -> int:
+    """Positions a ``random:`` model needs for the longest of `lengths` and its answer."""
+    return max(lengths) + 512
