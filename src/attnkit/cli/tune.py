@@ -15,7 +15,7 @@ from attnkit.errors import AttnkitError
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from attnkit.eval.sweep import positions_for
-    from attnkit.eval.tune import RECIPE_FILE, TuneSettings, run_tune
+    from attnkit.eval.tune import RECIPE_FILE, TuneSettings, run_tune, summary_text
     from attnkit.eval.tune_space import load_space
 
     if not args.out:
@@ -57,22 +57,3 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def echo(line: str) -> None:
     print(line, file=sys.stderr)
-
-
-def summary_text(log: dict) -> str:
-    """The rounds' candidates and eliminations, the winner and why, and the confirmation when one ran."""
-    lines = []
-    for entry in log["rounds"]:
-        lines.append(f"round {entry['round']}: {len(entry['candidates'])} candidates, {entry['samples']} samples "
-                     f"per task and length")
-        for e in entry["eliminated"]:
-            lines.append(f"  out ({e['rule']}): {e['candidate']}: {e['why']}")
-    win = log["winner"]
-    lines.append(f"winner: {win['candidate']}: {win['why']}")
-    confirm = log.get("confirm")
-    if confirm:
-        cells = "; ".join(f"{c['task']}@{c['length']} " + ("full scores 0" if c["rel"] is None else
-                          f"{c['rel']:.2f} [{c['low']:.2f}-{c['high']:.2f}]") for c in confirm["summary"]["cells"])
-        lines.append(f"confirmed on {confirm['samples']} fresh samples per task and length: the floor "
-                     f"{'holds' if confirm['holds'] else 'does not hold'} ({cells})")
-    return "\n".join(lines)

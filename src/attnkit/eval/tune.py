@@ -207,8 +207,32 @@ def round_line(entry: dict, settings: TuneSettings) -> str:
     for e in entry["eliminated"]:
         rules[e["rule"]] = rules.get(e["rule"], 0) + 1
     out = ", ".join(f"{n} {rule}" for rule, n in rules.items()) or "none eliminated"
-    return (f"round {entry['round']}/{settings.rounds}: {len(entry['candidates'])} candidates x {entry['samples']} "
-            f"samples per task and length (seeds from {entry['seed']}): {out}; {len(entry['kept'])} left")
+    return (f"round {entry['round']}/{settings.rounds}: {plural(len(entry['candidates']), 'candidate')} x "
+            f"{plural(entry['samples'], 'sample')} per task and length (seeds from {entry['seed']}): {out}; "
+            f"{len(entry['kept'])} left")
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def summary_text(log: dict) -> str:
+    """The rounds' candidates and eliminations, the winner and why, and the confirmation when one ran."""
+    lines = []
+    for entry in log["rounds"]:
+        lines.append(f"round {entry['round']}: {plural(len(entry['candidates']), 'candidate')}, "
+                     f"{plural(entry['samples'], 'sample')} per task and length")
+        for e in entry["eliminated"]:
+            lines.append(f"  out ({e['rule']}): {e['candidate']}: {e['why']}")
+    win = log["winner"]
+    lines.append(f"winner: {win['candidate']}: {win['why']}")
+    confirm = log.get("confirm")
+    if confirm:
+        cells = "; ".join(f"{c['task']}@{c['length']} " + ("full scores 0" if c["rel"] is None else
+                          f"{c['rel']:.2f} [{c['low']:.2f}-{c['high']:.2f}]") for c in confirm["summary"]["cells"])
+        lines.append(f"confirmed on {confirm['samples']} fresh samples per task and length: the floor "
+                     f"{'holds' if confirm['holds'] else 'does not hold'} ({cells})")
+    return "\n".join(lines)
 
 
 def winner_entry(best: dict | None, final: list[dict], settings: TuneSettings, by_id: dict) -> dict:
