@@ -14,7 +14,7 @@ from attnkit import AttnkitError
 from attnkit.cli import main
 from attnkit.eval import cells
 from attnkit.eval import results as results_store
-from attnkit.eval.tune import TuneSettings, run_tune
+from attnkit.eval.tune import TuneSettings, run_tune, winner_entry
 from attnkit.eval.tune_rules import DOMINATED, FLOOR, HALVING, cell_summary, choose, eliminate, pareto, summarize
 from attnkit.eval.tune_space import TARGETS, candidates, combinations, default_space, space_from_dict
 from attnkit.recipe import load_recipe_file
@@ -162,6 +162,16 @@ def test_winner_and_pareto():
     assert choose([_summary("x", [1, 1], [1, 1], kv=100.0)]) is None  # no cheaper than full: full wins
     assert pareto(s) == ["a", "b"]  # full (cost 1, score 1) is beaten by a; c by a too
     assert pareto([_summary("d", [1, 0], [1, 1], kv=20.0)]) == ["d", "full"]
+
+
+def test_no_winner_means_full_attention():
+    settings = TuneSettings(**SETTINGS)
+    settings.check()
+    maybe = _summary("maybe", [0] + [1] * 39, [1] * 40, kv=20.0)  # 0.975 of full, not shown to be 0.95
+    entry = winner_entry(None, [maybe], settings, {})
+    assert entry["fallback"] and entry["candidate"] == "full" and entry["recipe"]["method"] == "full"
+    assert "maybe meet it on the point estimate: run more samples" in entry["why"]
+    assert "every candidate was eliminated" in winner_entry(None, [], settings, {})["why"]
 
 
 # ---- a whole tune -----------------------------------------------------------------------------------------------

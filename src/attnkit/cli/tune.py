@@ -47,7 +47,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     print(f"recipe: {out / RECIPE_FILE}; report: {out / 'report.html'}; log: {out / 'tune.json'}; Pareto front: "
           f"{out / 'pareto.json'}", file=sys.stderr)
-    if not log["winner"]["fallback"]:
+    if not log["winner"]["fallback"] and not settings.confirm:
         n, seed = settings.plan()[-1]
         print(f"check it on fresh samples: attnkit eval --model {settings.model} --tasks {','.join(settings.tasks)} "
               f"--lengths {','.join(map(str, settings.lengths))} --methods full --recipe {out / RECIPE_FILE} "

@@ -38,7 +38,16 @@ from attnkit.eval.ray_cells import CellPool, run_groups
 from attnkit.eval.report import REPORT_FILE, write_report
 from attnkit.eval.results import RESULTS_FILE, done_rows
 from attnkit.eval.sweep import positions_for
-from attnkit.eval.tune_report import POOLED_FILE, pooled_rows, write_pareto
+from attnkit.eval.tune_report import (
+    POOLED_FILE,
+    TARGET_HEAD,
+    cell_text,
+    pooled_rows,
+    standing,
+    target_text,
+    worst_text,
+    write_pareto,
+)
 from attnkit.eval.tune_rules import choose, eliminate, pareto, summarize
 from attnkit.eval.tune_space import TARGET_TEXT, TARGETS, Candidate, Space, candidates, default_space, space_from_dict
 from attnkit.model import load_model_for_length
@@ -217,19 +226,22 @@ def plural(n: int, word: str) -> str:
 
 
 def summary_text(log: dict) -> str:
-    """The rounds' candidates and eliminations, the winner and why, and the confirmation when one ran."""
-    lines = []
-    for entry in log["rounds"]:
-        lines.append(f"round {entry['round']}: {plural(len(entry['candidates']), 'candidate')}, "
-                     f"{plural(entry['samples'], 'sample')} per task and length")
-        for e in entry["eliminated"]:
-            lines.append(f"  out ({e['rule']}): {e['candidate']}: {e['why']}")
+    """Every candidate's cost on the target, worst score / full and standing (the last round's first, cheapest
+    first; then those out, latest first), the winner and why, and the confirmation when one ran."""
+    target = log["settings"]["target"]
+    last = {s["candidate"]: s for entry in log["rounds"] for s in entry["summaries"]}
+    order, status = standing(log)
+    table = [("candidate", "samples", TARGET_HEAD[target], "worst score / full [95 %]", "standing")]
+    for c in order:
+        short = status[c].split(":")[0]  # the rule, not the reason (tune.json and the report have it)
+        table.append((c, str(last[c]["samples"]), target_text(last[c], target), worst_text(last[c]), short))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table]
     win = log["winner"]
     lines.append(f"winner: {win['candidate']}: {win['why']}")
     confirm = log.get("confirm")
     if confirm:
-        cells = "; ".join(f"{c['task']}@{c['length']} " + ("full scores 0" if c["rel"] is None else
-                          f"{c['rel']:.2f} [{c['low']:.2f}-{c['high']:.2f}]") for c in confirm["summary"]["cells"])
+        cells = "; ".join(f"{c['task']}@{c['length']} {cell_text(c)}" for c in confirm["summary"]["cells"])
         lines.append(f"confirmed on {confirm['samples']} fresh samples per task and length: the floor "
                      f"{'holds' if confirm['holds'] else 'does not hold'} ({cells})")
     return "\n".join(lines)
@@ -241,7 +253,8 @@ def winner_entry(best: dict | None, final: list[dict], settings: TuneSettings, b
     if best is None:
         maybe = [s["candidate"] for s in final if s["point_met"]]
         why = (f"no candidate of the last round is shown to meet the floor and beat full on the target ({goal}); "
-               f"full attention it is")
+               f"full attention it is" if final else
+               f"every candidate was eliminated ({goal}: tune.json says why); full attention it is")
         if maybe:
             why += f". {', '.join(maybe[:3])} meet it on the point estimate: run more samples (--samples, --rounds)"
         return {"candidate": "full", "fallback": True, "why": why, "recipe": as_recipe("full").to_dict(),

@@ -26,6 +26,7 @@ from attnkit.eval.intervals import score_interval
 
 POOLED_FILE = "tune_rows.jsonl"
 PARETO_PNG = "pareto.png"
+TARGET_HEAD = {"kv": "peak KV / full", "decode": "decode speed-up", "prefill": "prefill speed-up"}
 AXIS = {"kv": ("peak KV bytes relative to full (lower is leaner)", False),
         "decode": ("decode speed relative to full (higher is faster)", True),
         "prefill": ("prefill speed relative to full (higher is faster)", True)}
@@ -128,14 +129,16 @@ def plot_tune_pareto(points: list[dict], target: str, floor: float, winner: str)
     return buf.getvalue()
 
 
-def _cell(c: dict) -> str:
+def cell_text(c: dict) -> str:
+    """score / full of a cell with its interval and n: ``0.98 [0.94-1.00] n=14``."""
     if c["rel"] is None:
         return "full scores 0"
     interval = "" if c["low"] is None else f" [{c['low']:.2f}-{c['high']:.2f}]"
     return f"{c['rel']:.2f}{interval} n={c['samples']}"
 
 
-def _target(s: dict | None, target: str) -> str:
+def target_text(s: dict | None, target: str) -> str:
+    """A candidate's cost on the target as shown: peak KV relative to full (and MiB), or a speed-up."""
     if s is None or s.get("cost") is None:
         return "-"
     if target == "kv":
@@ -144,15 +147,21 @@ def _target(s: dict | None, target: str) -> str:
     return f"{1.0 / s['cost']:.2f}x" if s["cost"] > 0 else "-"
 
 
-def _status(log: dict) -> dict[str, str]:
-    status = {}
-    for entry in log["rounds"]:
-        for e in entry["eliminated"]:
-            status[e["candidate"]] = f"out in round {entry['round']} ({e['rule']}): {e['why']}"
-    if log["rounds"]:
-        for c in log["rounds"][-1]["kept"]:
-            status[c] = "in the last round"
-    return status
+def standing(log: dict) -> tuple[list[str], dict[str, str]]:
+    """The candidates in the order tables show them (the last round's first, cheapest first; then those out,
+    latest first) and each one's standing: the winner, in the last round, or out in round r (rule): why."""
+    last = {s["candidate"]: s for entry in log["rounds"] for s in entry["summaries"]}
+    out_in = {e["candidate"]: (entry["round"], e) for entry in log["rounds"] for e in entry["eliminated"]}
+    final = len(log["rounds"]) + 1
+    order = sorted(last, key=lambda c: (-out_in.get(c, (final, None))[0], last[c]["cost"] or 0.0))
+    text = {}
+    for c in order:
+        if c in out_in:
+            r, e = out_in[c]
+            text[c] = f"out in round {r} ({e['rule']}): {e['why']}"
+        else:
+            text[c] = "winner" if c == log["winner"]["candidate"] else "in the last round"
+    return order, text
 
 
 def tune_section(base: Path, plot_dir: Path) -> list[str]:
@@ -177,7 +186,7 @@ def tune_section(base: Path, plot_dir: Path) -> list[str]:
     if win.get("summary"):
         s = win["summary"]
         body = "".join(f"<tr><td>{esc(c['task'])}</td><td>{c['length']}</td><td>{c['samples']}</td>"
-                       f"<td>{_pct(c['score'])}</td><td>{_pct(c['full_score'])}</td><td>{esc(_cell(c))}</td></tr>"
+                       f"<td>{_pct(c['score'])}</td><td>{_pct(c['full_score'])}</td><td>{esc(cell_text(c))}</td></tr>"
                        for c in s["cells"])
         out.append("<table><tr><th>task</th><th>length</th><th>samples</th><th>score</th><th>full</th>"
                    f"<th>score / full [95 %]</th></tr>{body}</table>")
@@ -187,17 +196,17 @@ def tune_section(base: Path, plot_dir: Path) -> list[str]:
         verdict = "holds" if confirm["holds"] else "does not hold"
         out.append(f"<p>On {confirm['samples']} fresh samples per task and length (seeds from {confirm['seed']}) the "
                    f"floor {verdict}{' and is shown' if confirm['shown'] else ''}: "
-                   f"{esc('; '.join(c['task'] + '@' + str(c['length']) + ' ' + _cell(c) for c in s['cells']))}.</p>")
-    status = _status(log)
+                   f"{esc('; '.join(c['task'] + '@' + str(c['length']) + ' ' + cell_text(c) for c in s['cells']))}.</p>")
+    order, status = standing(log)
     pareto_path = base / "pareto.json"
     points = json.loads(pareto_path.read_text(encoding="utf-8")) if pareto_path.is_file() else []
     front = {p["candidate"] for p in points if p.get("pareto")}
     last = {s["candidate"]: s for entry in log["rounds"] for s in entry["summaries"]}
     body = "".join(
-        f"<tr><td>{esc(c)}</td><td>{last[c]['samples']}</td><td>{esc(_target(last[c], target))}</td>"
-        f"<td>{esc(_worst(last[c]))}</td><td>{'&#9733;' if c in front else ''}</td>"
-        f"<td style='text-align:left'>{esc(status.get(c, ''))}</td></tr>" for c in log["candidates"] if c in last)
-    head = {"kv": "peak KV / full", "decode": "decode speed-up", "prefill": "prefill speed-up"}[target]
+        f"<tr><td>{esc(c)}</td><td>{last[c]['samples']}</td><td>{esc(target_text(last[c], target))}</td>"
+        f"<td>{esc(worst_text(last[c]))}</td><td>{'&#9733;' if c in front else ''}</td>"
+        f"<td style='text-align:left'>{esc(status[c])}</td></tr>" for c in order)
+    head = TARGET_HEAD[target]
     out.append(f"<h3>Candidates</h3><table><tr><th>candidate</th><th>samples</th><th>{head}</th>"
                f"<th>worst score / full [95 %]</th><th>Pareto</th><th>standing</th></tr>{body}</table>")
     png = plot_tune_pareto(points, target, st["floor"], win["candidate"])
@@ -221,9 +230,10 @@ def _pct(v) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
-def _worst(s: dict) -> str:
+def worst_text(s: dict) -> str:
+    """The cell of a candidate's lowest score / full, as :func:`cell_text`."""
     cells = [c for c in s["cells"] if c["rel"] is not None]
-    return "full scores 0" if not cells else _cell(min(cells, key=lambda c: c["rel"]))
+    return "full scores 0" if not cells else cell_text(min(cells, key=lambda c: c["rel"]))
 
 
 def write_pareto(out_dir: Path, points: list[dict], target: str, floor: float, winner: str) -> None:

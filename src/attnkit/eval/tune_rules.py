@@ -111,16 +111,21 @@ def _cost(s: dict) -> float:
     return math.inf if s["cost"] is None else s["cost"]
 
 
+def _worst(s: dict) -> float:
+    """The worst score / full; 1 where full scores 0 everywhere (nothing of it can be lost)."""
+    return 1.0 if s["worst_rel"] is None else s["worst_rel"]
+
+
 def preference(s: dict) -> tuple:
     """Deb's order: meeting the floor on the point estimate first, by cost; then by shortfall, then cost."""
     met = s["point_met"]
-    return (0 if met else 1, 0.0 if met else s["shortfall"], _cost(s), -(s["worst_rel"] or 1.0), s["candidate"])
+    return (0 if met else 1, 0.0 if met else s["shortfall"], _cost(s), -_worst(s), s["candidate"])
 
 
 def incumbent(summaries: list[dict]) -> dict | None:
     """The cheapest candidate shown to meet the floor on every task and length (None: none is)."""
     shown = [s for s in summaries if s["shown"] and s["cost"] is not None]
-    return min(shown, key=lambda s: (s["cost"], -(s["worst_rel"] or 1.0), s["candidate"])) if shown else None
+    return min(shown, key=lambda s: (s["cost"], -_worst(s), s["candidate"])) if shown else None
 
 
 def describe(s: dict) -> str:
@@ -172,7 +177,7 @@ def choose(summaries: list[dict]) -> dict | None:
 def pareto(summaries: list[dict]) -> list[str]:
     """The candidates no other (full attention included, at cost 1 and score / full 1) beats on both cost and
     worst score / full; a candidate whose full scores 0 everywhere counts as 1."""
-    points = [(s["candidate"], _cost(s), 1.0 if s["worst_rel"] is None else s["worst_rel"]) for s in summaries]
+    points = [(s["candidate"], _cost(s), _worst(s)) for s in summaries]
     points.append(("full", 1.0, 1.0))
     return [c for c, x, y in points
             if not any(ox <= x and oy >= y and (ox < x or oy > y) for _, ox, oy in points)]
