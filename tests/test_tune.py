@@ -4,6 +4,7 @@ and decisions, the report's tune section, and one-line errors."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from attnkit import AttnkitError
 from attnkit.cli import main
 from attnkit.eval import cells
 from attnkit.eval import results as results_store
+from attnkit.eval.lock import LOCK_FILE
 from attnkit.eval.tune import TuneSettings, run_tune, winner_entry
 from attnkit.eval.tune_rules import DOMINATED, FLOOR, HALVING, cell_summary, choose, eliminate, pareto, summarize
 from attnkit.eval.tune_space import TARGETS, candidates, combinations, default_space, space_from_dict
@@ -244,6 +246,16 @@ def test_confirm_runs_the_winner_on_fresh_samples(reference, tmp_path):
     rows = [r for r in results_store.read_results(tmp_path) if r["seeds"][0] == 3]
     assert sorted(r["recipe_name"] for r in rows) == sorted(["full", load_recipe_file(out / "recipe.json").label
                                                              .split("@")[0]] * 2)
+
+
+def test_a_tune_into_a_directory_another_run_writes_is_refused(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cells, "run_cell", lambda *a: calls.append(a[2].label))
+    with open(tmp_path / LOCK_FILE, "a+b") as fh:  # the lock as another process holds it
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(AttnkitError, match="is being written by another run"):
+            run_tune(TuneSettings(**SETTINGS), tmp_path, progress=False)
+    assert calls == [] and not (tmp_path / "results.jsonl").exists()
 
 
 def test_tune_cli(tmp_path, capsys):

@@ -33,6 +33,7 @@ from attnkit.errors import AttnkitError
 from attnkit.eval.cells import DEFAULT_BATCH_SIZE, Group, run_cells
 from attnkit.eval.harness import check_lengths, check_samples, check_tasks, depth_list
 from attnkit.eval.items import task_items
+from attnkit.eval.lock import results_lock
 from attnkit.eval.protocols import QUERY_AWARE, check_protocols, check_queries, check_refusals
 from attnkit.eval.ray_cells import CellPool, run_groups
 from attnkit.eval.report import REPORT_FILE, write_report
@@ -158,7 +159,8 @@ def run_tune(settings: TuneSettings, out_dir: str | Path, *, model=None, pool: C
     file ``generate``/``eval``/``bench --recipe`` take), ``pareto.json`` and ``pareto.png``, ``tune.json`` (the log:
     every round's candidates, evidence and eliminations with their reasons), ``report.html`` and the cells in
     ``results.jsonl``. `model` (a loaded model) or `pool` (Ray workers holding the model) instead of loading
-    ``settings.model``; `echo` gets a line per round. Returns the log."""
+    ``settings.model``; `echo` gets a line per round. The directory is locked while the tune runs
+    (:func:`attnkit.eval.lock.results_lock`): another run writing into it is refused. Returns the log."""
     settings.check()
     if pool is not None and model is not None:
         raise AttnkitError("run_tune takes a model or a pool of Ray workers holding one, not both")
@@ -169,8 +171,13 @@ def run_tune(settings: TuneSettings, out_dir: str | Path, *, model=None, pool: C
     if not cands:
         raise AttnkitError(f"{settings.space.source}: no candidate recipe can run "
                            f"({'; '.join(s['why'] for s in skipped[:3]) or 'the space names only full attention'})")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with results_lock(out_dir):
+        return _run_locked(settings, Path(out_dir), model, pool, progress, echo, cands, skipped)
+
+
+def _run_locked(settings: TuneSettings, out_dir: Path, model, pool: CellPool | None, progress: bool, echo,
+                cands: list[Candidate], skipped: list[dict]) -> dict:
+    """:func:`run_tune` inside the directory's lock: the rounds, the winner, the confirmation and the files."""
     if model is None and pool is None:
         model = load_model_for_length(settings.model, positions_for(settings.lengths))
     check_lengths(model if pool is None else pool, settings.lengths)
