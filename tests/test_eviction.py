@@ -1,7 +1,7 @@
 """KV-cache eviction, the flow shared by streaming, h2o, keyformer and snapkv (attnkit.methods.eviction):
 decode writes in place, big budgets equal `full`, chunked prefill, constant memory, native sliding windows,
-parameter errors and method specs. Each method's own selection rule: test_streaming.py, test_h2o.py,
-test_keyformer.py, test_snapkv.py; the budget: test_budget.py.
+parameter errors and method specs, TOVA's victim choice without a mask. Each method's own selection rule:
+test_streaming.py, test_h2o.py, test_keyformer.py, test_snapkv.py; the budget: test_budget.py.
 """
 
 import math
@@ -125,3 +125,30 @@ def test_cli_specs_parse():
                            "budget_tokens=2048,sinks=4,snapkv:budget_tokens=2048")
     assert [attnkit.parse_method_spec(s).name for s in specs] == ["full", "h2o", "keyformer", "streaming", "snapkv"]
     assert math.isclose(attnkit.parse_method_spec(specs[2]).tau_end, 2.0)
+
+
+def test_tova_argmin_of_its_buffer_is_the_masked_rule(monkeypatch):
+    """TOVA stores its newest entry's score as +inf and evicts the buffer's plain argmin (victim_slots); the
+    generic rule (the lowest rank outside `protect`, per head) must pick the very same entries: same tokens,
+    logits bit for bit and bytes, for prompts longer and shorter than the budget, chunked prefill, pyramid
+    budgets and a batch of two lengths."""
+    from attnkit.methods.eviction import EvictionMethod
+    from attnkit.methods.tova import TOVA
+    model = attnkit.load_model(f"random:llama:{SMALL}")
+    cases = [("tova:budget_tokens=24", (90,), {}), ("tova:budget_tokens=40", (30,), {}),
+             ("tova:budget_tokens=24", (70,), {"chunk_size": 32}),
+             ("tova:budget_tokens=20,layer_budgets=pyramid", (50, 50, 61), {})]
+
+    def run(spec, lengths, options):
+        prompts = [random_ids(n, seed=i).tolist() for i, n in enumerate(lengths)]
+        outs = attnkit.generate(model, prompts, attnkit.parse_method_spec(spec), max_new_tokens=40,
+                                stop_at_eos=False, keep_logits=True, **options)
+        return [(o.token_ids, o.logits, o.stats.final_kv_bytes) for o in outs]
+
+    lean = [run(*case) for case in cases]
+    monkeypatch.setattr(TOVA, "victim_slots", EvictionMethod.victim_slots)
+    masked = [run(*case) for case in cases]
+    for case, a, b in zip(cases, lean, masked):
+        for (ta, la, ba), (tb, lb, bb) in zip(a, b):
+            assert ta == tb and ba == bb, case
+            assert max((x - y).abs().max().item() for x, y in zip(la, lb)) == 0.0, case

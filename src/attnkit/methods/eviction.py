@@ -61,6 +61,7 @@ class EvictionState:
     evicts: bool | None = None  # whether this layer can ever drop an entry in this generation
     evicting: bool = False  # whether it has dropped entries yet
     recent: int | None = None  # the recent window in tokens (RecentWindowEviction)
+    newest: int | torch.Tensor | None = None  # the slot (or [b, kv, 1] slots) the last decoded token was written to
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,12 @@ class EvictionMethod(Method):
         (StreamingLLM's oldest non-sink entry), or None: the lowest-ranked unprotected entry per kv head."""
         return None
 
+    def victim_slots(self, ctx: LayerContext) -> torch.Tensor:
+        """Slots ``[b, kv, 1]`` evicted this step when :meth:`victim_slot` names none: the lowest-ranked entry per
+        kv head that is not protected from the incoming token (:func:`~attnkit.methods.scoring.lowest`). A method
+        whose rank already puts its protected entries out of reach overrides it to skip the mask (TOVA)."""
+        return lowest(self.rank(ctx), self.protect(ctx, ctx.q_pos))
+
     def before_write(self, ctx: LayerContext) -> None:
         """Hook at the start of every decode step, before the incoming token is stored."""
 
@@ -244,12 +251,15 @@ class EvictionMethod(Method):
             if limit is not None and kv.length >= limit:
                 slot = self.victim_slot(ctx)
                 if slot is None:
-                    kv.write_slots(lowest(self.rank(ctx), self.protect(ctx, ctx.q_pos)), k, v, ctx.q_pos)
+                    slot = self.victim_slots(ctx)
+                    kv.write_slots(slot, k, v, ctx.q_pos)
                 else:
                     kv.write_slot(slot, k, v, ctx.q_pos)
                 self._mark_evicting(ctx)
             else:
                 kv.append(k, v, ctx.q_pos)
+                slot = kv.length - 1
+            ctx.state.newest = slot
         else:  # this layer never drops anything in this generation: exactly `full`
             return self._store_and_attend(ctx, q, k, v)
         return self.attend_decode(ctx, q)
@@ -269,8 +279,8 @@ class EvictionMethod(Method):
         """Entries among the `recent` tokens right before `next_pos` (the recent window)."""
         if recent <= 0:
             return None
-        positions = ctx.kv.view()[2]
-        return positions >= (next_pos - recent)
+        kv = ctx.kv
+        return kv.positions[:, :, :kv.length] >= (next_pos - recent)
 
     @staticmethod
     def window_visibility(ctx: LayerContext) -> torch.Tensor | None:

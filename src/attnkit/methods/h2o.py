@@ -52,5 +52,5 @@ class H2O(RecentWindowEviction):
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
         keys, values, _ = ctx.kv.view()
         out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
-        self.score_buffer(ctx)[:, :, :ctx.kv.length] += reduce_heads(probs, self.gqa_reduce).sum(dim=2)
+        self.score_buffer(ctx)[:, :, :ctx.kv.length] += reduce_heads(probs[:, :, :, 0], self.gqa_reduce)  # one query
         return out

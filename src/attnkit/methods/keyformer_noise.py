@@ -157,13 +157,15 @@ def row_offsets(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.
     return rows.to(torch.int64) & (TABLE_SIZE - 1)
 
 
-def table_draws(kind: str, offsets: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+def table_draws(kind: str, offsets: torch.Tensor, k_pos: torch.Tensor, largest: int | None = None) -> torch.Tensor:
     """Entries ``offset + key position`` of the `kind` table for `offsets` ``[1, kv, g, queries, 1]`` and
     `k_pos` ``[keys]`` or ``[b, kv, keys]`` -> ``[1 or b, kv, g, queries, keys]``. Ascending contiguous
-    1-D positions are copied row by row from a strided view of the table (one pass, no index tensor)."""
+    1-D positions are copied row by row from a strided view of the table (one pass, no index tensor).
+    `largest`: a bound on the key positions when the caller knows one (a decode step's query position), so
+    the table's size needs no reduction over `k_pos` (and no read back from the device)."""
     kp = k_pos.view(1, 1, 1, 1, -1) if k_pos.dim() == 1 else k_pos[:, :, None, None, :]
     n = k_pos.shape[-1]
-    table = _table(kind, offsets.device, TABLE_SIZE + int(k_pos.max()) + 1)
+    table = _table(kind, offsets.device, TABLE_SIZE + (int(k_pos.max()) if largest is None else largest) + 1)
     if k_pos.dim() == 1 and n > 1 and int(k_pos[-1]) - int(k_pos[0]) == n - 1 and bool((k_pos[1:] > k_pos[:-1]).all()):
         rows = table.as_strided((table.shape[0] - n + 1, n), (1, 1))
         return rows.index_select(0, (offsets + int(k_pos[0])).flatten()).view(*offsets.shape[:-1], n)
@@ -218,16 +220,17 @@ class DecodeNoise:
         self.n_heads = heads
         self.heads = [head_hashes(seed, layer, torch.arange(heads)).tolist() for layer in range(n_layers)]
         self.step = None
+        self.q = 0  # the step's query position
         self.offsets = torch.empty(0, dtype=torch.int64)
 
     def __call__(self, ctx: LayerContext, k_pos: torch.Tensor) -> torch.Tensor:
         """Noise ``[b, kv, g, 1, keys]`` for the held keys at `k_pos` ``[b, kv, keys]`` of layer ``ctx.index``."""
         if self.step is not ctx.step:  # first layer of a new step
             self.step = ctx.step
-            q = int(ctx.q_pos[-1])
-            rows = [[h & (TABLE_SIZE - 1) for h in row_hash_ints(layer, q)] for layer in self.heads]
+            self.q = int(ctx.q_pos[-1])
+            rows = [[h & (TABLE_SIZE - 1) for h in row_hash_ints(layer, self.q)] for layer in self.heads]
             self.offsets = torch.tensor(rows, dtype=torch.int64).to(self.device)
         kv_heads = k_pos.shape[1]
         offsets = self.offsets[ctx.index].to(k_pos.device)  # a few numbers per head, to this layer's device
         offsets = offsets.view(1, kv_heads, self.n_heads // kv_heads, 1, 1)
-        return table_draws(self.kind, offsets, k_pos)
+        return table_draws(self.kind, offsets, k_pos, largest=self.q)  # every held key is at or before the query

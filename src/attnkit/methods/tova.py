@@ -15,7 +15,8 @@ statistics is the paper's "attend, then drop the lowest" one step later, so TOVA
 ``B - 1``. The entry of the query that produced the scores (the last prompt token, then the newest generated
 one) is never the one dropped, as kvpress's ``TOVAPress`` forces it kept (the paper lets it compete; its own
 attention is usually high), so the kept positions match kvpress's at every step. The latest probabilities
-live in a per-slot score buffer that moves with its entries.
+live in a per-slot score buffer that moves with its entries; the newest entry's score is stored as +inf, so
+the entry to evict is a plain argmin of the buffer (no mask over the cache per step).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class TOVA(EvictionMethod):
                                         window=ctx.native_window)
             self.score_buffer(ctx)[:, :, :ctx.kv.length] = last.mean(dim=1, keepdim=True)
         super().after_prefill(ctx, q, k, v)
+        if self.evicts(ctx):
+            # the last prompt token (the highest position, so the last slot after compaction too) gave the scores
+            self.score_buffer(ctx)[:, :, ctx.kv.length - 1] = float("inf")
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return self.score_buffer(ctx)[:, :, :ctx.kv.length]
@@ -56,9 +60,19 @@ class TOVA(EvictionMethod):
         # the newest entry, whose query gave the scores: the last prompt token, then the last generated one
         return ctx.kv.view()[2] == next_pos - 1
 
+    def victim_slots(self, ctx: LayerContext) -> torch.Tensor:
+        # the newest entry (the protected one) holds +inf in the buffer: the plain argmin is the masked one
+        return self.score_buffer(ctx)[:, :, :ctx.kv.length].argmin(dim=-1, keepdim=True)
+
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
         keys, values, _ = ctx.kv.view()
         out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
         # probs [b, kv, g, 1, L]: the mean over every query head of the layer, for every kv head's slots
-        self.score_buffer(ctx)[:, :, :ctx.kv.length] = probs.mean(dim=(1, 2, 3)).unsqueeze(1)
+        score = self.score_buffer(ctx)
+        score[:, :, :ctx.kv.length] = probs.mean(dim=(1, 2, 3)).unsqueeze(1)
+        newest = ctx.state.newest  # this step's token, whose query gave the scores: kept at the next eviction
+        if isinstance(newest, int):
+            score[:, :, newest] = float("inf")
+        else:
+            score.scatter_(2, newest, float("inf"))
         return out
