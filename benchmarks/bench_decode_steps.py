@@ -19,6 +19,9 @@ decode steps at the same held KV as with `--context`-token prompts (`bench_batch
 greedy choice, Python -- which no cache method goes below, so ``full's step / the floor`` bounds every method's
 ratio (`bench_eviction.py` measures the same floor beside whole runs).
 
+`--profile LABELS` breaks the steps of those runs (this checkout's) down by torch operation afterwards: calls
+per step and the median time of a call (torch.profiler), so what a method adds to a step is visible op by op.
+
 `--before REV` extracts ``src/attnkit`` at git revision REV into a temporary directory as the package
 ``attnkit_before`` (the package name replaced in its sources) and runs its methods on the same random-weight
 model beside this checkout's; the tokens and logits of the first round are checked equal, bit for bit.
@@ -105,6 +108,24 @@ def run(runs: list[dict], steps: int, rounds: int) -> None:
                     run["logits"].append(logits)
 
 
+@torch.inference_mode()
+def op_profile(run_: dict, steps: int) -> list[tuple[str, float, float]]:
+    """Where a step's time goes: per top-level torch operation, (name, calls per step, median microseconds per
+    call), over `steps` decoding steps of a fresh copy of the run's session (torch.profiler; medians, so a
+    call that another process interrupted does not weigh)."""
+    from torch.profiler import profile
+    session, token = copy.deepcopy(run_["session"]), run_["token"].clone()
+    with profile() as prof:
+        for i in range(1, steps + 1):
+            token = decode_step(run_["version"], run_["model"], session, token, i).argmax(-1)
+    times: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.cpu_parent is None:
+            times.setdefault(event.name, []).append(event.cpu_time_total)
+    rows = [(name, len(t) / steps, statistics.median(t)) for name, t in times.items()]
+    return sorted(rows, key=lambda r: -r[1] * r[2])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=TINY_GEOMETRY)
@@ -119,6 +140,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--floor", action="store_true", help=f"add full after a {FLOOR_PROMPT}-token prompt (the floor)")
     p.add_argument("--before", default=None, help="a git revision whose attnkit runs beside this checkout's")
+    p.add_argument("--profile", default=None, help="comma-separated labels (methods, floor) whose step is broken "
+                                                   "down by torch operation after the timing (this checkout's)")
+    p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="JSON file for the rows")
     args = p.parse_args(argv)
@@ -143,6 +167,9 @@ def main(argv=None) -> int:
                              **prepared(version, model, spec, length, args.batch, args.steps),
                              "cpu": [], "wall": [], "logits": []})
         run(runs, args.steps, args.rounds)
+        profiles = {label: op_profile(next(r for r in runs if r["version_name"] == "after" and r["spec"] == label),
+                                      args.profile_steps)
+                    for label in (args.profile.split(",") if args.profile else [])}
     rows = []
     for run_ in runs:
         full = next(r for r in runs if r["version_name"] == run_["version_name"] and r["spec"] == "full")
@@ -167,9 +194,16 @@ def main(argv=None) -> int:
         print(f"| {row['version']} | {row['spec']} | {row['prompt_tokens']} | {row['step_cpu_ms']:.2f} | "
               f"{row['vs_full_cpu']:.2f} | {row['vs_full_wall']:.2f} |"
               + (f" {row['same_logits_as_before']} |" if args.before else ""))
+    for label, ops in profiles.items():
+        print(f"\nOperations of a step of {label} ({args.profile_steps} steps; top-level torch calls):\n")
+        print("| operation | calls / step | median us / call | us / step |\n|---|---|---|---|")
+        for name, calls, median in ops[:25]:
+            print(f"| {name} | {calls:g} | {median:.1f} | {calls * median:.0f} |")
+        print(f"| (all operations) | {sum(c for _, c, _ in ops):g} | | {sum(c * m for _, c, m in ops):.0f} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"argv": sys.argv[1:], "rows": rows, "profiles": profiles}, indent=1)
+                                  + "\n")
     return 0
 
 
