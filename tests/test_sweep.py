@@ -110,15 +110,24 @@ def test_generate_with_a_speculative_recipe(small_llama):
 # ---- sweep files ---------------------------------------------------------------------------------
 
 
-def test_example_sweep_parses():
+def test_example_sweep_parses(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the DuoAttention recipes name their calibration file from the repository's root
     sweep = load_sweep(ROOT / "sweeps" / "eviction_budgets.yaml")
-    assert [r.label for r in sweep.recipes] == ["streaming", "h2o", "keyformer", "snapkv", "window",
-                                                "minference+snapkv"]
-    assert sweep.budgets == [0.1, 0.2, 0.3, 0.5, 0.7] and sweep.samples == 10
-    assert sweep.tasks == ["passkey", "code_completion"] and sweep.lengths == [2048, 3968]
+    budgeted = ["window", "streaming", "h2o", "keyformer", "tova", "snapkv", "snapkv-adakv", "snapkv-pyramid",
+                "expected_attention", "expected_attention-adakv", "knorm", "keydiff", "kvzip", "minference+snapkv"]
+    assert [r.label for r in sweep.recipes] == budgeted + ["duo@0.25", "duo@0.5", "duo@0.75"]
+    assert sweep.budgets == [0.1, 0.3, 0.5, 0.7, 0.9] and sweep.samples == 20 and sweep.seeds == [0, 1, 2]
+    assert sweep.tasks == ["passkey", "code_completion"] and sweep.lengths == [2048]
     entries = sweep.entries(2048)
-    assert entries[0].is_full and len(entries) == 1 + 6 * 5
-    assert sweep.cell_count() == 2 * 2 * 31
+    # full once, every budgeted recipe at five budgets (Keyformer at three seeds), DuoAttention once per share
+    assert entries[0].is_full and len(entries) == 1 + (len(budgeted) + 2) * 5 + 3
+    assert sum(e.label.startswith("keyformer") for e in entries) == 15
+    assert sweep.cell_count() == 2 * 84
+    # every eviction method registered is in the sweep (the "every eviction method, old and new")
+    from attnkit.methods.eviction import EvictionMethod
+    from attnkit.methods.spec import METHODS
+    evicting = {name for name, cls in METHODS.items() if issubclass(cls, EvictionMethod)}
+    assert evicting <= {r.label.split("-")[0] for r in sweep.recipes}
 
 
 @pytest.mark.parametrize("change,match", [
