@@ -61,7 +61,6 @@ class EvictionState:
     evicts: bool | None = None  # whether this layer can ever drop an entry in this generation
     evicting: bool = False  # whether it has dropped entries yet
     recent: int | None = None  # the recent window in tokens (RecentWindowEviction)
-    newest: int | torch.Tensor | None = None  # the slot (or [b, kv, 1] slots) the last decoded token was written to
 
 
 @dataclass(frozen=True)
@@ -202,6 +201,9 @@ class EvictionMethod(Method):
     def before_write(self, ctx: LayerContext) -> None:
         """Hook at the start of every decode step, before the incoming token is stored."""
 
+    def after_write(self, ctx: LayerContext, slot: int | torch.Tensor) -> None:
+        """Hook after the step's token is stored at `slot` (an index, or ``[b, kv, 1]`` slots), before attending."""
+
     def on_evict(self, ctx: LayerContext) -> None:
         """Hook called when this layer first drops entries."""
 
@@ -259,7 +261,7 @@ class EvictionMethod(Method):
             else:
                 kv.append(k, v, ctx.q_pos)
                 slot = kv.length - 1
-            ctx.state.newest = slot
+            self.after_write(ctx, slot)
         else:  # this layer never drops anything in this generation: exactly `full`
             return self._store_and_attend(ctx, q, k, v)
         return self.attend_decode(ctx, q)

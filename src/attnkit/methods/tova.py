@@ -22,13 +22,19 @@ the entry to evict is a plain argmin of the buffer (no mask over the cache per s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from attnkit.methods.eviction import EvictionMethod
+from attnkit.methods.eviction import EvictionMethod, EvictionState
 from attnkit.methods.scoring import attend_with_logits, attention_statistics
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
+
+
+@dataclass
+class TOVAState(EvictionState):
+    newest: int | torch.Tensor | None = None  # the slot (or ``[b, kv, 1]`` slots) of this step's token
 
 
 @register
@@ -39,6 +45,7 @@ class TOVA(EvictionMethod):
 
     name = "tova"
     summary = "drop the entry the current query attends to least, averaged over heads (TOVA, Oren et al. 2024)"
+    layer_state_type: ClassVar[type] = TOVAState
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
         if self.evicts(ctx):
@@ -63,6 +70,9 @@ class TOVA(EvictionMethod):
     def victim_slots(self, ctx: LayerContext) -> torch.Tensor:
         # the newest entry (the protected one) holds +inf in the buffer: the plain argmin is the masked one
         return self.score_buffer(ctx)[:, :, :ctx.kv.length].argmin(dim=-1, keepdim=True)
+
+    def after_write(self, ctx: LayerContext, slot: int | torch.Tensor) -> None:
+        ctx.state.newest = slot
 
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
         keys, values, _ = ctx.kv.view()
