@@ -185,3 +185,22 @@ def per_token_bytes(model) -> int:
     g = model.geometry
     return 2 * g.n_layers * g.n_kv_heads * g.head_dim * 4
 
+
+
+def assert_shortcut_is_exact(model, cases, patch) -> None:
+    """A method's fast path against its generic rule: each case ``(spec, prompt lengths, generate options)``
+    runs as a batch of random prompts, then again after `patch()` swaps the fast path out; the tokens, the
+    final KV bytes and the logits (bit for bit) must be the same."""
+    def run(spec, lengths, options):
+        prompts = [random_ids(n, seed=i).tolist() for i, n in enumerate(lengths)]
+        outs = attnkit.generate(model, prompts, attnkit.parse_method_spec(spec), max_new_tokens=40,
+                                stop_at_eos=False, keep_logits=True, **options)
+        return [(o.token_ids, o.logits, o.stats.final_kv_bytes) for o in outs]
+
+    fast = [run(*case) for case in cases]
+    patch()
+    generic = [run(*case) for case in cases]
+    for case, a, b in zip(cases, fast, generic):
+        for (ta, la, ba), (tb, lb, bb) in zip(a, b):
+            assert ta == tb and ba == bb, case
+            assert max((x - y).abs().max().item() for x, y in zip(la, lb)) == 0.0, case

@@ -14,7 +14,7 @@ from attnkit import AttnkitError
 from attnkit.cache import KVCache
 from attnkit.forward import forward, prefill
 from attnkit.session import Session, Step, new_session
-from helpers import ROPE, SMALL, per_token_bytes, qkv, random_ids
+from helpers import ROPE, SMALL, assert_shortcut_is_exact, per_token_bytes, qkv, random_ids
 
 torch.set_num_threads(1)
 
@@ -139,16 +139,4 @@ def test_tova_argmin_of_its_buffer_is_the_masked_rule(monkeypatch):
              ("tova:budget_tokens=24", (70,), {"chunk_size": 32}),
              ("tova:budget_tokens=20,layer_budgets=pyramid", (50, 50, 61), {})]
 
-    def run(spec, lengths, options):
-        prompts = [random_ids(n, seed=i).tolist() for i, n in enumerate(lengths)]
-        outs = attnkit.generate(model, prompts, attnkit.parse_method_spec(spec), max_new_tokens=40,
-                                stop_at_eos=False, keep_logits=True, **options)
-        return [(o.token_ids, o.logits, o.stats.final_kv_bytes) for o in outs]
-
-    lean = [run(*case) for case in cases]
-    monkeypatch.setattr(TOVA, "victim_slots", EvictionMethod.victim_slots)
-    masked = [run(*case) for case in cases]
-    for case, a, b in zip(cases, lean, masked):
-        for (ta, la, ba), (tb, lb, bb) in zip(a, b):
-            assert ta == tb and ba == bb, case
-            assert max((x - y).abs().max().item() for x, y in zip(la, lb)) == 0.0, case
+    assert_shortcut_is_exact(model, cases, lambda: monkeypatch.setattr(TOVA, "victim_slots", EvictionMethod.victim_slots))

@@ -47,22 +47,10 @@ def test_the_arithmetic_victim_is_the_ranked_one(monkeypatch):
     outside the sinks, per head) must pick the very same entries: same tokens, logits and held positions, for
     prompts longer and shorter than the budget, no sinks, re-indexed positions, chunked prefill and a batch."""
     from attnkit.methods.streaming import Streaming
-    from helpers import SMALL, random_ids
+    from helpers import SMALL, assert_shortcut_is_exact
     model = attnkit.load_model(f"random:llama:{SMALL}")
     cases = [("streaming:budget_tokens=24", (90,), {}), ("streaming:budget_tokens=40,sinks=0", (30,), {}),
              ("streaming:budget_tokens=24,positions=reindex", (70,), {"chunk_size": 32}),
              ("streaming:budget_tokens=16,sinks=2", (50, 50, 61), {})]
 
-    def run(spec, lengths, options):
-        prompts = [random_ids(n, seed=i).tolist() for i, n in enumerate(lengths)]
-        outs = attnkit.generate(model, prompts, attnkit.parse_method_spec(spec), max_new_tokens=40,
-                                stop_at_eos=False, keep_logits=True, **options)
-        return [(o.token_ids, o.logits, o.stats.final_kv_bytes) for o in outs]
-
-    fast = [run(*case) for case in cases]
-    monkeypatch.setattr(Streaming, "victim_slot", lambda self, ctx: None)
-    ranked = [run(*case) for case in cases]
-    for case, a, b in zip(cases, fast, ranked):
-        for (ta, la, ba), (tb, lb, bb) in zip(a, b):
-            assert ta == tb and ba == bb, case
-            assert max((x - y).abs().max().item() for x, y in zip(la, lb)) == 0.0, case
+    assert_shortcut_is_exact(model, cases, lambda: monkeypatch.setattr(Streaming, "victim_slot", lambda self, ctx: None))
