@@ -184,3 +184,16 @@ def test_eval_runs_every_format_under_every_protocol(model, ruler_dir, infinite_
     assert choice["multi-query"]["context_prefills"] == 2 and choice["query-agnostic"]["context_prefills"] == 3
     assert main(["eval", "--model", SPEC, "--data", str(ruler_dir), "--data", str(infinite_dir), "--lengths", "768",
                  "--samples", "1", "--protocol", "query-agnostic", "--no-progress", "--out", str(tmp_path)]) == 0
+
+
+def test_a_cell_beyond_the_models_positions_is_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from attnkit.eval.prompting import check_positions
+    model = SimpleNamespace(geometry=SimpleNamespace(max_positions=4096), spec="tiny")
+    check_positions(model, "ruler:niah_single_1", 4000, 96)  # 4096 positions: fits exactly
+    with pytest.raises(AttnkitError, match=r"^task 'ruler:niah_single_1' at length 4000 needs 4000 \+ 97 positions; "
+                                           r"model 'tiny' allows 4096$"):
+        check_positions(model, "ruler:niah_single_1", 4000, 97)
+    with pytest.raises(AttnkitError, match=r"^task 'passkey' at length 4000 needs 4010 \+ 96 positions"):
+        check_positions(model, "passkey", 4000, 96, used=4010)

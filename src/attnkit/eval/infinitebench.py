@@ -31,7 +31,7 @@ from pathlib import Path
 
 from attnkit.errors import AttnkitError
 from attnkit.eval.metrics import qa_f1, qa_f1_zh, rouge_l
-from attnkit.eval.prompting import documents, split_prompt
+from attnkit.eval.prompting import check_positions, documents, split_prompt
 from attnkit.eval.sample import Sample
 
 PREFIX = "infinitebench:"
@@ -188,10 +188,7 @@ class InfiniteBenchData:
         items when several share one)."""
         name = task[len(PREFIX):] if task.startswith(PREFIX) else task
         head, question, max_new = TASKS[name]
-        limit = model.geometry.max_positions
-        if length + max_new > limit:
-            raise AttnkitError(f"task 'infinitebench:{name}' at length {length} needs {length} + {max_new} "
-                               f"positions; model {model.spec!r} allows {limit}")
+        check_positions(model, PREFIX + name, length, max_new)
         out = []
         for k, query, item in documents(self.items[name], count, queries):
             options = "\n".join(f"{x}. {o}" for x, o in zip(LETTERS, item["options"]))

@@ -16,6 +16,7 @@ import random
 
 from attnkit.errors import AttnkitError
 from attnkit.eval import corpus
+from attnkit.eval.prompting import check_positions
 from attnkit.eval.sample import Sample
 from attnkit.eval.task_registry import TASKS
 from attnkit.eval.user_data import PREFIXES, score_sample
@@ -39,12 +40,9 @@ def make_samples(model: LoadedModel, task: str, length: int, seed: int, depths: 
             raise
         except ValueError as exc:
             raise AttnkitError(f"task {task!r} at length {length}: {exc}") from None
-        limit = model.geometry.max_positions
         for asked in sample.questions(queries):
             n = len(model.tokenizer(asked.prompt).input_ids) if asked.query else length
-            if n + sample.max_new_tokens > limit:
-                raise AttnkitError(f"task {task!r} at length {length} needs {n} + {sample.max_new_tokens} "
-                                   f"positions; model {model.spec!r} allows {limit}")
+            check_positions(model, task, length, sample.max_new_tokens, n)
             out.append(asked)
     return out
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from attnkit.errors import AttnkitError
 from attnkit.eval.metrics import normalize_answer, normalize_zh_answer, qa_f1, qa_f1_zh, rouge_l, token_f1
-from attnkit.eval.prompting import documents, prompt_ids, split_prompt, truncate_middle
+from attnkit.eval.prompting import check_positions, documents, prompt_ids, split_prompt, truncate_middle
 from attnkit.eval.tasks import Sample, edit_similarity, first_code_line
 
 __all__ = ["LongBenchData", "score", "score_sample", "prompt_ids", "truncate_middle", "normalize_answer",
@@ -252,11 +252,8 @@ class LongBenchData:
         if dataset not in self.items:
             raise AttnkitError(f"{self.source} has no dataset {dataset!r}; it has {', '.join(self.items)}")
         out = []
-        limit = model.geometry.max_positions
         metric, kind, max_new = dataset_info(dataset)
-        if length + max_new > limit:
-            raise AttnkitError(f"task 'longbench:{dataset}' at length {length} needs {length} + {max_new} "
-                               f"positions; model {model.spec!r} allows {limit}")
+        check_positions(model, PREFIX + dataset, length, max_new)
         for i, query, item in documents(self.items[dataset], count, queries):
             context, question = build_prompt_parts(item, kind)
             ids, asked = split_prompt(model.tokenizer, context, question, length, kind not in NO_CHAT_TEMPLATE)

@@ -86,3 +86,13 @@ def documents(items: list[dict], count: int, queries: int = 1, key: str = "conte
     for i, item in enumerate(items):
         by_context.setdefault(item[key], []).append(i)
     return [(i, j, items[i]) for group in list(by_context.values())[:count] for j, i in enumerate(group[:queries])]
+
+
+def check_positions(model, task: str, length: int, max_new: int, used: int | None = None) -> None:
+    """Refuse a cell whose prompt (`used` tokens, `length` when not given) and `max_new` answer tokens do not fit
+    the model's positions, naming the task and the model."""
+    used = length if used is None else used
+    limit = model.geometry.max_positions
+    if used + max_new > limit:
+        raise AttnkitError(f"task {task!r} at length {length} needs {used} + {max_new} positions; model "
+                           f"{model.spec!r} allows {limit}")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.eval.prompting import documents
+from attnkit.eval.prompting import check_positions, documents
 from attnkit.eval.sample import Sample
 
 PREFIX = "ruler:"
@@ -130,10 +130,7 @@ class RulerData:
         """The first `count` items of `task` (each context's first `queries` items when several share one)."""
         name = task[len(PREFIX):] if task.startswith(PREFIX) else task
         marker, max_new, metric = FAMILIES[family(name)]
-        limit = model.geometry.max_positions
-        if length + max_new > limit:
-            raise AttnkitError(f"task 'ruler:{name}' at length {length} needs {length} + {max_new} positions; "
-                               f"model {model.spec!r} allows {limit}")
+        check_positions(model, PREFIX + name, length, max_new)
         out = []
         for k, query, item in documents(self.items[name], count, queries, key="input"):
             text, prefix = item["input"], item["answer_prefix"]
