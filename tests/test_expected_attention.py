@@ -16,7 +16,7 @@ from attnkit.methods.full import Full
 from attnkit.methods.spec import parse_method_spec
 from attnkit.rope import Rope
 from attnkit.session import layer_contexts, new_session
-from helpers import ROPE, D, drive, per_token_bytes, randn, random_ids
+from helpers import ROPE, D, assert_equals_full, drive, per_token_bytes, randn, random_ids
 
 torch.set_num_threads(1)
 
@@ -33,13 +33,7 @@ def models(arch_models):
 @pytest.mark.parametrize("extra", ["", ",decode_every=2", ",use_covariance=false,use_vnorm=false,n_sink=0"])
 def test_unlimited_budget_equals_full(models, arch, extra):
     model, ids = models[arch], random_ids(150, seed=3)
-    full = attnkit.generate(model, ids, "full", max_new_tokens=NEW, stop_at_eos=False, keep_logits=True)
-    method = parse_method_spec("expected_attention:budget_tokens=200" + extra)
-    out = attnkit.generate(model, ids, method, max_new_tokens=NEW, stop_at_eos=False, keep_logits=True)
-    assert out.token_ids == full.token_ids
-    assert max((a - b).abs().max().item() for a, b in zip(out.logits, full.logits)) < 1e-4
-    assert (out.stats.final_kv_bytes, out.stats.peak_kv_bytes) == (full.stats.final_kv_bytes,
-                                                                   full.stats.peak_kv_bytes)
+    assert_equals_full(model, ids, parse_method_spec("expected_attention:budget_tokens=200" + extra), NEW)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])

@@ -28,7 +28,7 @@ from attnkit.methods.spec import parse_method_spec
 from attnkit.sampling import SamplingConfig
 from attnkit.session import layer_contexts, new_session
 from attnkit.speculative import DraftRun, ModelDraft, speculative_generate
-from helpers import per_token_bytes, random_ids
+from helpers import assert_equals_full, per_token_bytes, random_ids
 
 torch.set_num_threads(1)
 
@@ -45,13 +45,7 @@ def models(arch_models):
 @pytest.mark.parametrize("extra", ["", ",head_budgets=adaptive", ",chunk_size=40,n_sink=0"])
 def test_unlimited_budget_equals_full(models, arch, extra):
     model, ids = models[arch], random_ids(150, seed=3)
-    full = attnkit.generate(model, ids, "full", max_new_tokens=NEW, stop_at_eos=False, keep_logits=True)
-    out = attnkit.generate(model, ids, parse_method_spec("kvzip:budget_tokens=200" + extra), max_new_tokens=NEW,
-                           stop_at_eos=False, keep_logits=True)
-    assert out.token_ids == full.token_ids
-    assert max((a - b).abs().max().item() for a, b in zip(out.logits, full.logits)) < 1e-4
-    assert (out.stats.final_kv_bytes, out.stats.peak_kv_bytes) == (full.stats.final_kv_bytes,
-                                                                   full.stats.peak_kv_bytes)
+    assert_equals_full(model, ids, parse_method_spec("kvzip:budget_tokens=200" + extra), NEW)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])

@@ -14,7 +14,7 @@ from attnkit.forward import forward, logits_of, prefill
 from attnkit.methods.full import Full
 from attnkit.methods.spec import parse_method_spec
 from attnkit.session import Step, layer_contexts, new_session
-from helpers import drive, per_token_bytes, qkv, random_ids
+from helpers import assert_equals_full, drive, per_token_bytes, qkv, random_ids
 
 torch.set_num_threads(1)
 
@@ -36,13 +36,7 @@ def with_params(spec: str, extra: str):
                                   "snapkv:window_size=8,decode_every=2"])
 def test_unlimited_budget_equals_full(models, arch, spec):
     model, ids = models[arch], random_ids(150, seed=3)
-    full = attnkit.generate(model, ids, "full", max_new_tokens=NEW, stop_at_eos=False, keep_logits=True)
-    out = attnkit.generate(model, ids, with_params(spec, "budget_tokens=200"), max_new_tokens=NEW,
-                           stop_at_eos=False, keep_logits=True)
-    assert out.token_ids == full.token_ids
-    assert max((a - b).abs().max().item() for a, b in zip(out.logits, full.logits)) < 1e-4
-    assert (out.stats.final_kv_bytes, out.stats.peak_kv_bytes) == (full.stats.final_kv_bytes,
-                                                                   full.stats.peak_kv_bytes)
+    assert_equals_full(model, ids, with_params(spec, "budget_tokens=200"), NEW)
 
 
 # ---- small budget: the kept positions from the model's own keys and queries ---------------------------------
