@@ -8,6 +8,7 @@ import torch
 import attnkit
 from attnkit.cache import KVCache
 from attnkit.methods import eviction, scoring
+from attnkit.methods import keyformer_noise as keyformer_noise_module
 from attnkit.methods.keyformer_noise import DecodeNoise, gumbel_factor, keyformer_noise
 from attnkit.session import LayerContext, Session, Step
 from helpers import drive, qkv
@@ -45,6 +46,20 @@ def test_keyformer_decode_noise_is_bitwise_the_reference_noise(noise):
             ctx = LayerContext(step, layer, 1.0, None)
             expected = keyformer_noise(noise, 5, layer, kv, g, torch.tensor([q]), k_pos)
             assert torch.equal(tables(ctx, k_pos), expected)
+
+
+@pytest.mark.parametrize("kind", ["gumbel", "factor", "gaussian"])
+def test_the_draw_table_is_the_same_built_in_chunks_or_at_once(kind, monkeypatch):
+    """The table is built in cache-sized chunks on a CPU; its entries do not depend on the chunking (a
+    chunk that does not divide the size included)."""
+    device = torch.device("cpu")
+    tables = []
+    for chunk in (4099, 1 << 30):
+        monkeypatch.setattr(keyformer_noise_module, "_TABLES", {})
+        monkeypatch.setitem(keyformer_noise_module._TABLE_CHUNK, "cpu", chunk)
+        tables.append(keyformer_noise_module._table(kind, device, 10))
+    assert tables[0].shape[0] > keyformer_noise_module.TABLE_SIZE
+    assert torch.equal(tables[0], tables[1])
 
 
 def test_gumbel_factor_is_exp_of_the_gumbel_draws():

@@ -37,6 +37,14 @@ def _method(spec: str | Method) -> Method:
     return resolve_method(spec) if isinstance(spec, Method) else parse_method_spec(spec)
 
 
+def warm_up(model: LoadedModel, built: list[tuple[str, Method]], length: int) -> None:
+    """One untimed sequence of `length` tokens per method before the timed runs, so that what a process
+    pays once (Keyformer's noise table, allocator growth, lazily built kernels) is not charged to the
+    first timed run of a method; the timed runs are then medians of comparable runs."""
+    for _, method in built:
+        batch_run(model, method, prompts_of(model, length, 1, seed=999), 2)
+
+
 def capacity_rows(model: LoadedModel, methods: list[str], length: int, new_tokens: int, kv_cap_bytes: int,
                   max_batch: int = 64, repeats: int = 3) -> list[dict]:
     """Per method: sequences of `length` tokens (+ `new_tokens`) that fit in `kv_cap_bytes` of KV cache
@@ -44,7 +52,7 @@ def capacity_rows(model: LoadedModel, methods: list[str], length: int, new_token
     first method must be ``full`` for the ratios)."""
     built = [(spec, _method(spec)) for spec in methods]
     fits = {}
-    for spec, method in built:  # one sequence's peak, measured
+    for spec, method in built:  # one sequence's peak, measured (also the runs' warm-up)
         one = batch_run(model, method, prompts_of(model, length, 1), new_tokens)
         fits[spec] = (one.peak_kv_bytes, min(max_batch, kv_cap_bytes // max(1, one.peak_kv_bytes)))
     runs: dict[str, list[BenchRun]] = {spec: [] for spec, _ in built}
@@ -72,6 +80,7 @@ def fixed_batch_rows(model: LoadedModel, methods: list[str], length: int, batch:
     """Per method, one batch of `batch` prompts of `length` tokens: decoding tokens/s and KV bytes, with
     ratios to the first method's (``full``)."""
     built = [(spec, _method(spec)) for spec in methods]
+    warm_up(model, built, length)
     runs: dict[str, list[BenchRun]] = {spec: [] for spec, _ in built}
     for r in range(repeats):
         for spec, method in built:
@@ -97,6 +106,7 @@ def scaling_rows(model: LoadedModel, methods: list[str], length: int, batches: l
     """Per method, decoding tokens/s at each batch size (prompts of `length` tokens), relative to the same
     method at the first batch size: whether batching pays."""
     built = [(spec, _method(spec)) for spec in methods]
+    warm_up(model, built, length)
     runs: dict[tuple[str, int], list[float]] = {}
     for r in range(repeats):
         for spec, method in built:

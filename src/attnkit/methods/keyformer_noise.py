@@ -126,6 +126,7 @@ def counter_uniforms(seed: int, stream: int, heads: torch.Tensor, q_pos: torch.T
 # head, query position) starts at a hashed offset and key position j reads entry offset + j.
 TABLE_SIZE = 1 << 22
 _TABLES: dict[tuple[str, str], torch.Tensor] = {}
+_TABLE_CHUNK = {"cpu": 1 << 16}  # entries built at once, by device type (others: the whole table at once)
 
 
 def _table(kind: str, device: torch.device, length: int) -> torch.Tensor:
@@ -136,17 +137,26 @@ def _table(kind: str, device: torch.device, length: int) -> torch.Tensor:
     table = _TABLES.get(key)
     if table is None or table.shape[0] < length:
         size = TABLE_SIZE + (1 << max(16, (max(1, length - TABLE_SIZE) - 1).bit_length()))
-        t = torch.arange(size, device=device)
-        heads = torch.zeros(1, dtype=torch.int64, device=device)
-        u = counter_uniforms(0, 0x7AB1E, heads, torch.zeros(1, dtype=torch.int64, device=device), t)
-        if kind == "gumbel":
-            table = gumbel_from_uniforms(u)
-        elif kind == "factor":
-            table = u.log_().neg_().reciprocal_()  # exp(-log(-log u)) = 1 / -log(u)
-        else:
-            table = gaussian_from_uniforms(u, counter_uniforms(0, 0x7AB1E, heads, heads, t, second=True))
+        table = torch.empty(size, dtype=torch.float32, device=device)
+        # elementwise, so built in chunks: a CPU keeps each chunk's temporaries in its caches (3-4x faster
+        # than whole-table temporaries); the entries are the same either way
+        chunk = _TABLE_CHUNK.get(device.type, size)
+        for start in range(0, size, chunk):
+            table[start:start + chunk] = _table_entries(kind, torch.arange(start, min(size, start + chunk),
+                                                                           device=device))
         _TABLES[key] = table
     return table
+
+
+def _table_entries(kind: str, t: torch.Tensor) -> torch.Tensor:
+    """Entries `t` of the `kind` table (see :func:`_table`)."""
+    heads = torch.zeros(1, dtype=torch.int64, device=t.device)
+    u = counter_uniforms(0, 0x7AB1E, heads, heads, t)
+    if kind == "gumbel":
+        return gumbel_from_uniforms(u)
+    if kind == "factor":
+        return u.log_().neg_().reciprocal_()  # exp(-log(-log u)) = 1 / -log(u)
+    return gaussian_from_uniforms(u, counter_uniforms(0, 0x7AB1E, heads, heads, t, second=True))
 
 
 def row_offsets(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor) -> torch.Tensor:
@@ -169,7 +179,8 @@ def table_draws(kind: str, offsets: torch.Tensor, k_pos: torch.Tensor, largest: 
     if k_pos.dim() == 1 and n > 1 and int(k_pos[-1]) - int(k_pos[0]) == n - 1 and bool((k_pos[1:] > k_pos[:-1]).all()):
         rows = table.as_strided((table.shape[0] - n + 1, n), (1, 1))
         return rows.index_select(0, (offsets + int(k_pos[0])).flatten()).view(*offsets.shape[:-1], n)
-    return table.take(offsets + kp)
+    index = offsets + kp
+    return table.index_select(0, index.view(-1)).view(index.shape)  # about twice as fast as take on a CPU
 
 
 def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
