@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from attnkit import sparse_attention as sa
+from attnkit import sparse as sa
 from attnkit.methods.spec import parse_method_spec, split_spec_list
 from attnkit.model import load_model
 from attnkit.runner import generate

@@ -48,6 +48,24 @@ def test_flex_kernel_equals_reference(n, nq):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_one_compiled_kernel_serves_every_prompt_length_of_a_padded_size():
+    """Prompts of 203 and 197 tokens are padded to the same 208: the second runs the kernel compiled for the
+    first (dynamo compiles no new graph) and still equals the reference."""
+    import torch._dynamo.utils as dynamo_utils
+
+    graphs = []
+    for n in (203, 197):
+        assert sa.padded_length(n, B) == 208
+        q, k, v = qkv(n, seed=n)
+        layout = sa.layout_for_patterns(MIXED, q, k, 0.25, block=B, last_q=16, width=16)  # as the method fixes it
+        assert layout.columns is not None
+        before = dynamo_utils.counters["stats"]["unique_graphs"]
+        out = sa.sparse_attention(q, k, v, layout, 0.25, compiled=True)
+        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"] - before)
+        torch.testing.assert_close(out, sa.reference_attention(q, k, v, layout, 0.25), atol=1e-5, rtol=1e-5)
+    assert graphs[1] == 0, graphs
+
+
 def test_eager_kernel_equals_reference():
     for n, nq, pats in [(150, 150, MIXED), (150, 33, MIXED), (100, 100, [HP("block_sparse", k_b=2)] * 4)]:
         q, k, v = qkv(n, nq, seed=n + nq)

@@ -88,14 +88,19 @@ def block_mask(layout: SparseLayout, groups: int, q_len: int, n_pad: int, comple
     if not cb:
         mask_mod = flex_mask_mod(token_rule, q_pos=qbase, k_pos=0)
     else:
-        cols = layout.columns
+        # what the mask reads has the same shapes and strides for every prompt of this padded length, so the
+        # compiled kernel is reused (a closure tensor's shape and strides, and every int it reads, such as an
+        # unpadded row count, are guards of the compiled graph): the columns as a tensor of their own (they
+        # may be a view into a tensor as long as the prompt), the tiles padded to the padded grid
+        cols = layout.columns.contiguous()
+        tiles = F.pad(main, (0, nbp - nb, 0, q_rows - rows))
 
         def mask_mod(b, h, q_idx, kv_idx):  # keys past n_pad: the gathered column c of query head h's group
             qa = q_idx + qbase
             c = kv_idx - n_pad - (h % groups) * width
             col = cols[h, c.clamp(0, width - 1)]
-            row = (qa // B - r0).clamp(0, rows - 1)
-            seen = (col < (qa // B) * B) & ~main[h, row, (col // B).clamp(0, nb - 1)]
+            row = (qa // B - r0).clamp(0, q_rows - 1)
+            seen = (col < (qa // B) * B) & ~tiles[h, row, (col // B).clamp(0, nbp - 1)]
             if complete:
                 seen = seen & (c >= 0) & (c < width)
             return torch.where(kv_idx < n_pad, token_rule(h, qa, kv_idx), seen)
