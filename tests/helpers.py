@@ -186,7 +186,6 @@ def per_token_bytes(model) -> int:
     return 2 * g.n_layers * g.n_kv_heads * g.head_dim * 4
 
 
-
 def assert_shortcut_is_exact(model, cases, patch) -> None:
     """A method's fast path against its generic rule: each case ``(spec, prompt lengths, generate options)``
     runs as a batch of random prompts, then again after `patch()` swaps the fast path out; the tokens, the

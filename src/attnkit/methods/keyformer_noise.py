@@ -138,8 +138,8 @@ def _table(kind: str, device: torch.device, length: int) -> torch.Tensor:
     if table is None or table.shape[0] < length:
         size = TABLE_SIZE + (1 << max(16, (max(1, length - TABLE_SIZE) - 1).bit_length()))
         table = torch.empty(size, dtype=torch.float32, device=device)
-        # elementwise, so built in chunks: a CPU keeps each chunk's temporaries in its caches (about 5x faster
-        # than whole-table temporaries); the entries are the same either way
+        # elementwise, so built in chunks: a CPU keeps each chunk's temporaries in its caches instead of
+        # streaming table-sized ones through memory (docs/benchmarks.md); the entries are the same either way
         chunk = _TABLE_CHUNK.get(device.type, size)
         for start in range(0, size, chunk):
             table[start:start + chunk] = _table_entries(kind, torch.arange(start, min(size, start + chunk),
@@ -180,7 +180,7 @@ def table_draws(kind: str, offsets: torch.Tensor, k_pos: torch.Tensor, largest: 
         rows = table.as_strided((table.shape[0] - n + 1, n), (1, 1))
         return rows.index_select(0, (offsets + int(k_pos[0])).flatten()).view(*offsets.shape[:-1], n)
     index = offsets + kp
-    return table.index_select(0, index.view(-1)).view(index.shape)  # about twice as fast as take on a CPU
+    return table.index_select(0, index.view(-1)).view(index.shape)  # the entries take reads, faster on a CPU
 
 
 def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
