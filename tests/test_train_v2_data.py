@@ -3,6 +3,7 @@ have the phase's shape with the loss on answers, and no held-out documentation p
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -84,3 +85,59 @@ def test_copy_rows_need_content_matching_not_a_fixed_offset():
         assert all(ids[t + 1] == ids[t + 1 - (k + 1)] for t in scored)
         offsets.add(k + 1)
     assert len(offsets) > 20  # the distance back varies: no positional shortcut
+
+
+# the key formats of retrieval_templates.make_key, overlapping matches (a lookahead) so that a capitalised word
+# before a name does not hide it
+KEY = re.compile(r"(?=(item \d+|[0-9a-f]{4}-[0-9a-f]{4}|[a-z]+-[a-z]+|[A-Z]{2}-\d+|[A-Z][a-z]+ [A-Z][a-z]+))")
+
+
+def test_drill_rows_answer_each_question_with_the_value_of_its_key():
+    rows = data_v2.Rows(TOK, CONFIG)
+    styles = set()
+    for seed in range(30):
+        ids, weights, answer = rows._drill(1024, 0.1, random.Random(seed))
+        assert len(ids) == 1025 and len(weights) == len(answer) == 1024
+        assert rows._drill(1024, 0.1, random.Random(seed)) == (ids, weights, answer)  # a function of the draws
+        spans = [t for t in range(1024) if answer[t] and (t == 0 or not answer[t - 1])]
+        assert len(spans) >= 4  # several questions per row, not one
+        first_question = TOK.decode(ids[1 : spans[0] + 1]).rsplit("\n", 1)[0]
+        facts = first_question.split("\n")[1:]  # after the intro line
+        for t in spans[:-1]:  # the last answer may be cut at the row's end
+            e = next(e for e in range(t, 1024) if not answer[e])
+            value = TOK.decode(ids[t + 1 : e + 1]).strip()
+            question = TOK.decode(ids[1 : t + 1]).rsplit("\n", 1)[1]
+            # the fact holding the value names the key that the question asks about
+            holding = [f for f in facts if re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", f)]
+            assert any(k in question for f in holding for k in KEY.findall(f)), (question, value, holding)
+        assert all(w == CONFIG["answer_weight"] for w, a in zip(weights, answer) if a)
+        assert all(w == 0.1 for w, a in zip(weights, answer) if not a)
+        styles.add(len(facts))
+    assert len(styles) > 5  # the number of facts varies
+
+
+def test_the_drill_config_goes_from_short_dense_rows_to_the_longest_evaluated_length():
+    drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
+    assert drill["model"] == CONFIG["model"] and drill["tokenizer"] == CONFIG["tokenizer"]  # v2's weights go on
+    assert drill["name"] != CONFIG["name"]  # so --init-from starts the drill's own schedule
+    lengths = [p["seq_len"] for p in drill["phases"]]
+    assert lengths == sorted(lengths) and lengths[-1] == 4096
+    rows = data_v2.Rows(TOK, drill)
+    assert "drill" in rows.mix(drill["phases"][0]) and "drill_mixed" in rows.mix(drill["phases"][-1])
+    for phase in drill["phases"]:  # every kind of every mix builds its own rows (no fallback to code windows)
+        for kind in rows.mix(phase):
+            assert rows.row(kind, 512, 1.0, random.Random(kind))[3] == kind
+
+
+def test_mixed_drill_values_are_not_mostly_digits():
+    rows = data_v2.Rows(TOK, CONFIG)
+    digits = {False: [], True: []}
+    for mixed in (False, True):
+        for seed in range(40):
+            ids, _, answer = rows._drill(1024, 0.1, random.Random(seed), mixed_values=mixed)
+            starts = [t for t in range(1024) if answer[t] and not answer[t - 1]]
+            for t in starts:
+                e = next((e for e in range(t, 1024) if not answer[e]), 1024)
+                digits[mixed].append(TOK.decode(ids[t + 1 : e + 1]).strip().isdigit())
+    assert sum(digits[False]) / len(digits[False]) > 0.6
+    assert 0.2 < sum(digits[True]) / len(digits[True]) < 0.5

@@ -13,6 +13,7 @@ import random
 import torch
 
 from attnkit.eval import retrieval_data as R
+from attnkit.eval import retrieval_templates as T
 from attnkit.eval.tasks import TASKS
 
 BOS, PAD = 0, 2
@@ -63,6 +64,8 @@ class Rows:
             return [BOS] + body, [1.0] * n, [True] * n
         if kind == "copy":
             return self._copy(n, rng)
+        if kind in ("drill", "drill_mixed"):
+            return self._drill(n, prompt_weight, rng, mixed_values=kind == "drill_mixed")
         if kind.startswith("task:"):
             return self._task(kind[5:], n, prompt_weight, rng)
         ex = R.example(kind, self.tok, n, rng, "train")
@@ -106,3 +109,50 @@ class Rows:
         weights = [0.0] * lead + [self.answer_weight] * (k - 1) + [0.0] * rest
         answer = [False] * lead + [True] * (k - 1) + [False] * rest
         return ids, weights, answer
+
+    def _drill(self, n: int, prompt_weight: float, rng: random.Random, mixed_values: bool = False):
+        """Dense recall of multi-token keys: 2-16 facts (one listing format, training needle phrasings or random
+        "wild" phrasings; keys and values of every format), each maybe after a short filler snippet, then as
+        many questions as fit, each followed by its value (the answers). Every sample asks every key, in
+        shuffled rounds, so a row carries dozens of answers instead of one, and only matching the asked key
+        against the facts' keys answers them: the phrasing of fact and question vary independently.
+        `mixed_values`: digits, words and hex strings equally often (otherwise about three values in four are
+        digits, the format of the acceptance tasks, and a model learns to answer with digits whatever it found)."""
+        enc = lambda text: self.tok.encode(text, add_special_tokens=False)  # noqa: E731
+        n_facts = rng.randint(2, 16)
+        key_kind, value_kind = rng.choice((None, "name", "words", "uuid", "item", "code")), rng.choice((None, "digits"))
+        keys = T.distinct(lambda r: T.make_key(r, key_kind), n_facts, rng)
+        if mixed_values:
+            values = [T.make_value(rng, rng.choice(("digits", "word", "hex"))) for _ in keys]
+        else:
+            values = [T.make_value(rng, value_kind) for _ in keys]
+        style = rng.choice(("listing", "needles", "wild"))
+        fmt = rng.choice(T.KV_FORMATS)
+        filler_kind = rng.choice(R.FILLER_KINDS["train"])
+        ids, weights, answer = [BOS], [], []
+
+        def add(piece: list[int], is_answer: bool) -> None:
+            ids.extend(piece)
+            weights.extend([self.answer_weight if is_answer else prompt_weight] * len(piece))
+            answer.extend([is_answer] * len(piece))
+        add(enc(rng.choice(T.pool(T.INTROS, "train")) + "\n"), False)
+        for i, (k, v) in enumerate(zip(keys, values)):
+            if len(ids) > 0.6 * n and i >= 2:  # the facts take at most about 60 % of the row: room for questions
+                n_facts, keys, values = i, keys[:i], values[:i]
+                break
+            if style != "listing" and rng.random() < 0.5:
+                add(R.filler(self.tok, filler_kind, "train", rng.randint(4, 24), rng) + enc("\n"), False)
+            template = {"listing": fmt, "needles": None, "wild": None}[style] or (
+                rng.choice(T.pool(T.NEEDLES, "train")) if style == "needles" else T.wild_needle(rng))
+            add(enc(template.format(key=k, value=v) + "\n"), False)
+        questions = T.pool(T.QUESTIONS, "train")
+        while len(ids) < n + 1:
+            order = list(range(n_facts))
+            rng.shuffle(order)
+            for i in order:
+                q = rng.choice(questions) if rng.random() < 0.7 else T.wild_question(rng)
+                add(enc("\n" + q.format(key=keys[i])), False)
+                add(enc(" " + values[i]), True)
+        if not any(answer[: n]):
+            raise ValueError("no answer fits")
+        return ids[: n + 1], weights[:n], answer[:n]

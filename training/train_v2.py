@@ -150,8 +150,12 @@ def main() -> None:
             raise SystemExit(f"{args.init_from} does not hold this config's model: {loaded}")
         model.tie_weights()
         meta = json.loads((args.init_from / "training.json").read_text())
-        st = {k: meta[k] for k in st} | {"rewarm_from": meta["step"]}
-        print(f"initialised from {args.init_from} at step {st['step']} (fresh optimizer)", flush=True)
+        if meta["config"]["name"] == config["name"]:  # the same run's schedule goes on
+            st = {k: meta[k] for k in st} | {"rewarm_from": meta["step"]}
+        else:  # another config's weights: its own schedule from the start
+            st["rewarm_from"] = 0
+        print(f"initialised from {args.init_from} ({meta['config']['name']}, step {meta['step']}), at step "
+              f"{st['step']} of {config['name']} (fresh optimizer)", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{config['name']}: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}, device {device}, "
           f"{'bf16 autocast' if fast_bf16(device) else 'fp32'}", flush=True)
