@@ -141,3 +141,29 @@ def test_mixed_drill_values_are_not_mostly_digits():
                 digits[mixed].append(TOK.decode(ids[t + 1 : e + 1]).strip().isdigit())
     assert sum(digits[False]) / len(digits[False]) > 0.6
     assert 0.2 < sum(digits[True]) / len(digits[True]) < 0.5
+
+
+def test_isolated_newlines_keep_the_vocabulary_and_cut_newlines_from_indentation():
+    from tokenizer_v2 import pre_tokenizer, train_bpe
+
+    code = corpus.haystack_text("train")[:60_000]
+    tok = train_bpe(600, texts=[code])
+    text = "def f(x):\n    return x\n\nclass A:\n        pass\n"
+    merged = [tok.decode([i]) for i in tok.encode(text, add_special_tokens=False)]
+    assert any(t.startswith("\n") and len(t) > 1 for t in merged)  # the byte-level regex joins them
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizer(True, isolated_newlines=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.decode([i]) for i in ids]
+    assert "\n" in pieces and not any("\n" in t and t != "\n" for t in pieces)
+    assert tok.decode(ids) == text and max(ids) < len(tok)  # the same vocabulary, lossless
+
+
+def test_the_newline_config_continues_the_drilled_weights():
+    nl = json.loads((TRAINING / "config_v2_nl.json").read_text())
+    drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
+    assert nl["model"] == drill["model"] and nl["tokenizer"]["vocab_size"] == drill["tokenizer"]["vocab_size"]
+    assert nl["tokenizer"]["isolated_newlines"] and nl["name"] != drill["name"]
+    rows = data_v2.Rows(TOK, nl)
+    for phase in nl["phases"]:
+        for kind in rows.mix(phase):
+            assert rows.row(kind, 512, 1.0, random.Random(kind))[3] == kind

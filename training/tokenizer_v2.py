@@ -46,12 +46,22 @@ def training_texts(n_samples: int = 400) -> Iterator[str]:
         yield byte_tok.decode(list(ex.ids))
 
 
-def train_bpe(vocab_size: int = 4096, individual_digits: bool = True, texts=None) -> PreTrainedTokenizerFast:
+def pre_tokenizer(individual_digits: bool = True, isolated_newlines: bool = False):
+    """How text is cut before the merges apply (no merge crosses a cut): GPT-2's byte-level regex, digits one
+    by one, and with `isolated_newlines` every newline a piece of its own. Without it the regex joins a newline
+    and the next line's indentation into one token ("\\n" + spaces), so a prompt that ends at a line break
+    (code completion) ends in a bare newline token the model rarely saw before indentation."""
+    parts = [pre_tokenizers.Split("\n", behavior="isolated")] if isolated_newlines else []
+    parts += [pre_tokenizers.Digits(individual_digits=True)] if individual_digits else []
+    parts.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    return pre_tokenizers.Sequence(parts) if len(parts) > 1 else parts[0]
+
+
+def train_bpe(vocab_size: int = 4096, individual_digits: bool = True, texts=None,
+              isolated_newlines: bool = False) -> PreTrainedTokenizerFast:
     """Train the BPE; returns it wrapped for transformers (encode prepends <s>)."""
     core = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    core.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                          if individual_digits else byte_level)
+    core.pre_tokenizer = pre_tokenizer(individual_digits, isolated_newlines)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)

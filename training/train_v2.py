@@ -3,6 +3,8 @@
     nice -n 19 python training/train_v2.py --run-dir runs/model_v2          # starts, or resumes the run there
     python training/train_v2.py --run-dir runs/model_v2 --max-minutes 60    # stop (after saving) past an hour
     python training/train_v2.py --run-dir runs/new --init-from training/resume/model_v2   # go on from weights
+    # another config's own schedule from v2's weights (the key-recall drill):
+    python training/train_v2.py --config training/config_v2_drill.json --run-dir runs/model_v2_drill --init-from runs/model_v2/export
 
 Run from the checkout with PYTHONPATH=src:training. The run directory holds the tokenizer (trained on the
 first start from the training corpus, see tokenizer_v2.py), ckpt.pt (model, optimizer, step, phase),
@@ -43,7 +45,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 from attnkit.eval import retrieval_data as R  # noqa: E402
 from attnkit.eval.tasks import TASKS  # noqa: E402
 from data_v2 import BOS, PAD, Rows  # noqa: E402
-from tokenizer_v2 import train_bpe  # noqa: E402
+from tokenizer_v2 import pre_tokenizer, train_bpe  # noqa: E402
 from train_tiny import lr_at  # noqa: E402  (the same schedule: warm-up, peak held, cosine over the last phase)
 
 HERE = Path(__file__).resolve().parent
@@ -68,11 +70,18 @@ def autocast(device: str):
 
 
 def load_tokenizer(run_dir: Path, config: dict) -> PreTrainedTokenizerFast:
+    """The run's tokenizer (trained on the first start). `isolated_newlines` in the config cuts every newline
+    into a piece of its own, also for a tokenizer taken over from --init-from: the vocabulary (and so the
+    weights) stay, and the tokens joining a newline with indentation are no longer produced."""
     path = run_dir / "tokenizer"
+    tc = config["tokenizer"]
     if not (path / "tokenizer.json").exists():
-        tc = config["tokenizer"]
-        train_bpe(tc["vocab_size"], tc["individual_digits"]).save_pretrained(path)
-    return PreTrainedTokenizerFast.from_pretrained(path)
+        train_bpe(tc["vocab_size"], tc["individual_digits"], isolated_newlines=tc.get("isolated_newlines", False)
+                  ).save_pretrained(path)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    if tc.get("isolated_newlines"):
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizer(tc["individual_digits"], isolated_newlines=True)
+    return tok
 
 
 def make_model(config: dict, vocab_size: int) -> LlamaForCausalLM:
