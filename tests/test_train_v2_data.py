@@ -94,7 +94,7 @@ KEY = re.compile(r"(?=(item \d+|[0-9a-f]{4}-[0-9a-f]{4}|[a-z]+-[a-z]+|[A-Z]{2}-\
 
 def test_drill_rows_answer_each_question_with_the_value_of_its_key():
     rows = data_v2.Rows(TOK, CONFIG)
-    styles = set()
+    fact_counts = set()
     for seed in range(30):
         ids, weights, answer = rows._drill(1024, 0.1, random.Random(seed))
         assert len(ids) == 1025 and len(weights) == len(answer) == 1024
@@ -112,8 +112,8 @@ def test_drill_rows_answer_each_question_with_the_value_of_its_key():
             assert any(k in question for f in holding for k in KEY.findall(f)), (question, value, holding)
         assert all(w == CONFIG["answer_weight"] for w, a in zip(weights, answer) if a)
         assert all(w == 0.1 for w, a in zip(weights, answer) if not a)
-        styles.add(len(facts))
-    assert len(styles) > 5  # the number of facts varies
+        fact_counts.add(len(facts))
+    assert len(fact_counts) > 5  # the number of facts varies
 
 
 def test_the_drill_config_goes_from_short_dense_rows_to_the_longest_evaluated_length():

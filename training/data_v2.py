@@ -142,8 +142,12 @@ class Rows:
                 break
             if style != "listing" and rng.random() < 0.5:
                 add(R.filler(self.tok, filler_kind, "train", rng.randint(4, 24), rng) + enc("\n"), False)
-            template = {"listing": fmt, "needles": None, "wild": None}[style] or (
-                rng.choice(T.pool(T.NEEDLES, "train")) if style == "needles" else T.wild_needle(rng))
+            if style == "listing":
+                template = fmt
+            elif style == "needles":
+                template = rng.choice(T.pool(T.NEEDLES, "train"))
+            else:
+                template = T.wild_needle(rng)
             add(enc(template.format(key=k, value=v) + "\n"), False)
         questions = T.pool(T.QUESTIONS, "train")
         while len(ids) < n + 1:
@@ -153,6 +157,6 @@ class Rows:
                 q = rng.choice(questions) if rng.random() < 0.7 else T.wild_question(rng)
                 add(enc("\n" + q.format(key=keys[i])), False)
                 add(enc(" " + values[i]), True)
-        if not any(answer[: n]):
+        if not any(answer[:n]):
             raise ValueError("no answer fits")
         return ids[: n + 1], weights[:n], answer[:n]
