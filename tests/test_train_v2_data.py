@@ -158,12 +158,14 @@ def test_isolated_newlines_keep_the_vocabulary_and_cut_newlines_from_indentation
     assert tok.decode(ids) == text and max(ids) < len(tok)  # the same vocabulary, lossless
 
 
-def test_the_newline_config_continues_the_drilled_weights():
-    nl = json.loads((TRAINING / "config_v2_nl.json").read_text())
+@pytest.mark.parametrize("name", ["config_v2_nl.json", "config_v2_drill_more.json"])
+def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
+    config = json.loads((TRAINING / name).read_text())
     drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
-    assert nl["model"] == drill["model"] and nl["tokenizer"]["vocab_size"] == drill["tokenizer"]["vocab_size"]
-    assert nl["tokenizer"]["isolated_newlines"] and nl["name"] != drill["name"]
-    rows = data_v2.Rows(TOK, nl)
-    for phase in nl["phases"]:
+    assert config["model"] == drill["model"] and config["tokenizer"]["vocab_size"] == drill["tokenizer"]["vocab_size"]
+    assert config["name"] != drill["name"]  # --init-from starts the config's own schedule
+    rows = data_v2.Rows(TOK, config)
+    for phase in config["phases"]:
         for kind in rows.mix(phase):
             assert rows.row(kind, 512, 1.0, random.Random(kind))[3] == kind
+    assert config["tokenizer"].get("isolated_newlines", False) == (name == "config_v2_nl.json")
