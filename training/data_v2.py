@@ -129,16 +129,15 @@ class Rows:
         style = rng.choice(("listing", "needles", "wild"))
         fmt = rng.choice(T.KV_FORMATS)
         filler_kind = rng.choice(R.FILLER_KINDS["train"])
-        ids, weights, answer = [BOS], [], []
+        ids, answer = [BOS], []
 
         def add(piece: list[int], is_answer: bool) -> None:
             ids.extend(piece)
-            weights.extend([self.answer_weight if is_answer else prompt_weight] * len(piece))
             answer.extend([is_answer] * len(piece))
         add(enc(rng.choice(T.pool(T.INTROS, "train")) + "\n"), False)
         for i, (k, v) in enumerate(zip(keys, values)):
             if len(ids) > 0.6 * n and i >= 2:  # the facts take at most about 60 % of the row: room for questions
-                n_facts, keys, values = i, keys[:i], values[:i]
+                keys, values = keys[:i], values[:i]
                 break
             if style != "listing" and rng.random() < 0.5:
                 add(R.filler(self.tok, filler_kind, "train", rng.randint(4, 24), rng) + enc("\n"), False)
@@ -151,12 +150,13 @@ class Rows:
             add(enc(template.format(key=k, value=v) + "\n"), False)
         questions = T.pool(T.QUESTIONS, "train")
         while len(ids) < n + 1:
-            order = list(range(n_facts))
+            order = list(range(len(keys)))
             rng.shuffle(order)
             for i in order:
                 q = rng.choice(questions) if rng.random() < 0.7 else T.wild_question(rng)
                 add(enc("\n" + q.format(key=keys[i])), False)
                 add(enc(" " + values[i]), True)
-        if not any(answer[:n]):
+        answer = answer[:n]
+        if not any(answer):
             raise ValueError("no answer fits")
-        return ids[: n + 1], weights[:n], answer[:n]
+        return ids[: n + 1], [self.answer_weight if a else prompt_weight for a in answer], answer
