@@ -158,7 +158,43 @@ def test_isolated_newlines_keep_the_vocabulary_and_cut_newlines_from_indentation
     assert tok.decode(ids) == text and max(ids) < len(tok)  # the same vocabulary, lossless
 
 
-@pytest.mark.parametrize("name", ["config_v2_nl.json", "config_v2_drill_more.json"])
+@pytest.mark.parametrize("kind", ["drill_far", "kv_drill"])
+def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
+    """The facts of a drill_far row lie anywhere in its filler (some in its first quarter), the questions come
+    after, and each answer is the value of the asked key; a kv_drill row asks the keys of its JSON object."""
+    rows = data_v2.Rows(TOK, CONFIG)
+    n, early, answers = 2048, 0, 0
+    for seed in range(12):
+        ids, weights, answer = rows._row(kind, n, 0.5, random.Random(seed))
+        assert len(ids) == n + 1 and len(weights) == len(answer) == n
+        assert rows._row(kind, n, 0.5, random.Random(seed)) == (ids, weights, answer)
+        spans = [t for t in range(n) if answer[t] and not answer[t - 1]]
+        assert len(spans) >= 4
+        assert spans[0] > 0.55 * n  # facts (or the object) first, then the questions
+        context = TOK.decode(ids[1 : spans[0] + 1])
+        lines = context.split("\n")
+        for t in spans[:-1]:
+            e = next(e for e in range(t, n) if not answer[e])
+            value = TOK.decode(ids[t + 1 : e + 1]).strip().strip('"')
+            *_, before, question = TOK.decode(ids[1 : t + 1]).rsplit("\n", 2)
+            holding = [f for f in lines if re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", f)]
+            if kind == "kv_drill":  # 'Key: "K"' then 'The value associated...', or 'The value of "K" in ...'
+                asked = re.search(r'"([0-9a-f]{4}-[0-9a-f]{4})"', question) or re.search(r'Key: "(.+)"', before)
+                key = asked.group(1)
+                assert f'"{key}": "{value}",' in holding, (question, value)
+            else:
+                assert any(k in question for f in holding for k in KEY.findall(f)), (question, value, holding)
+            answers += 1
+        assert all(w == CONFIG["answer_weight"] for w, a in zip(weights, answer) if a)
+        if kind == "drill_far":
+            first_fact = min(i for i, line in enumerate(lines) if KEY.search(line) and i > 0)
+            early += len("\n".join(lines[:first_fact])) < 0.25 * len(context)
+    assert answers > 12 * 5
+    if kind == "drill_far":
+        assert early >= 3
+
+
+@pytest.mark.parametrize("name", ["config_v2_nl.json", "config_v2_drill_more.json", "config_v2_reach.json"])
 def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     config = json.loads((TRAINING / name).read_text())
     drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
@@ -168,4 +204,4 @@ def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     for phase in config["phases"]:
         for kind in rows.mix(phase):
             assert rows.row(kind, 512, 1.0, random.Random(kind))[3] == kind
-    assert config["tokenizer"].get("isolated_newlines", False) == (name == "config_v2_nl.json")
+    assert config["tokenizer"].get("isolated_newlines", False) == (name != "config_v2_drill_more.json")

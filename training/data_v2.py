@@ -66,6 +66,10 @@ class Rows:
             return self._copy(n, rng)
         if kind in ("drill", "drill_mixed"):
             return self._drill(n, prompt_weight, rng, mixed_values=kind == "drill_mixed")
+        if kind == "drill_far":
+            return self._drill_far(n, prompt_weight, rng)
+        if kind == "kv_drill":
+            return self._kv_drill(n, prompt_weight, rng)
         if kind.startswith("task:"):
             return self._task(kind[5:], n, prompt_weight, rng)
         ex = R.example(kind, self.tok, n, rng, "train")
@@ -148,15 +152,89 @@ class Rows:
             else:
                 template = T.wild_needle(rng)
             add(enc(template.format(key=k, value=v) + "\n"), False)
+        self._ask_rounds(add, ids, keys, values, n, rng)
+        return self._finish(ids, answer, n, prompt_weight)
+
+    def _ask_rounds(self, add, ids: list[int], keys: list[str], values: list[str], n: int, rng: random.Random,
+                    ask=None) -> None:
+        """Every key asked, in shuffled rounds, until the row holds n + 1 ids: a question (a training phrasing,
+        or random words three times in ten) and then the key's value as the answer. `ask(key, value, rng)` may
+        give (question, answer) texts of another format."""
+        enc = lambda text: self.tok.encode(text, add_special_tokens=False)  # noqa: E731
         questions = T.pool(T.QUESTIONS, "train")
         while len(ids) < n + 1:
             order = list(range(len(keys)))
             rng.shuffle(order)
             for i in order:
-                q = rng.choice(questions) if rng.random() < 0.7 else T.wild_question(rng)
-                add(enc("\n" + q.format(key=keys[i])), False)
-                add(enc(" " + values[i]), True)
+                if ask is not None:
+                    question, value = ask(keys[i], values[i], rng)
+                else:
+                    q = rng.choice(questions) if rng.random() < 0.7 else T.wild_question(rng)
+                    question, value = "\n" + q.format(key=keys[i]), " " + values[i]
+                add(enc(question), False)
+                add(enc(value), True)
+
+    def _finish(self, ids: list[int], answer: list[bool], n: int, prompt_weight: float):
         answer = answer[:n]
         if not any(answer):
             raise ValueError("no answer fits")
         return ids[: n + 1], [self.answer_weight if a else prompt_weight for a in answer], answer
+
+    def _drill_far(self, n: int, prompt_weight: float, rng: random.Random):
+        """The drill's questions about facts spread through a whole row of filler: 2-12 facts (training needle
+        phrasings or random words; keys of every format, values digits / words / hex) at uniform depths in
+        the first 70-85 % of the row, then every key asked in shuffled rounds. The drill lists its facts at
+        the start and a needle row carries one answer; this row carries dozens, each from anywhere up to the
+        row's length back, which is what finding a needle far from the question needs."""
+        enc = lambda text: self.tok.encode(text, add_special_tokens=False)  # noqa: E731
+        n_facts = rng.randint(2, 12)
+        keys = T.distinct(lambda r: T.make_key(r, rng.choice((None, "name", "words", "uuid", "item", "code"))),
+                          n_facts, rng)
+        values = [T.make_value(rng, rng.choice(("digits", "word", "hex"))) for _ in keys]
+        one = rng.choice(T.pool(T.NEEDLES, "train")) if rng.random() < 0.3 else None
+        facts = [enc((one or (rng.choice(T.pool(T.NEEDLES, "train")) if rng.random() < 0.6 else T.wild_needle(rng)))
+                     .format(key=k, value=v) + "\n") for k, v in zip(keys, values)]
+        head = [BOS] + enc(rng.choice(T.pool(T.INTROS, "train")) + "\n")
+        n_fill = int(rng.uniform(0.7, 0.85) * n) - len(head) - sum(map(len, facts))
+        if n_fill < 16:
+            raise ValueError("the facts do not fit")
+        body = R._with_needles(self.tok, "train", rng, n_fill, rng.choice(R.FILLER_KINDS["train"]),
+                               [(rng.random(), f) for f in facts])
+        ids = head + body
+        answer = [False] * (len(ids) - 1)
+        self._ask_rounds(lambda piece, a: (ids.extend(piece), answer.extend([a] * len(piece))), ids, keys, values,
+                         n, rng)
+        return self._finish(ids, answer, n, prompt_weight)
+
+    def _kv_drill(self, n: int, prompt_weight: float, rng: random.Random):
+        """kv_retrieval's JSON object of hex keys and values (training draws), over 60-80 % of the row, then its
+        question ("Key: ... The value associated with the key is:") about every key in shuffled rounds, seven
+        times in ten in the task's own wording and otherwise in another: dozens of answers per row where the
+        task row has one, each found only by matching a key of eight hex digits among many alike."""
+        enc = lambda text: self.tok.encode(text, add_special_tokens=False)  # noqa: E731
+
+        def uuid_like(r: random.Random) -> str:
+            return f"{T.hex_string(r, 4)}-{T.hex_string(r, 4)}"
+        ids = [BOS] + enc("Extract the value for the given key from the JSON object below.\n{\n")
+        keys: list[str] = []
+        values: list[str] = []
+        budget = rng.uniform(0.6, 0.8) * n
+        seen: set[str] = set()
+        while len(ids) < budget:
+            k, v = uuid_like(rng), uuid_like(rng)
+            if k in seen:
+                continue
+            seen.add(k)
+            keys.append(k)
+            values.append(v)
+            ids += enc(f'"{k}": "{v}",\n')
+        ids += enc("}")
+        answer = [False] * (len(ids) - 1)
+
+        def ask(key: str, value: str, r: random.Random) -> tuple[str, str]:
+            if r.random() < 0.7:
+                return f'\nKey: "{key}"\nThe value associated with the key is: "', f'{value}"'
+            return f'\nThe value of "{key}" in the object above is "', f'{value}"'
+        self._ask_rounds(lambda piece, a: (ids.extend(piece), answer.extend([a] * len(piece))), ids, keys, values,
+                         n, rng, ask)
+        return self._finish(ids, answer, n, prompt_weight)
