@@ -231,6 +231,44 @@ def test_sparse_method_uses_the_kernel_and_decodes_densely(small):
     assert (prof.sparse_calls, prof.dense_calls) == (2, 2)
 
 
+def test_heads_denser_than_dense_above_run_dense_attention(tmp_path):
+    """A layer with two heads whose layouts compute more than 0.9 of their causal pairs and two that compute
+    less: the dense ones give dense causal attention, the others their layout's attention (the reference),
+    all from one call; dense_above=1 keeps every head on its layout, a tiny one makes the layer dense."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from attnkit.methods.minference import MInferenceRun
+
+    n = 203
+    q, k, v = qkv(n, seed=5)
+    layout = sa.layout_for_patterns(MIXED, q, k, 0.25, block=B, last_q=16)
+    over = layout.density > 0.9
+    assert over.tolist() == [False, True, False, True]
+    config = _write_config(tmp_path / "mixed.json", [[p.to_dict() for p in MIXED]])
+    ctx = SimpleNamespace(native_window=None, q_pos=torch.arange(n), scaling=0.25, index=0,
+                          session=SimpleNamespace(prompt_len=n, n_layers=1), session_state=MInferenceRun())
+    positions = torch.arange(n).expand(1, 2, n)
+    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=0.25,
+                                           is_causal=True)
+    sparse = sa.reference_attention(q, k, v, layout, 0.25)
+    for limit, want in ((0.9, torch.where(over[None, :, None, None], dense, sparse)), (1.0, sparse), (0.01, dense)):
+        method = parse_method_spec(f"minference:config={config},dense_above={limit}")
+        with sa.profile() as prof:
+            out = method.prefill_output(ctx, q, k, v, positions)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        if limit == 0.9:  # the dense heads count as density 1
+            assert prof.sparse_calls == 1
+            assert prof.density_sum == pytest.approx(float(torch.where(over, 1.0, layout.density).mean()))
+        assert prof.dense_calls == (limit == 0.01)
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(AttnkitError, match="dense_above"):
+            parse_method_spec(f"minference:dense_above={bad}")
+        with pytest.raises(AttnkitError, match="dense_above"):
+            parse_method_spec(f"a_shape:dense_above={bad}")
+
+
 def _write_config(path, layers, **meta):
     data = {"format": "attnkit.minference-patterns/1", "block_size": 16, "last_q": 16, **meta, "layers": layers}
     path.write_text(json.dumps(data))

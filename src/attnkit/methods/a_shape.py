@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnkit.methods.minference import SparsePrefill
+from attnkit.methods.minference import DENSE_ABOVE, SparsePrefill
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.sparse.patterns import DEFAULT_BLOCK, HeadPattern, check_block
-from attnkit.validate import whole
+from attnkit.validate import fraction, whole
 
 
 @register
@@ -29,6 +29,7 @@ class AShape(SparsePrefill):
     n_local: int = 4096
     block_size: int = DEFAULT_BLOCK
     compile: bool = True
+    dense_above: float = DENSE_ABOVE
 
     name = "a_shape"
     summary = "A-shape sparse prefill: n_init initial tokens + n_local window, dense decode (MInference)"
@@ -37,6 +38,7 @@ class AShape(SparsePrefill):
         for name in ("n_init", "n_local"):
             whole(name, getattr(self, name), 0)
         check_block(self.block_size)
+        fraction("dense_above", self.dense_above)
 
     def block(self) -> int:
         return self.block_size

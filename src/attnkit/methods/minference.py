@@ -24,6 +24,11 @@ block-sparse heads use indices estimated ONCE, on the first calibration prompt, 
 (``attnkit calibrate patterns --static``): the same columns, diagonals and blocks for every prompt. A
 prompt longer than the calibration prompt reuses the last stored block row for its extra rows.
 
+A head whose layout computes more than ``dense_above`` of its causal pairs (default 0.5) runs dense attention
+instead: with the CPU kernel that is faster (a kept pair costs it about twice what SDPA's fused kernel spends
+per pair), and dense attention computes every pair the pattern keeps and more, so the output only moves towards
+``full``. ``dense_above=1`` keeps every head on its pattern (for studying a pattern's own accuracy).
+
 The output equals ``full`` exactly whenever a layer's pattern keeps every causal pair (e.g. any prompt
 no longer than ``k_s``): that layer then runs the very same dense path. Layers of a model's own sliding
 window, caches whose keys are not the contiguous prompt, and multi-token steps after the prompt (e.g. a
@@ -37,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from attnkit.attention import attend
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
@@ -46,9 +52,14 @@ from attnkit.sparse.kernels import sparse_attention
 from attnkit.sparse.layout import layout_for_patterns
 from attnkit.sparse.patterns import DEFAULT_BLOCK, DEFAULT_LAST_Q, PATTERN_PARAMS, HeadPattern, check_block
 from attnkit.sparse.profile import record_call, timed
-from attnkit.validate import whole
+from attnkit.validate import fraction, whole
 
 CONFIG_FORMAT = "attnkit.minference-patterns/1"
+# A head whose layout computes more than this fraction of its causal pairs runs dense attention instead: the
+# CPU FlexAttention kernel takes about twice as long per pair as SDPA's fused kernel (docs/benchmarks.md), so
+# such a head is faster dense, and dense attention computes a superset of its pairs (exact, not an
+# approximation). The same value on every device, so a recipe gives the same outputs everywhere.
+DENSE_ABOVE = 0.5
 DEFAULT_UNIFORM = {"vertical_slash": HeadPattern("vertical_slash", k_v=500, k_s=1500),
                    "block_sparse": HeadPattern("block_sparse", k_b=100)}
 
@@ -122,6 +133,10 @@ class SparsePrefill(Method):
     compile: bool = True
     batches = False  # the sparse index is built from one sequence's own attention: one session per sequence
 
+    def dense_limit(self) -> float:
+        """Density above which a head's prompt attention runs dense (1: only when its pattern keeps every pair)."""
+        return getattr(self, "dense_above", DENSE_ABOVE)
+
     def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[HeadPattern]:
         raise NotImplementedError
 
@@ -145,10 +160,25 @@ class SparsePrefill(Method):
         with timed("index"):
             layout = layout_for_patterns(patterns, q, keys, ctx.scaling, block=self.block(),
                                          last_q=self.estimate_rows(), width=self.column_width(patterns, n) or None)
-        record_call(layout)
         if layout.dense:  # every causal pair kept: exactly what `full` computes
+            record_call(layout)
             return super().prefill_output(ctx, q, keys, values, positions)
-        return sparse_attention(q, keys, values, layout, ctx.scaling, compiled=self.compile).to(q.dtype)
+        limit = self.dense_limit()
+        dense = layout.density > limit if limit < 1 else torch.zeros(q.shape[1], dtype=torch.bool, device=q.device)
+        record_call(layout, dense)
+        if bool(dense.all()):
+            return super().prefill_output(ctx, q, keys, values, positions)
+        if not bool(dense.any()):
+            return sparse_attention(q, keys, values, layout, ctx.scaling, compiled=self.compile).to(q.dtype)
+        # the dense heads keep their place in the kernel's call (the same shapes: no new compiled graph) with
+        # no tiles, so it computes nothing for them; their output is dense attention over the same keys
+        out = sparse_attention(q, keys, values, layout.without_heads(dense), ctx.scaling,
+                               compiled=self.compile).to(q.dtype)
+        heads = dense.nonzero().flatten()
+        kv_heads = heads // (q.shape[1] // keys.shape[1])
+        out[:, heads] = attend(q[:, heads], keys[:, kv_heads], values[:, kv_heads], ctx.scaling, ctx.q_pos,
+                               positions[:, kv_heads] if positions.dim() == 3 else positions, None).to(q.dtype)
+        return out
 
     @staticmethod
     def _sparse_applies(ctx: LayerContext, q, keys, positions) -> bool:
@@ -187,6 +217,7 @@ class MInference(SparsePrefill):
     block_size: int | None = None
     last_q: int | None = None
     compile: bool = True
+    dense_above: float = DENSE_ABOVE
     _config: PatternConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     name = "minference"
@@ -222,6 +253,7 @@ class MInference(SparsePrefill):
             check_block(self.block_size)
         if self.last_q is not None:
             whole("last_q", self.last_q, 1)
+        fraction("dense_above", self.dense_above)
 
     def _check_static(self) -> None:
         for i, layer in enumerate(self._config.layers):

@@ -25,7 +25,7 @@ computed besides them (MInference 1.0, Jiang et al. 2024, arXiv 2407.02490):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +90,13 @@ class SparseLayout:
     def density(self) -> torch.Tensor:
         """Pairs the kernel computes over the pairs of dense causal attention, per head ``[h]``."""
         return self.tiles.double() * self.block**2 / self.causal_pairs
+
+    def without_heads(self, heads: torch.Tensor) -> SparseLayout:
+        """The same layout with no tiles for `heads` (bool ``[h]``): a kernel over it computes nothing there."""
+        keep = ~heads.to(self.main.device)[:, None, None]
+        cut = {name: getattr(self, name) & keep for name in ("main", "main_full", "vert", "vert_full")
+               if getattr(self, name) is not None}
+        return replace(self, **cut, _dense=False)
 
     @property
     def dense(self) -> bool:

@@ -74,13 +74,17 @@ def timed(part: str):
         setattr(prof, f"{part}_s", getattr(prof, f"{part}_s") + time.perf_counter() - t0)
 
 
-def record_call(layout: SparseLayout | None) -> None:
-    """Count a layer call in the active profile (None: it ran dense)."""
+def record_call(layout: SparseLayout | None, dense_heads: torch.Tensor | None = None) -> None:
+    """Count a layer call in the active profile (None: it ran dense). `dense_heads` (bool ``[h]``): heads
+    that ran dense instead of their layout's pairs; they count as density 1."""
     prof = _PROFILE
     if prof is None:
         return
-    if layout is None or layout.dense:
+    if layout is None or layout.dense or (dense_heads is not None and bool(dense_heads.all())):
         prof.dense_calls += 1
     else:
+        density = layout.density
+        if dense_heads is not None:
+            density = torch.where(dense_heads.to(density.device), 1.0, density)
         prof.sparse_calls += 1
-        prof.density_sum += float(layout.density.mean())
+        prof.density_sum += float(density.mean())
