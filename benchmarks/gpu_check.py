@@ -10,7 +10,9 @@ Three parts, each written to ``OUT/gpu_check.json`` (every row) and ``OUT/gpu_ch
    equal? the largest logit difference). In bfloat16 a method that computes attention its own way (blocked
    scoring, sparse kernels) may round differently from SDPA: the table shows by how much, and where tokens part.
 2. **Sparse prefill**: prefill time of ``minference`` (compiled FlexAttention kernels on CUDA) and ``a_shape``
-   against full attention (SDPA, FlashAttention on CUDA) at each ``--prefill-lengths`` length.
+   against full attention (SDPA, FlashAttention on CUDA) at each ``--prefill-lengths`` length; also with
+   ``dense_above=1`` (every head on its pattern), which shows what a kept pair costs the kernel against SDPA on
+   this device, the figure ``dense_above``'s default rests on.
 3. **Decode**: tokens/s of the whole batch and KV bytes per sequence of each ``--decode-methods`` method at
    ``--decode-context`` tokens and each of ``--batch-sizes``, with the decode floor from the measured memory
    bandwidth (:func:`attnkit.bench.speed.run_bench`: methods interleaved in every repeat, medians, ratios to full).
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small lengths, batches and repeats (a CPU smoke run)")
     p.add_argument("--exact-lengths", default="300,517,1024", help="prompt lengths of the exactness batch")
     p.add_argument("--prefill-lengths", default="8192,32768,131072")
-    p.add_argument("--prefill-methods", default="full,minference,a_shape")
+    p.add_argument("--prefill-methods", default="full,minference,minference:dense_above=1,a_shape")
     p.add_argument("--decode-context", type=int, default=32768)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--decode-methods", default="full,streaming:budget=0.1,h2o:budget=0.1,snapkv:budget=0.1")
@@ -184,7 +186,8 @@ def main(argv=None) -> int:
             result["placement"] = {"device_map": device_map, "layer_devices": [str(d) for d in placed.layer_devices()],
                                    "rows": exactness_rows(placed, spec, exact, args.new_tokens, compiled, Path(tmp))}
             del placed
-    sparse = [m if compiled or m == "full" else f"{m}:compile=false" for m in split_spec_list(args.prefill_methods)]
+    sparse = [m if compiled or m == "full" else m + (",compile=false" if ":" in m else ":compile=false")
+              for m in split_spec_list(args.prefill_methods)]
     result["prefill"] = [row for n in lengths for row in run_bench(model, n, 2, sparse, repeats=args.repeats)]
     bandwidth = measure_bandwidth(args.device)
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))

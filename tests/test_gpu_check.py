@@ -29,7 +29,9 @@ def test_quick_cpu_run_goes_to_the_end(tmp_path):
         assert "error" not in row, row
         if row["unlimited"]:
             assert row["tokens_equal"] and row["max_abs_logit_diff"] < 1e-3, row
-    assert {r["method"] for r in result["prefill"]} == {"full", "minference:compile=false", "a_shape:compile=false"}
+    assert {r["method"] for r in result["prefill"]} == {"full", "minference:compile=false",
+                                                           "minference:dense_above=1,compile=false",
+                                                           "a_shape:compile=false"}
     assert {r["batch_size"] for r in result["decode"]} == {1, 2}
     assert "### Decode at 512 tokens" in (tmp_path / "gpu_check.md").read_text()
     # part 4: odd layers and the head offloaded to the disk by accelerate, every method still exact
