@@ -26,6 +26,14 @@ _TOPICS_MARK = "\\n'\n"
 _TASK_RESERVE = {"niah_multivalue": 34, "variable_tracking": 40}
 
 
+def _appender(ids: list[int], answer: list[bool]):
+    """add(piece, is_answer): extends a row's ids and its answer flags together."""
+    def add(piece: list[int], is_answer: bool) -> None:
+        ids.extend(piece)
+        answer.extend([is_answer] * len(piece))
+    return add
+
+
 class Rows:
     def __init__(self, tokenizer, config: dict):
         self.tok = tokenizer
@@ -122,7 +130,6 @@ class Rows:
         against the facts' keys answers them: the phrasing of fact and question vary independently.
         `mixed_values`: digits, words and hex strings equally often (otherwise about three values in four are
         digits, the format of the acceptance tasks, and a model learns to answer with digits whatever it found)."""
-        enc = lambda text: self.tok.encode(text, add_special_tokens=False)  # noqa: E731
         n_facts = rng.randint(2, 16)
         key_kind, value_kind = rng.choice((None, "name", "words", "uuid", "item", "code")), rng.choice((None, "digits"))
         keys = T.distinct(lambda r: T.make_key(r, key_kind), n_facts, rng)
@@ -134,33 +141,32 @@ class Rows:
         fmt = rng.choice(T.KV_FORMATS)
         filler_kind = rng.choice(R.FILLER_KINDS["train"])
         ids, answer = [BOS], []
-
-        def add(piece: list[int], is_answer: bool) -> None:
-            ids.extend(piece)
-            answer.extend([is_answer] * len(piece))
-        add(enc(rng.choice(T.pool(T.INTROS, "train")) + "\n"), False)
+        add = _appender(ids, answer)
+        add(self._enc(rng.choice(T.pool(T.INTROS, "train")) + "\n"), False)
         for i, (k, v) in enumerate(zip(keys, values)):
             if len(ids) > 0.6 * n and i >= 2:  # the facts take at most about 60 % of the row: room for questions
                 keys, values = keys[:i], values[:i]
                 break
             if style != "listing" and rng.random() < 0.5:
-                add(R.filler(self.tok, filler_kind, "train", rng.randint(4, 24), rng) + enc("\n"), False)
+                add(R.filler(self.tok, filler_kind, "train", rng.randint(4, 24), rng) + self._enc("\n"), False)
             if style == "listing":
                 template = fmt
             elif style == "needles":
                 template = rng.choice(T.pool(T.NEEDLES, "train"))
             else:
                 template = T.wild_needle(rng)
-            add(enc(template.format(key=k, value=v) + "\n"), False)
+            add(self._enc(template.format(key=k, value=v) + "\n"), False)
         self._ask_rounds(add, ids, keys, values, n, rng)
         return self._finish(ids, answer, n, prompt_weight)
+
+    def _enc(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
 
     def _ask_rounds(self, add, ids: list[int], keys: list[str], values: list[str], n: int, rng: random.Random,
                     ask=None) -> None:
         """Every key asked, in shuffled rounds, until the row holds n + 1 ids: a question (a training phrasing,
         or random words three times in ten) and then the key's value as the answer. `ask(key, value, rng)` may
         give (question, answer) texts of another format."""
-        enc = lambda text: self.tok.encode(text, add_special_tokens=False)  # noqa: E731
         questions = T.pool(T.QUESTIONS, "train")
         while len(ids) < n + 1:
             order = list(range(len(keys)))
@@ -171,8 +177,8 @@ class Rows:
                 else:
                     q = rng.choice(questions) if rng.random() < 0.7 else T.wild_question(rng)
                     question, value = "\n" + q.format(key=keys[i]), " " + values[i]
-                add(enc(question), False)
-                add(enc(value), True)
+                add(self._enc(question), False)
+                add(self._enc(value), True)
 
     def _finish(self, ids: list[int], answer: list[bool], n: int, prompt_weight: float):
         answer = answer[:n]
@@ -186,15 +192,15 @@ class Rows:
         the first 70-85 % of the row, then every key asked in shuffled rounds. The drill lists its facts at
         the start and a needle row carries one answer; this row carries dozens, each from anywhere up to the
         row's length back, which is what finding a needle far from the question needs."""
-        enc = lambda text: self.tok.encode(text, add_special_tokens=False)  # noqa: E731
         n_facts = rng.randint(2, 12)
         keys = T.distinct(lambda r: T.make_key(r, rng.choice((None, "name", "words", "uuid", "item", "code"))),
                           n_facts, rng)
         values = [T.make_value(rng, rng.choice(("digits", "word", "hex"))) for _ in keys]
         one = rng.choice(T.pool(T.NEEDLES, "train")) if rng.random() < 0.3 else None
-        facts = [enc((one or (rng.choice(T.pool(T.NEEDLES, "train")) if rng.random() < 0.6 else T.wild_needle(rng)))
-                     .format(key=k, value=v) + "\n") for k, v in zip(keys, values)]
-        head = [BOS] + enc(rng.choice(T.pool(T.INTROS, "train")) + "\n")
+        def phrasing() -> str:
+            return one or (rng.choice(T.pool(T.NEEDLES, "train")) if rng.random() < 0.6 else T.wild_needle(rng))
+        facts = [self._enc(phrasing().format(key=k, value=v) + "\n") for k, v in zip(keys, values)]
+        head = [BOS] + self._enc(rng.choice(T.pool(T.INTROS, "train")) + "\n")
         n_fill = int(rng.uniform(0.7, 0.85) * n) - len(head) - sum(map(len, facts))
         if n_fill < 16:
             raise ValueError("the facts do not fit")
@@ -202,8 +208,7 @@ class Rows:
                                [(rng.random(), f) for f in facts])
         ids = head + body
         answer = [False] * (len(ids) - 1)
-        self._ask_rounds(lambda piece, a: (ids.extend(piece), answer.extend([a] * len(piece))), ids, keys, values,
-                         n, rng)
+        self._ask_rounds(_appender(ids, answer), ids, keys, values, n, rng)
         return self._finish(ids, answer, n, prompt_weight)
 
     def _kv_drill(self, n: int, prompt_weight: float, rng: random.Random):
@@ -211,30 +216,26 @@ class Rows:
         question ("Key: ... The value associated with the key is:") about every key in shuffled rounds, seven
         times in ten in the task's own wording and otherwise in another: dozens of answers per row where the
         task row has one, each found only by matching a key of eight hex digits among many alike."""
-        enc = lambda text: self.tok.encode(text, add_special_tokens=False)  # noqa: E731
 
         def uuid_like(r: random.Random) -> str:
             return f"{T.hex_string(r, 4)}-{T.hex_string(r, 4)}"
-        ids = [BOS] + enc("Extract the value for the given key from the JSON object below.\n{\n")
+        ids = [BOS] + self._enc("Extract the value for the given key from the JSON object below.\n{\n")
         keys: list[str] = []
         values: list[str] = []
         budget = rng.uniform(0.6, 0.8) * n
-        seen: set[str] = set()
         while len(ids) < budget:
             k, v = uuid_like(rng), uuid_like(rng)
-            if k in seen:
+            if k in keys:
                 continue
-            seen.add(k)
             keys.append(k)
             values.append(v)
-            ids += enc(f'"{k}": "{v}",\n')
-        ids += enc("}")
+            ids += self._enc(f'"{k}": "{v}",\n')
+        ids += self._enc("}")
         answer = [False] * (len(ids) - 1)
 
         def ask(key: str, value: str, r: random.Random) -> tuple[str, str]:
             if r.random() < 0.7:
                 return f'\nKey: "{key}"\nThe value associated with the key is: "', f'{value}"'
             return f'\nThe value of "{key}" in the object above is "', f'{value}"'
-        self._ask_rounds(lambda piece, a: (ids.extend(piece), answer.extend([a] * len(piece))), ids, keys, values,
-                         n, rng, ask)
+        self._ask_rounds(_appender(ids, answer), ids, keys, values, n, rng, ask)
         return self._finish(ids, answer, n, prompt_weight)
