@@ -25,9 +25,9 @@ block-sparse heads use indices estimated ONCE, on the first calibration prompt, 
 prompt longer than the calibration prompt reuses the last stored block row for its extra rows.
 
 A head whose layout computes more than ``dense_above`` of its causal pairs (default 0.5) runs dense attention
-instead: with the CPU kernel that is faster (a kept pair costs it about twice what SDPA's fused kernel spends
-per pair), and dense attention computes every pair the pattern keeps and more, so the output only moves towards
-``full``. ``dense_above=1`` keeps every head on its pattern (for studying a pattern's own accuracy).
+instead: with the CPU kernel that is faster (:data:`DENSE_ABOVE`), and dense attention computes every pair the
+pattern keeps and more, so the output only moves towards ``full``. ``dense_above=1`` keeps every head on its
+pattern (for studying a pattern's own accuracy).
 
 The output equals ``full`` exactly whenever a layer's pattern keeps every causal pair (e.g. any prompt
 no longer than ``k_s``): that layer then runs the very same dense path. Layers of a model's own sliding
@@ -56,9 +56,10 @@ from attnkit.validate import fraction, whole
 
 CONFIG_FORMAT = "attnkit.minference-patterns/1"
 # A head whose layout computes more than this fraction of its causal pairs runs dense attention instead: the
-# CPU FlexAttention kernel takes about twice as long per pair as SDPA's fused kernel (docs/benchmarks.md), so
-# such a head is faster dense, and dense attention computes a superset of its pairs (exact, not an
-# approximation). The same value on every device, so a recipe gives the same outputs everywhere.
+# CPU FlexAttention kernel spends more per pair than SDPA's fused kernel, and this is about where the two cost
+# the same (docs/benchmarks.md, "`minference` with its default parameters"); dense attention computes a superset
+# of the pattern's pairs, so the output only moves towards full's. The same value on every device, so a recipe
+# gives the same outputs everywhere.
 DENSE_ABOVE = 0.5
 DEFAULT_UNIFORM = {"vertical_slash": HeadPattern("vertical_slash", k_v=500, k_s=1500),
                    "block_sparse": HeadPattern("block_sparse", k_b=100)}
