@@ -379,8 +379,9 @@ def test_closed_pipe_ends_quietly():
 
 def test_ctrl_c_is_one_line(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen(_cli("eval", "--model", MODEL, "--tasks", "passkey", "--lengths",
-                                 "256,320,384,448,512,576,640,704", "--samples", "4", "--out", str(out), "--no-progress"),
+    lengths = ",".join(str(n) for n in range(256, 2304, 64))  # far more cells than run between polls
+    proc = subprocess.Popen(_cli("eval", "--model", MODEL, "--tasks", "passkey", "--lengths", lengths,
+                                 "--samples", "4", "--out", str(out), "--no-progress"),
                             env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     results = out / "results.jsonl"
     deadline = time.time() + 240  # the subprocess imports torch and transformers first: slow on a busy machine
