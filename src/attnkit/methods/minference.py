@@ -134,9 +134,9 @@ class SparsePrefill(Method):
     compile: bool = True
     batches = False  # the sparse index is built from one sequence's own attention: one session per sequence
 
-    def dense_limit(self) -> float:
-        """Density above which a head's prompt attention runs dense (1: only when its pattern keeps every pair)."""
-        return getattr(self, "dense_above", DENSE_ABOVE)
+    # density above which a head's prompt attention runs dense (1: only when its pattern keeps every pair);
+    # the methods declare it as a parameter
+    dense_above: float = DENSE_ABOVE
 
     def layer_patterns(self, ctx: LayerContext, n_heads: int) -> list[HeadPattern]:
         raise NotImplementedError
@@ -164,7 +164,7 @@ class SparsePrefill(Method):
         if layout.dense:  # every causal pair kept: exactly what `full` computes
             record_call(layout)
             return super().prefill_output(ctx, q, keys, values, positions)
-        limit = self.dense_limit()
+        limit = self.dense_above
         dense = layout.density > limit if limit < 1 else torch.zeros(q.shape[1], dtype=torch.bool, device=q.device)
         record_call(layout, dense)
         if bool(dense.all()):
@@ -177,8 +177,9 @@ class SparsePrefill(Method):
                                compiled=self.compile).to(q.dtype)
         heads = dense.nonzero().flatten()
         kv_heads = heads // (q.shape[1] // keys.shape[1])
+        # keys are the contiguous prompt at positions 0..n-1 for every head (_sparse_applies checked it)
         out[:, heads] = attend(q[:, heads], keys[:, kv_heads], values[:, kv_heads], ctx.scaling, ctx.q_pos,
-                               positions[:, kv_heads] if positions.dim() == 3 else positions, None).to(q.dtype)
+                               positions[0, 0], None).to(q.dtype)
         return out
 
     @staticmethod
