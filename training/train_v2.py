@@ -236,6 +236,7 @@ def main() -> None:
         if (in_phase >= phase["steps"] and gate_open) or in_phase >= phase.get("max_steps", phase["steps"]):
             record({"step": step, "event": f"phase {phase['name']} done after {in_phase} steps", "gate_open": gate_open})
             st["phase_idx"], st["phase_start"] = st["phase_idx"] + 1, step
+            recent.clear()  # the next gate judges answers at the next length only
             save()
         elif step % config["save_every"] == 0:
             save()
