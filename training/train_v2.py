@@ -159,6 +159,9 @@ def main() -> None:
             raise SystemExit(f"{args.init_from} does not hold this config's model: {loaded}")
         model.tie_weights()
         meta = json.loads((args.init_from / "training.json").read_text())
+        old_base, new_base = meta["config"]["model"]["rope_theta"], config["model"]["rope_theta"]
+        if old_base != new_base:  # a raised base lets content match over longer distances (arXiv:2405.14591)
+            print(f"RoPE base {old_base:g} -> {new_base:g}: the weights carry over, the rotations change", flush=True)
         if meta["config"]["name"] == config["name"]:  # the same run's schedule goes on
             st = {k: meta[k] for k in st} | {"rewarm_from": meta["step"]}
         else:  # another config's weights: its own schedule from the start
