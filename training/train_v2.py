@@ -17,6 +17,9 @@ on the answers (filler weighted by the phase's prompt_weight) and the learning r
 phase ends only when its gate (mean answer loss of one row kind over the last 100 rows) is passed, at most
 after max_steps. Then the context is lengthened up to 4096 tokens, the longest evaluated length (the probe
 found no length generalisation). The learning rate decays (cosine to 10 %) over the final phase only.
+RoPE's base bounds the distance over which a query can match a key by content (Men et al. 2024, "Base of RoPE
+Bounds Context Length", arXiv:2405.14591); with 32 dimensions per head, 10,000 is too small for 4096 tokens, so
+the later configs raise it to 500,000 (docs/benchmarks.md, "The RoPE base bounded the reach").
 
 CPU: the trainer shares 2 cores with other work; OMP_WAIT_POLICY=PASSIVE (set here before torch loads)
 stops idle OpenMP threads from spinning. bf16 autocast is used on a GPU and on CPUs with native bf16
@@ -160,7 +163,7 @@ def main() -> None:
         model.tie_weights()
         meta = json.loads((args.init_from / "training.json").read_text())
         old_base, new_base = meta["config"]["model"]["rope_theta"], config["model"]["rope_theta"]
-        if old_base != new_base:  # a raised base lets content match over longer distances (arXiv:2405.14591)
+        if old_base != new_base:  # a larger base lets content match over longer distances (arXiv:2405.14591)
             print(f"RoPE base {old_base:g} -> {new_base:g}: the weights carry over, the rotations change", flush=True)
         if meta["config"]["name"] == config["name"]:  # the same run's schedule goes on
             st = {k: meta[k] for k in st} | {"rewarm_from": meta["step"]}
