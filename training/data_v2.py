@@ -90,8 +90,8 @@ class Rows:
                                   rng.randrange(2**31), "train")
         if _TOPICS_MARK in sample.prompt:
             raise ValueError("filler window from the documentation topics file")
-        prompt = [BOS] + self.tok.encode(sample.prompt, add_special_tokens=False)
-        ids = (prompt + self.tok.encode(sample.target, add_special_tokens=False))[: n + 1]
+        prompt = [BOS] + self._enc(sample.prompt)
+        ids = (prompt + self._enc(sample.target))[: n + 1]
         n_answer = len(ids) - len(prompt)
         if n_answer <= 0:
             raise ValueError("no room for the answer")
@@ -113,7 +113,7 @@ class Rows:
         k = rng.randint(max(8, n // 8), (n - 1) // 2)
         half = tokens(k)
         prefix = tokens(rng.randint(0, n - 1 - 2 * k))
-        sep = self.tok.encode("\n", add_special_tokens=False)[:1]
+        sep = self._enc("\n")[:1]
         ids = [BOS] + prefix + half + sep + half
         lead = len(prefix) + k + 2  # targets up to and including the first copied token are not scored
         rest = n + 1 - len(ids)  # filled with more random tokens, not scored
