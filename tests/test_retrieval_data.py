@@ -143,3 +143,22 @@ def test_wild_phrasings_are_training_only_and_share_nothing_with_heldout_phrasin
     assert ex.meta["key"] in ex.meta["question"] and len(set(ex.meta["slots"]["key"])) == 3
     with pytest.raises(ValueError, match="training-only"):
         R.example("needle_wild", TOK, 900, rng, "eval")
+
+
+def test_open_phrasings_vary_over_thousands_of_words_and_carry_no_heldout_phrase():
+    held = set()
+    for templates in T.ALL_POOLS.values():
+        for t in T.heldout(templates):
+            for part in T.literal_parts(t):
+                words = re.findall(r"[a-z]+", part.lower())
+                held |= set(zip(words, words[1:]))
+    rng = random.Random(5)
+    vocabulary = set()
+    for _ in range(400):
+        for template, slots in ((T.open_needle(rng), ("{key}", "{value}")), (T.open_question(rng), ("{key}",))):
+            assert all(template.count(s) == 1 for s in slots)
+            for part in T.literal_parts(template):
+                words = re.findall(r"[a-z]+", part.lower())
+                assert not set(zip(words, words[1:])) & held, template
+                vocabulary |= set(words)
+    assert len(vocabulary) > 500  # the wild words are 50

@@ -198,7 +198,8 @@ def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
                                   "config_v2_reach_more.json", "config_v2_kv_short.json",
                                   "config_v2_kv_reach.json", "config_v2_ladder.json",
                                   "config_v2_ladder_theta.json", "config_v2_theta_more.json",
-                                  "config_v2_theta_code.json", "config_v2_mv_short.json"])
+                                  "config_v2_theta_code.json", "config_v2_mv_short.json", "config_v2_open.json",
+                                  "config_v2_multi.json"])
 def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     config = json.loads((TRAINING / name).read_text())
     drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
@@ -213,3 +214,36 @@ def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
         for kind in rows.mix(phase):
             assert rows.row(kind, 512, 1.0, random.Random(kind))[3] == kind
     assert config["tokenizer"].get("isolated_newlines", False) == (name != "config_v2_drill_more.json")
+
+
+@pytest.mark.parametrize("kind", ["mv_drill", "vt_drill"])
+def test_multi_answer_drills_list_every_value_of_the_asked_key_in_order(kind):
+    """mv_drill: each answer lists the values of the asked key's facts in the order they appear; vt_drill: each
+    answer is the whole chain of variables from the asked number, hop by hop, to its last variable."""
+    rows = data_v2.Rows(TOK, CONFIG)
+    n, answers = 2048, 0
+    for seed in range(8):
+        ids, weights, answer, drawn = rows.row(kind, n, 0.5, random.Random(seed))
+        assert drawn == kind  # the facts fit within a few draws
+        assert len(ids) == n + 1 and len(weights) == len(answer) == n
+        spans = [t for t in range(n) if answer[t] and not answer[t - 1]]
+        context = TOK.decode(ids[1 : spans[0] + 1]).rsplit("\n", 1)[0]
+        lines = context.split("\n")
+        for t in spans[:-1]:
+            e = next(e for e in range(t, n) if not answer[e])
+            said = TOK.decode(ids[t + 1 : e + 1]).strip().rstrip(".")
+            question = TOK.decode(ids[1 : t + 1]).rsplit("\n", 1)[1]
+            if kind == "mv_drill":
+                asked = re.escape(max(KEY.findall(question), key=len))
+                facts = [line for line in lines if re.search(rf"(?<![\w-]){asked}(?![\w-])", line)]
+                values = said.split(", ")
+                assert len(values) == len(facts) >= 2, (question, said, facts)
+                assert all(v in f for v, f in zip(values, facts)), (question, said, facts)
+            else:
+                number = re.search(r"value (\d+)\?", question).group(1)
+                chain = said.split(", VAR ")
+                assert f"{number} is assigned to VAR {chain[0]}." in lines
+                assert all(f"VAR {a} is assigned to VAR {b}." in lines for a, b in zip(chain, chain[1:]))
+                assert not any(line.startswith(f"VAR {chain[-1]} is assigned") for line in lines)
+            answers += 1
+    assert answers > 8 * 4

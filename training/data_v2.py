@@ -72,12 +72,16 @@ class Rows:
             return [BOS] + body, [1.0] * n, [True] * n
         if kind == "copy":
             return self._copy(n, rng)
-        if kind in ("drill", "drill_mixed"):
-            return self._drill(n, prompt_weight, rng, mixed_values=kind == "drill_mixed")
-        if kind == "drill_far":
-            return self._drill_far(n, prompt_weight, rng)
+        if kind in ("drill", "drill_mixed", "drill_open"):
+            return self._drill(n, prompt_weight, rng, mixed_values=kind != "drill", open_words=kind == "drill_open")
+        if kind in ("drill_far", "drill_far_open"):
+            return self._drill_far(n, prompt_weight, rng, open_words=kind == "drill_far_open")
         if kind == "kv_drill":
             return self._kv_drill(n, prompt_weight, rng)
+        if kind == "mv_drill":
+            return self._mv_drill(n, prompt_weight, rng)
+        if kind == "vt_drill":
+            return self._vt_drill(n, prompt_weight, rng)
         if kind.startswith("task:"):
             return self._task(kind[5:], n, prompt_weight, rng)
         ex = R.example(kind, self.tok, n, rng, "train")
@@ -122,14 +126,17 @@ class Rows:
         answer = [False] * lead + [True] * (k - 1) + [False] * rest
         return ids, weights, answer
 
-    def _drill(self, n: int, prompt_weight: float, rng: random.Random, mixed_values: bool = False):
+    def _drill(self, n: int, prompt_weight: float, rng: random.Random, mixed_values: bool = False,
+               open_words: bool = False):
         """Dense recall of multi-token keys: 2-16 facts (one listing format, training needle phrasings or random
         "wild" phrasings; keys and values of every format), each maybe after a short filler snippet, then as
         many questions as fit, each followed by its value (the answers). Every sample asks every key, in
         shuffled rounds, so a row carries dozens of answers instead of one, and only matching the asked key
         against the facts' keys answers them: the phrasing of fact and question vary independently.
         `mixed_values`: digits, words and hex strings equally often (otherwise about three values in four are
-        digits, the format of the acceptance tasks, and a model learns to answer with digits whatever it found)."""
+        digits, the format of the acceptance tasks, and a model learns to answer with digits whatever it found).
+        `open_words`: every fact and seven questions in ten worded with open text
+        (:func:`~attnkit.eval.retrieval_templates.open_needle`), so the wording varies over thousands of words."""
         n_facts = rng.randint(2, 16)
         key_kind, value_kind = rng.choice((None, "name", "words", "uuid", "item", "code")), rng.choice((None, "digits"))
         keys = T.distinct(lambda r: T.make_key(r, key_kind), n_facts, rng)
@@ -137,7 +144,7 @@ class Rows:
             values = [T.make_value(rng, rng.choice(("digits", "word", "hex"))) for _ in keys]
         else:
             values = [T.make_value(rng, value_kind) for _ in keys]
-        style = rng.choice(("listing", "needles", "wild"))
+        style = "open" if open_words else rng.choice(("listing", "needles", "wild"))
         fmt = rng.choice(T.KV_FORMATS)
         filler_kind = rng.choice(R.FILLER_KINDS["train"])
         ids, answer = [BOS], []
@@ -154,9 +161,9 @@ class Rows:
             elif style == "needles":
                 template = rng.choice(T.pool(T.NEEDLES, "train"))
             else:
-                template = T.wild_needle(rng)
+                template = T.wild_needle(rng) if style == "wild" else T.open_needle(rng)
             add(self._enc(template.format(key=k, value=v) + "\n"), False)
-        self._ask_rounds(add, ids, keys, values, n, rng)
+        self._ask_rounds(add, ids, keys, values, n, rng, self._open_ask if open_words else None)
         return self._finish(ids, answer, n, prompt_weight)
 
     def _enc(self, text: str) -> list[int]:
@@ -180,24 +187,36 @@ class Rows:
                 add(self._enc(question), False)
                 add(self._enc(value), True)
 
+    @staticmethod
+    def _open_ask(key: str, value: str, rng: random.Random) -> tuple[str, str]:
+        """A question worded with open text seven times in ten, otherwise a training phrasing; then the value."""
+        q = T.open_question(rng) if rng.random() < 0.7 else rng.choice(T.pool(T.QUESTIONS, "train"))
+        return "\n" + q.format(key=key), " " + value
+
     def _finish(self, ids: list[int], answer: list[bool], n: int, prompt_weight: float):
         answer = answer[:n]
         if not any(answer):
             raise ValueError("no answer fits")
         return ids[: n + 1], [self.answer_weight if a else prompt_weight for a in answer], answer
 
-    def _drill_far(self, n: int, prompt_weight: float, rng: random.Random):
+    def _drill_far(self, n: int, prompt_weight: float, rng: random.Random, open_words: bool = False):
         """The drill's questions about facts spread through a whole row of filler: 2-12 facts (training needle
         phrasings or random words; keys of every format, values digits / words / hex) at uniform depths in
         the first 70-85 % of the row, then every key asked in shuffled rounds. The drill lists its facts at
         the start and a needle row carries one answer; this row carries dozens, each from anywhere up to the
-        row's length back, which is what finding a needle far from the question needs."""
+        row's length back, which is what finding a needle far from the question needs. `open_words`: facts and
+        questions worded with open text as in the drill."""
         n_facts = rng.randint(2, 12)
         keys = T.distinct(lambda r: T.make_key(r, rng.choice((None, "name", "words", "uuid", "item", "code"))),
                           n_facts, rng)
         values = [T.make_value(rng, rng.choice(("digits", "word", "hex"))) for _ in keys]
         one = rng.choice(T.pool(T.NEEDLES, "train")) if rng.random() < 0.3 else None
+        if open_words:
+            one = None
+
         def phrasing() -> str:
+            if open_words:
+                return T.open_needle(rng)
             return one or (rng.choice(T.pool(T.NEEDLES, "train")) if rng.random() < 0.6 else T.wild_needle(rng))
         facts = [self._enc(phrasing().format(key=k, value=v) + "\n") for k, v in zip(keys, values)]
         head = [BOS] + self._enc(rng.choice(T.pool(T.INTROS, "train")) + "\n")
@@ -208,7 +227,7 @@ class Rows:
                                [(rng.random(), f) for f in facts])
         ids = head + body
         answer = [False] * (len(ids) - 1)
-        self._ask_rounds(_appender(ids, answer), ids, keys, values, n, rng)
+        self._ask_rounds(_appender(ids, answer), ids, keys, values, n, rng, self._open_ask if open_words else None)
         return self._finish(ids, answer, n, prompt_weight)
 
     def _kv_drill(self, n: int, prompt_weight: float, rng: random.Random):
@@ -238,4 +257,75 @@ class Rows:
                 return f'\nKey: "{key}"\nThe value associated with the key is: "', f'{value}"'
             return f'\nThe value of "{key}" in the object above is "', f'{value}"'
         self._ask_rounds(_appender(ids, answer), ids, keys, values, n, rng, ask)
+        return self._finish(ids, answer, n, prompt_weight)
+
+    def _grouped_facts(self, groups: list[list[str]], n: int, rng: random.Random) -> list[int]:
+        """The facts of several groups (each group's in its order, the groups interleaved at random), each on its own
+        line and half of them after a short training filler snippet, within about 60 % of the row; groups that do
+        not fit are dropped from the end (ValueError when not even two fit)."""
+        filler_kind = rng.choice(R.FILLER_KINDS["train"])
+        encoded = [[self._enc("\n" + f + "\n") for f in g] for g in groups]
+        while sum(len(ids) + 12 for g in encoded for ids in g) > 0.6 * n:
+            encoded.pop()
+            if len(encoded) < 2:
+                raise ValueError("the facts do not fit")
+        order = [i for i, g in enumerate(encoded) for _ in g]
+        rng.shuffle(order)
+        nxt = [0] * len(encoded)
+        out: list[int] = []
+        for i in order:
+            if rng.random() < 0.5:
+                out += R.filler(self.tok, filler_kind, "train", rng.randint(4, 24), rng)
+            out += encoded[i][nxt[i]]
+            nxt[i] += 1
+        del groups[len(encoded):]
+        return out
+
+    def _mv_drill(self, n: int, prompt_weight: float, rng: random.Random):
+        """Dense multi-value recall: 2-6 keys with 2-5 values each, their facts interleaved (niah_multivalue's own
+        wording six times in ten, otherwise training needle phrasings), then every key asked for all its values in
+        order, in shuffled rounds. The task row carries one such answer; here a model learns to list every value of
+        a key and to stop repeating one it has given."""
+        ruler = rng.random() < 0.6
+        keys = T.distinct(lambda r: T.make_key(r, "words" if ruler else None), rng.randint(2, 6), rng)
+        kind = "digits" if ruler or rng.random() < 0.5 else None
+        flat = T.distinct(lambda r: T.make_value(r, kind), 5 * len(keys), rng)
+        values = [flat[5 * i : 5 * i + rng.randint(2, 5)] for i in range(len(keys))]
+        needle = "One of the special magic numbers for {key} is: {value}."
+        groups = [[(needle if ruler else rng.choice(T.pool(T.NEEDLES, "train"))).format(key=k, value=v) for v in vs]
+                  for k, vs in zip(keys, values)]
+        ids = [BOS] + self._enc(T.INTROS[0] if ruler else rng.choice(T.pool(T.INTROS, "train")))
+        ids += self._grouped_facts(groups, n, rng)
+        keys, values = keys[: len(groups)], values[: len(groups)]
+        questions = T.pool(T.MULTI_QUESTIONS, "train")
+
+        def ask(key: str, vs: str, r: random.Random) -> tuple[str, str]:
+            if ruler:
+                return (f"\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are:",
+                        f" {vs}.")
+            return "\n" + r.choice(questions).format(key=key), f" {vs}"
+        answer = [False] * (len(ids) - 1)
+        self._ask_rounds(_appender(ids, answer), ids, keys, [", ".join(vs) for vs in values], n, rng, ask)
+        return self._finish(ids, answer, n, prompt_weight)
+
+    def _vt_drill(self, n: int, prompt_weight: float, rng: random.Random):
+        """Dense variable tracking in variable_tracking's own wording: 2-5 chains of 2-5 variables, each from a
+        number through "VAR A is assigned to VAR B." hops, the chains' statements interleaved, then every chain's
+        number asked ("which variables are assigned the value ...?") in shuffled rounds, answered with the chain's
+        variables in order: each answer follows the hops one by one, many times per row."""
+        names = T.distinct(lambda r: "".join(r.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)), 25, rng)
+        numbers = T.distinct(lambda r: str(r.randrange(10_000, 100_000)), 5, rng)
+        chains = [names[5 * c : 5 * c + rng.randint(2, 5)] for c in range(rng.randint(2, 5))]
+        groups = [[f"{v} is assigned to VAR {chain[0]}."] + [f"VAR {a} is assigned to VAR {b}."
+                                                            for a, b in zip(chain, chain[1:])]
+                  for v, chain in zip(numbers, chains)]
+        ids = [BOS] + self._enc("Variables are assigned in the text below. Track them.")
+        ids += self._grouped_facts(groups, n, rng)
+        chains = chains[: len(groups)]
+
+        def ask(value: str, chain: str, r: random.Random) -> tuple[str, str]:
+            return f"\nQuestion: which variables are assigned the value {value}? Answer: they are VAR", f" {chain}."
+        answer = [False] * (len(ids) - 1)
+        self._ask_rounds(_appender(ids, answer), ids, numbers[: len(chains)], [", VAR ".join(c) for c in chains], n,
+                         rng, ask)
         return self._finish(ids, answer, n, prompt_weight)

@@ -337,3 +337,60 @@ def wild_question(rng: random.Random) -> str:
     words = [_wild(rng, 1, 4), "{key}" + rng.choice(("?", ":", "", " -", ",")), _wild(rng, 0, 3)]
     text = " ".join(w for w in words if w)
     return text[:1].upper() + text[1:]
+
+
+# Training-only phrasings from open text: the words around the key (and the value) are runs of consecutive words of
+# a training documentation sentence, or wild words, so a model meets thousands of wordings (function words
+# included) and learns that only the key links a question to its fact. A held-out phrasing stays held out as a
+# phrase: no run carries two consecutive words of a held-out template's fixed text (single common words such as
+# "the" or "is" occur in every filler anyway).
+
+
+@functools.cache
+def _heldout_bigrams() -> frozenset[tuple[str, str]]:
+    out: set[tuple[str, str]] = set()
+    for templates in ALL_POOLS.values():
+        for t in heldout(templates):
+            for part in literal_parts(t):
+                words = re.findall(r"[a-z]+", part.lower())
+                out.update(zip(words, words[1:]))
+    return frozenset(out)
+
+
+@functools.cache
+def _prose_sentences() -> tuple[tuple[str, ...], ...]:
+    """The training documentation prose as sentences of words (letters only), six words or more."""
+    sentences = (re.findall(r"[A-Za-z]+", s) for s in re.split(r"[.!?:;\n]", doc_prose("train")))
+    return tuple(tuple(s) for s in sentences if len(s) >= 6)
+
+
+def _prose_run(rng: random.Random, lo: int, hi: int) -> str:
+    """lo..hi consecutive words of a training prose sentence, none two consecutive words of a held-out phrasing."""
+    held = _heldout_bigrams()
+    for _ in range(50):
+        sentence = rng.choice(_prose_sentences())
+        n = rng.randint(lo, min(hi, len(sentence)))
+        i = rng.randint(0, len(sentence) - n)
+        run = sentence[i : i + n]
+        lower = [w.lower() for w in run]
+        if not any(b in held for b in zip(lower, lower[1:])):
+            return " ".join(run)
+    return _wild(rng, lo, hi)
+
+
+def _open(rng: random.Random, lo: int, hi: int) -> str:
+    return _prose_run(rng, lo, hi) if rng.random() < 0.7 else _wild(rng, lo, hi)
+
+
+def open_needle(rng: random.Random) -> str:
+    """A fact template (``{key}``, ``{value}``) worded with open text; training only."""
+    words = [_open(rng, 0, 5), "{key}" + rng.choice(("", "", ",", ":")), _open(rng, 1, 5), "{value}"]
+    text = " ".join(w for w in words if w) + rng.choice((".", "", ";", " .", ","))
+    return text[:1].upper() + text[1:]
+
+
+def open_question(rng: random.Random) -> str:
+    """A question template (``{key}``) worded with open text, after which the value is the answer; training only."""
+    words = [_open(rng, 1, 6), "{key}" + rng.choice(("?", ":", "", " -", ",", ".")), _open(rng, 0, 5)]
+    text = " ".join(w for w in words if w) + rng.choice(("", "", ":"))
+    return text[:1].upper() + text[1:]
