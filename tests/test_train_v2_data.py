@@ -199,7 +199,8 @@ def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
                                   "config_v2_kv_reach.json", "config_v2_ladder.json",
                                   "config_v2_ladder_theta.json", "config_v2_theta_more.json",
                                   "config_v2_theta_code.json", "config_v2_mv_short.json", "config_v2_open.json",
-                                  "config_v2_multi.json"])
+                                  "config_v2_multi.json", "config_v2_all.json",
+                                  "config_v2_mv_once.json"])
 def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     config = json.loads((TRAINING / name).read_text())
     drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
@@ -216,12 +217,12 @@ def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     assert config["tokenizer"].get("isolated_newlines", False) == (name != "config_v2_drill_more.json")
 
 
-@pytest.mark.parametrize("kind", ["mv_drill", "vt_drill"])
+@pytest.mark.parametrize("kind", ["mv_drill", "mv_drill_once", "vt_drill"])
 def test_multi_answer_drills_list_every_value_of_the_asked_key_in_order(kind):
     """mv_drill: each answer lists the values of the asked key's facts in the order they appear; vt_drill: each
     answer is the whole chain of variables from the asked number, hop by hop, to its last variable."""
     rows = data_v2.Rows(TOK, CONFIG)
-    n, answers = 2048, 0
+    n, answers, padded = 2048, 0, 0
     for seed in range(8):
         ids, weights, answer, drawn = rows.row(kind, n, 0.5, random.Random(seed))
         assert drawn == kind  # the facts fit within a few draws
@@ -229,11 +230,15 @@ def test_multi_answer_drills_list_every_value_of_the_asked_key_in_order(kind):
         spans = [t for t in range(n) if answer[t] and not answer[t - 1]]
         context = TOK.decode(ids[1 : spans[0] + 1]).rsplit("\n", 1)[0]
         lines = context.split("\n")
-        for t in spans[:-1]:
-            e = next(e for e in range(t, n) if not answer[e])
+        questions = []
+        for t in spans:
+            e = next((e for e in range(t, n) if not answer[e]), None)
+            if e is None:  # cut off by the row's end
+                continue
             said = TOK.decode(ids[t + 1 : e + 1]).strip().rstrip(".")
             question = TOK.decode(ids[1 : t + 1]).rsplit("\n", 1)[1]
-            if kind == "mv_drill":
+            questions.append(question)
+            if kind.startswith("mv_drill"):
                 asked = re.escape(max(KEY.findall(question), key=len))
                 facts = [line for line in lines if re.search(rf"(?<![\w-]){asked}(?![\w-])", line)]
                 values = said.split(", ")
@@ -246,4 +251,10 @@ def test_multi_answer_drills_list_every_value_of_the_asked_key_in_order(kind):
                 assert all(f"VAR {a} is assigned to VAR {b}." in lines for a, b in zip(chain, chain[1:]))
                 assert not any(line.startswith(f"VAR {chain[-1]} is assigned") for line in lines)
             answers += 1
-    assert answers > 8 * 4
+        if kind == "mv_drill_once":  # one round: every key asked once, then padding without loss
+            assert len(set(questions)) == len(questions) == len(spans) >= 2
+            pads = [t for t in range(n) if ids[t + 1] == data_v2.PAD]
+            assert not any(weights[t] for t in pads) and pads == list(range(pads[0] if pads else n, n))
+            padded += bool(pads)
+    assert answers > 8 * (2 if kind == "mv_drill_once" else 4)
+    assert padded >= (4 if kind == "mv_drill_once" else 0)

@@ -78,8 +78,8 @@ class Rows:
             return self._drill_far(n, prompt_weight, rng, open_words=kind == "drill_far_open")
         if kind == "kv_drill":
             return self._kv_drill(n, prompt_weight, rng)
-        if kind == "mv_drill":
-            return self._mv_drill(n, prompt_weight, rng)
+        if kind in ("mv_drill", "mv_drill_once"):
+            return self._mv_drill(n, prompt_weight, rng, once=kind == "mv_drill_once")
         if kind == "vt_drill":
             return self._vt_drill(n, prompt_weight, rng)
         if kind.startswith("task:"):
@@ -170,12 +170,14 @@ class Rows:
         return self.tok.encode(text, add_special_tokens=False)
 
     def _ask_rounds(self, add, ids: list[int], keys: list[str], values: list[str], n: int, rng: random.Random,
-                    ask=None) -> None:
-        """Every key asked, in shuffled rounds, until the row holds n + 1 ids: a question (a training phrasing,
-        or random words three times in ten) and then the key's value as the answer. `ask(key, value, rng)` may
-        give (question, answer) texts of another format."""
+                    ask=None, rounds: int | None = None) -> None:
+        """Every key asked, in shuffled rounds, until the row holds n + 1 ids (or after `rounds` rounds): a question
+        (a training phrasing, or random words three times in ten) and then the key's value as the answer.
+        `ask(key, value, rng)` may give (question, answer) texts of another format."""
         questions = T.pool(T.QUESTIONS, "train")
-        while len(ids) < n + 1:
+        done = 0
+        while len(ids) < n + 1 and (rounds is None or done < rounds):
+            done += 1
             order = list(range(len(keys)))
             rng.shuffle(order)
             for i in order:
@@ -194,10 +196,13 @@ class Rows:
         return "\n" + q.format(key=key), " " + value
 
     def _finish(self, ids: list[int], answer: list[bool], n: int, prompt_weight: float):
+        """The row cut to n + 1 ids, or padded to them (padding has no loss)."""
         answer = answer[:n]
         if not any(answer):
             raise ValueError("no answer fits")
-        return ids[: n + 1], [self.answer_weight if a else prompt_weight for a in answer], answer
+        weights = [self.answer_weight if a else prompt_weight for a in answer]
+        pad = n - len(answer)
+        return ids[: n + 1] + [PAD] * pad, weights + [0.0] * pad, answer + [False] * pad
 
     def _drill_far(self, n: int, prompt_weight: float, rng: random.Random, open_words: bool = False):
         """The drill's questions about facts spread through a whole row of filler: 2-12 facts (training needle
@@ -259,13 +264,13 @@ class Rows:
         self._ask_rounds(_appender(ids, answer), ids, keys, values, n, rng, ask)
         return self._finish(ids, answer, n, prompt_weight)
 
-    def _grouped_facts(self, groups: list[list[str]], n: int, rng: random.Random) -> list[int]:
+    def _grouped_facts(self, groups: list[list[str]], n: int, rng: random.Random, share: float = 0.6) -> list[int]:
         """The facts of several groups (each group's in its order, the groups interleaved at random), each on its own
-        line and half of them after a short training filler snippet, within about 60 % of the row; groups that do
-        not fit are dropped from the end (ValueError when not even two fit)."""
+        line and half of them after a short training filler snippet, within about `share` of the row; groups that
+        do not fit are dropped from the end (ValueError when not even two fit)."""
         filler_kind = rng.choice(R.FILLER_KINDS["train"])
         encoded = [[self._enc("\n" + f + "\n") for f in g] for g in groups]
-        while sum(len(ids) + 12 for g in encoded for ids in g) > 0.6 * n:
+        while sum(len(ids) + 12 for g in encoded for ids in g) > share * n:
             encoded.pop()
             if len(encoded) < 2:
                 raise ValueError("the facts do not fit")
@@ -281,13 +286,14 @@ class Rows:
         del groups[len(encoded):]
         return out
 
-    def _mv_drill(self, n: int, prompt_weight: float, rng: random.Random):
+    def _mv_drill(self, n: int, prompt_weight: float, rng: random.Random, once: bool = False):
         """Dense multi-value recall: 2-6 keys with 2-5 values each, their facts interleaved (niah_multivalue's own
         wording six times in ten, otherwise training needle phrasings), then every key asked for all its values in
         order, in shuffled rounds. The task row carries one such answer; here a model learns to list every value of
-        a key and to stop repeating one it has given."""
+        a key and to stop repeating one it has given. `once`: 2-8 keys, each asked once (the rest of the row is
+        padding): a second round can copy the first round's answers, so only the first round needs the facts."""
         ruler = rng.random() < 0.6
-        keys = T.distinct(lambda r: T.make_key(r, "words" if ruler else None), rng.randint(2, 6), rng)
+        keys = T.distinct(lambda r: T.make_key(r, "words" if ruler else None), rng.randint(2, 8 if once else 6), rng)
         kind = "digits" if ruler or rng.random() < 0.5 else None
         flat = T.distinct(lambda r: T.make_value(r, kind), 5 * len(keys), rng)
         values = [flat[5 * i : 5 * i + rng.randint(2, 5)] for i in range(len(keys))]
@@ -295,7 +301,7 @@ class Rows:
         groups = [[(needle if ruler else rng.choice(T.pool(T.NEEDLES, "train"))).format(key=k, value=v) for v in vs]
                   for k, vs in zip(keys, values)]
         ids = [BOS] + self._enc(T.INTROS[0] if ruler else rng.choice(T.pool(T.INTROS, "train")))
-        ids += self._grouped_facts(groups, n, rng)
+        ids += self._grouped_facts(groups, n, rng, 0.75 if once else 0.6)
         keys, values = keys[: len(groups)], values[: len(groups)]
         questions = T.pool(T.MULTI_QUESTIONS, "train")
 
@@ -305,7 +311,8 @@ class Rows:
                         f" {vs}.")
             return "\n" + r.choice(questions).format(key=key), f" {vs}"
         answer = [False] * (len(ids) - 1)
-        self._ask_rounds(_appender(ids, answer), ids, keys, [", ".join(vs) for vs in values], n, rng, ask)
+        self._ask_rounds(_appender(ids, answer), ids, keys, [", ".join(vs) for vs in values], n, rng, ask,
+                         1 if once else None)
         return self._finish(ids, answer, n, prompt_weight)
 
     def _vt_drill(self, n: int, prompt_weight: float, rng: random.Random):
