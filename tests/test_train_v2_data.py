@@ -200,7 +200,7 @@ def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
                                   "config_v2_ladder_theta.json", "config_v2_theta_more.json",
                                   "config_v2_theta_code.json", "config_v2_mv_short.json", "config_v2_open.json",
                                   "config_v2_multi.json", "config_v2_all.json",
-                                  "config_v2_mv_once.json"])
+                                  "config_v2_mv_once.json", "config_v2_mv_more.json"])
 def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     config = json.loads((TRAINING / name).read_text())
     drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
