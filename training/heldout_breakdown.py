@@ -13,6 +13,7 @@ import collections
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from attnkit.eval.harness import depth_list
 from attnkit.eval.retrieval_data import EVAL_TASKS
 
 
@@ -28,12 +29,12 @@ def main(argv=None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     task = EVAL_TASKS["needle_heldout"]
     found: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
-    for seed in range(args.samples):  # the depths and seeds of `attnkit eval --samples N`
-        sample = task.make(tok, args.length, (seed + 0.5) / args.samples, seed, "eval")
+    for seed, depth in enumerate(depth_list(args.samples, None)):  # the samples of `attnkit eval --samples N`
+        sample = task.make(tok, args.length, depth, seed, "eval")
         ids = tok(sample.prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=sample.max_new_tokens, do_sample=False)
-        ok = int(sample.answers[0] in tok.decode(out[0, ids.shape[1] :]))
+        ok = int(task.score(tok.decode(out[0, ids.shape[1] :]), sample))  # the score `attnkit eval` gives
         question = sample.meta["question"].replace(sample.meta["key"], "K")
         for row in (("question", question), ("fact", sample.meta["templates"][0]), ("filler", sample.meta["filler"])):
             found[row][0] += ok
