@@ -14,7 +14,7 @@ import torch
 
 from attnkit.eval import retrieval_data as R
 from attnkit.eval import retrieval_templates as T
-from attnkit.eval.tasks import TASKS
+from attnkit.eval import tasks
 
 BOS, PAD = 0, 2
 _FIRST_PLAIN_ID = 16  # ids below are the special tokens (0-2) and single punctuation characters
@@ -90,7 +90,7 @@ class Rows:
         return ids, weights, list(ex.answer)
 
     def _task(self, name: str, n: int, prompt_weight: float, rng: random.Random):
-        sample = TASKS[name].make(self.tok, n + 1 - _TASK_RESERVE.get(name, 16), rng.random(),
+        sample = tasks.TASKS[name].make(self.tok, n + 1 - _TASK_RESERVE.get(name, 16), rng.random(),
                                   rng.randrange(2**31), "train")
         if _TOPICS_MARK in sample.prompt:
             raise ValueError("filler window from the documentation topics file")
@@ -297,9 +297,8 @@ class Rows:
         kind = "digits" if ruler or rng.random() < 0.5 else None
         flat = T.distinct(lambda r: T.make_value(r, kind), 5 * len(keys), rng)
         values = [flat[5 * i : 5 * i + rng.randint(2, 5)] for i in range(len(keys))]
-        needle = "One of the special magic numbers for {key} is: {value}."
-        groups = [[(needle if ruler else rng.choice(T.pool(T.NEEDLES, "train"))).format(key=k, value=v) for v in vs]
-                  for k, vs in zip(keys, values)]
+        groups = [[(tasks.MAGIC_NEEDLE if ruler else rng.choice(T.pool(T.NEEDLES, "train"))).format(key=k, value=v)
+                   for v in vs] for k, vs in zip(keys, values)]
         ids = [BOS] + self._enc(T.INTROS[0] if ruler else rng.choice(T.pool(T.INTROS, "train")))
         ids += self._grouped_facts(groups, n, rng, 0.75 if once else 0.6)
         keys, values = keys[: len(groups)], values[: len(groups)]
@@ -307,8 +306,7 @@ class Rows:
 
         def ask(key: str, vs: str, r: random.Random) -> tuple[str, str]:
             if ruler:
-                return (f"\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are:",
-                        f" {vs}.")
+                return tasks.MULTIVALUE_QUESTION.format(key=key), f" {vs}."
             return "\n" + r.choice(questions).format(key=key), f" {vs}"
         answer = [False] * (len(ids) - 1)
         self._ask_rounds(_appender(ids, answer), ids, keys, [", ".join(vs) for vs in values], n, rng, ask,
@@ -323,15 +321,15 @@ class Rows:
         names = T.distinct(lambda r: "".join(r.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)), 25, rng)
         numbers = T.distinct(lambda r: str(r.randrange(10_000, 100_000)), 5, rng)
         chains = [names[5 * c : 5 * c + rng.randint(2, 5)] for c in range(rng.randint(2, 5))]
-        groups = [[f"{v} is assigned to VAR {chain[0]}."] + [f"VAR {a} is assigned to VAR {b}."
-                                                            for a, b in zip(chain, chain[1:])]
+        groups = [[tasks.VT_FIRST.format(value=v, var=chain[0])] + [tasks.VT_HOP.format(src=a, dst=b)
+                                                                    for a, b in zip(chain, chain[1:])]
                   for v, chain in zip(numbers, chains)]
-        ids = [BOS] + self._enc("Variables are assigned in the text below. Track them.")
+        ids = [BOS] + self._enc(tasks.VT_INTRO)
         ids += self._grouped_facts(groups, n, rng)
         chains = chains[: len(groups)]
 
         def ask(value: str, chain: str, r: random.Random) -> tuple[str, str]:
-            return f"\nQuestion: which variables are assigned the value {value}? Answer: they are VAR", f" {chain}."
+            return tasks.VT_QUESTION.format(value=value), f" {chain}."
         answer = [False] * (len(ids) - 1)
         self._ask_rounds(_appender(ids, answer), ids, numbers[: len(chains)], [", VAR ".join(c) for c in chains], n,
                          rng, ask)

@@ -165,6 +165,14 @@ def _asks(question: str, value: str, meta: dict | None = None) -> Followup:
     return Followup(question, (value,), f" {value}.\n", meta or {})
 
 
+# RULER's wordings, shared with the training drills that rehearse these tasks (training/data_v2.py)
+MAGIC_NEEDLE = "One of the special magic numbers for {key} is: {value}."
+MULTIVALUE_QUESTION = "\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are:"
+VT_INTRO = "Variables are assigned in the text below. Track them."
+VT_FIRST, VT_HOP = "{value} is assigned to VAR {var}.", "VAR {src} is assigned to VAR {dst}."
+VT_QUESTION = "\nQuestion: which variables are assigned the value {value}? Answer: they are VAR"
+
+
 def _number(rng: random.Random, digits: int = 5) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
@@ -205,7 +213,7 @@ def make_niah_multikey(tokenizer, length: int, depth: float = 0.5, seed: int = 0
             keys.append(k)
     values = [_number(rng, 6) for _ in keys]
     depths = [depth] + [rng.random() for _ in keys[1:]]
-    needles = [(d, f"\nOne of the special magic numbers for {k} is: {v}.\n") for d, k, v in zip(depths, keys, values)]
+    needles = [(d, "\n" + MAGIC_NEEDLE.format(key=k, value=v) + "\n") for d, k, v in zip(depths, keys, values)]
     target_key, target_value = keys[0], values[0]
     return _needle_sample(
         "niah_multikey", tokenizer, split, length, depth, seed, rng,
@@ -232,12 +240,12 @@ def make_niah_multivalue(tokenizer, length: int, depth: float = 0.5, seed: int =
             values.append(v)
     # the first value sits at the requested depth, the others spread over the rest of the text
     depths = sorted([depth] + [rng.random() for _ in range(n_values - 1)])
-    needles = [(d, f"\nOne of the special magic numbers for {key} is: {v}.\n") for d, v in zip(depths, values)]
+    needles = [(d, "\n" + MAGIC_NEEDLE.format(key=key, value=v) + "\n") for d, v in zip(depths, values)]
     return _needle_sample(
         "niah_multivalue", tokenizer, split, length, depth, seed, rng,
         prefix="Special magic numbers are hidden in the text below. Memorize them.\n",
         needles=needles,
-        suffix=f"\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are:",
+        suffix=MULTIVALUE_QUESTION.format(key=key),
         answers=tuple(values), target=" " + ", ".join(values) + ".\n", max_new_tokens=36, meta={"key": key},
         followups=(Followup(f"\nList every special magic number for {key}. The special magic numbers for {key} are:",
                             tuple(values), " " + ", ".join(values) + ".\n"),),
@@ -314,17 +322,17 @@ def make_variable_tracking(tokenizer, length: int, depth: float = 0.5, seed: int
         # the queried chain (c == 0) starts at the requested depth, hops follow in order
         start = depth if c == 0 else rng.random() * 0.5
         hop_depths = sorted([start] + [start + (1 - start) * rng.random() for _ in chain[1:]])
-        statements = [f"\n{value} is assigned to VAR {chain[0]}.\n"]
-        statements += [f"\nVAR {a} is assigned to VAR {b}.\n" for a, b in zip(chain, chain[1:])]
+        statements = ["\n" + VT_FIRST.format(value=value, var=chain[0]) + "\n"]
+        statements += ["\n" + VT_HOP.format(src=a, dst=b) + "\n" for a, b in zip(chain, chain[1:])]
         needles += list(zip(hop_depths, statements))
     value, chain = chains[0]
 
     def question(value: str) -> str:
-        return f"\nQuestion: which variables are assigned the value {value}? Answer: they are VAR"
+        return VT_QUESTION.format(value=value)
 
     return _needle_sample(
         "variable_tracking", tokenizer, split, length, depth, seed, rng,
-        prefix="Variables are assigned in the text below. Track them.\n",
+        prefix=VT_INTRO + "\n",
         needles=needles,
         suffix=question(value),
         answers=tuple(chain), target=" " + ", VAR ".join(chain) + ".\n", max_new_tokens=40,
