@@ -200,7 +200,9 @@ def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
                                   "config_v2_ladder_theta.json", "config_v2_theta_more.json",
                                   "config_v2_theta_code.json", "config_v2_mv_short.json", "config_v2_open.json",
                                   "config_v2_multi.json", "config_v2_all.json",
-                                  "config_v2_mv_once.json", "config_v2_mv_more.json"])
+                                  "config_v2_mv_once.json", "config_v2_mv_more.json",
+                                  "config_v2_mv_list.json", "config_v2_mv_far.json", "config_v2_mv_wide.json",
+                                  "config_v2_mv_wide_kv.json"])
 def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     config = json.loads((TRAINING / name).read_text())
     drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
@@ -217,10 +219,11 @@ def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     assert config["tokenizer"].get("isolated_newlines", False) == (name != "config_v2_drill_more.json")
 
 
-@pytest.mark.parametrize("kind", ["mv_drill", "mv_drill_once", "vt_drill"])
+@pytest.mark.parametrize("kind", ["mv_drill", "mv_drill_once", "mv_list", "mv_list_far", "mv_list_wide", "vt_drill"])
 def test_multi_answer_drills_list_every_value_of_the_asked_key_in_order(kind):
-    """mv_drill: each answer lists the values of the asked key's facts in the order they appear; vt_drill: each
-    answer is the whole chain of variables from the asked number, hop by hop, to its last variable."""
+    """mv_drill, mv_list: each answer lists the values of the asked key's facts in the order they appear (mv_list:
+    the facts before its question, several lists per row); vt_drill: each answer is the whole chain of variables
+    from the asked number, hop by hop, to its last variable."""
     rows = data_v2.Rows(TOK, CONFIG)
     n, answers, padded = 2048, 0, 0
     for seed in range(8):
@@ -238,7 +241,9 @@ def test_multi_answer_drills_list_every_value_of_the_asked_key_in_order(kind):
             said = TOK.decode(ids[t + 1 : e + 1]).strip().rstrip(".")
             question = TOK.decode(ids[1 : t + 1]).rsplit("\n", 1)[1]
             questions.append(question)
-            if kind.startswith("mv_drill"):
+            if kind.startswith("mv_list"):
+                lines = TOK.decode(ids[1 : t + 1]).rsplit("\n", 1)[0].split("\n")
+            if kind.startswith("mv_"):
                 asked = re.escape(max(KEY.findall(question), key=len))
                 facts = [line for line in lines if re.search(rf"(?<![\w-]){asked}(?![\w-])", line)]
                 values = said.split(", ")
@@ -256,5 +261,49 @@ def test_multi_answer_drills_list_every_value_of_the_asked_key_in_order(kind):
             pads = [t for t in range(n) if ids[t + 1] == data_v2.PAD]
             assert not any(weights[t] for t in pads) and pads == list(range(pads[0] if pads else n, n))
             padded += bool(pads)
-    assert answers > 8 * (2 if kind == "mv_drill_once" else 4)
+    assert answers >= 8 * {"mv_drill_once": 2, "mv_list": 2}.get(kind, 1 if kind.startswith("mv_list") else 4)
     assert padded >= (4 if kind == "mv_drill_once" else 0)
+
+
+def test_mv_list_weighs_the_first_token_of_every_listed_value_more():
+    """The token that decides which value comes next (the first of each listed value) carries _NEXT_BOOST times
+    the answer weight; every other answer token the answer weight."""
+    rows = data_v2.Rows(TOK, CONFIG)
+    w = CONFIG["answer_weight"]
+    for seed in range(6):
+        ids, weights, answer, _ = rows.row("mv_list", 1024, 0.5, random.Random(seed))
+        spans = [t for t in range(1024) if answer[t] and not answer[t - 1]]
+        for t in spans:
+            e = next((e for e in range(t, 1024) if not answer[e]), None)
+            if e is None:
+                continue
+            values = TOK.decode(ids[t + 1 : e + 1]).strip().rstrip(".").split(", ")
+            boosted = [u for u in range(t, e) if weights[u] == w * data_v2._NEXT_BOOST]
+            assert all(v.startswith(TOK.decode([ids[u + 1]]).strip()) for u, v in zip(boosted, values))
+            assert len(boosted) == len(values) and all(weights[u] == w for u in range(t, e) if u not in boosted)
+
+
+def _sublist_at(ids: list[int], piece: list[int], end: int) -> int:
+    """The last start of `piece` in ids[:end]."""
+    return max(i for i in range(end - len(piece) + 1) if ids[i : i + len(piece)] == piece)
+
+
+@pytest.mark.parametrize("kind", ["mv_list", "mv_list_far", "mv_list_wide"])
+def test_mv_list_far_spreads_a_list_over_the_row_where_mv_list_keeps_it_close(kind):
+    """mv_list's facts are at most 160 filler tokens apart; mv_list_far's and mv_list_wide's lists (numbers) also
+    reach hundreds of tokens between consecutive facts at 2048 tokens (mv_list_wide's never closer than 160)."""
+    rows = data_v2.Rows(TOK, CONFIG)
+    widest, closest = 0, 2048
+    for seed in range(16):
+        ids, _, answer, _ = rows.row(kind, 2048, 1.0, random.Random(seed))
+        for t in [t for t in range(2048) if answer[t] and not answer[t - 1]]:
+            e = next((e for e in range(t, 2048) if not answer[e]), None)
+            values = TOK.decode(ids[t + 1 : e + 1] if e else []).strip().rstrip(".").split(", ")
+            if e is None or not all(v.isdigit() for v in values):
+                continue
+            starts = [_sublist_at(ids, TOK.encode(" " + v, add_special_tokens=False), t) for v in values]
+            assert starts == sorted(starts)
+            widest = max(widest, max(b - a for a, b in zip(starts, starts[1:])))
+            closest = min(closest, min(b - a for a, b in zip(starts, starts[1:])))
+    assert closest > 160 if kind == "mv_list_wide" else closest < 40
+    assert widest <= 160 + 80 if kind == "mv_list" else widest > 300, widest  # filler + a fact line at most

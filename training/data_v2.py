@@ -23,6 +23,7 @@ _FIRST_PLAIN_ID = 16  # ids below are the special tokens (0-2) and single punctu
 # file included, whose held-out topics are evaluation prose here: a window of that file has many lines
 # ending in a backslash-n and a quote. Such samples are redrawn, so no held-out prose reaches training.
 _TOPICS_MARK = "\\n'\n"
+_NEXT_BOOST = 3.0  # mv_list: the loss weight of a listed value's first token, relative to the other answer tokens
 _TASK_RESERVE = {"niah_multivalue": 34, "variable_tracking": 40}
 
 
@@ -82,6 +83,8 @@ class Rows:
             return self._mv_drill(n, prompt_weight, rng, once=kind == "mv_drill_once")
         if kind == "vt_drill":
             return self._vt_drill(n, prompt_weight, rng)
+        if kind in ("mv_list", "mv_list_far", "mv_list_wide"):
+            return self._mv_list(n, prompt_weight, rng, far=kind != "mv_list", wide=kind == "mv_list_wide")
         if kind.startswith("task:"):
             return self._task(kind[5:], n, prompt_weight, rng)
         ex = R.example(kind, self.tok, n, rng, "train")
@@ -312,6 +315,52 @@ class Rows:
         self._ask_rounds(_appender(ids, answer), ids, keys, [", ".join(vs) for vs in values], n, rng, ask,
                          1 if once else None)
         return self._finish(ids, answer, n, prompt_weight)
+
+    def _mv_list(self, n: int, prompt_weight: float, rng: random.Random, far: bool = False, wide: bool = False):
+        """One key's 2-6 values listed in order, in short episodes packed into the row (intro, the key's facts with
+        no, short or long filler between them, the question, the list). niah_multivalue's answer turns on one
+        token per value, its first: which fact comes next; the rest copies. Models that had learnt the other rows
+        picked that token nearly at random among the key's values (their first and last value right), so here
+        that token's loss counts `_NEXT_BOOST` times, and adjacent facts (where the next fact sits a few tokens
+        after the one just listed) make the order easy to find before filler spreads it.
+        `far`: also (three times in six) gaps from 160 tokens up to what lets the episode fill most of the row,
+        as far apart as the task's facts at the row's length. `wide`: only such gaps (where they fit), so that
+        finding the next fact by the few tokens after the last one no longer works."""
+        ids, answer, boost, keys = [BOS], [], [], set()
+        add = _appender(ids, answer)
+        while len(ids) < n + 1:
+            ruler = rng.random() < 0.6
+            key = T.make_key(rng, "words" if ruler else None)
+            if key in keys:  # an earlier episode's facts would belong to this key's list
+                continue
+            keys.add(key)
+            kind = "digits" if ruler or rng.random() < 0.5 else None
+            values = T.distinct((lambda r: str(r.randrange(100_000, 1_000_000))) if ruler
+                                else (lambda r, k=kind: T.make_value(r, k)), rng.randint(2, 6), rng)
+            fact = tasks.MAGIC_NEEDLE if ruler else rng.choice(T.pool(T.NEEDLES, "train"))
+            widest = int(0.85 * n / len(values)) - 24
+            if wide and widest > 200:
+                gap = (160, widest)
+            else:
+                gap = rng.choice(((0, 0), (4, 24), (24, 160)) + (((160, widest),) * 3 if far and widest > 200 else ()))
+            filler_kind = rng.choice(R.FILLER_KINDS["train"])
+            add(self._enc((T.INTROS[0] if ruler else rng.choice(T.pool(T.INTROS, "train"))) + "\n"), False)
+            for v in values:
+                add(R.filler(self.tok, filler_kind, "train", rng.randint(*gap), rng), False)
+                add(self._enc("\n" + fact.format(key=key, value=v) + "\n"), False)
+            q = tasks.MULTIVALUE_QUESTION if ruler else "\n" + rng.choice(T.pool(T.MULTI_QUESTIONS, "train"))
+            add(self._enc(q.format(key=key)), False)
+            for i, v in enumerate(values):
+                piece = self._enc((" " if i == 0 else ", ") + v)
+                boost.append(len(answer) + next(j for j, t in enumerate(piece)
+                                                 if any(c.isalnum() for c in self.tok.decode([t]))))
+                add(piece, True)
+            add(self._enc(".\n\n" if ruler else "\n\n"), True)
+        ids, weights, answer = self._finish(ids, answer, n, prompt_weight)
+        for i in boost:
+            if i < n:
+                weights[i] *= _NEXT_BOOST
+        return ids, weights, answer
 
     def _vt_drill(self, n: int, prompt_weight: float, rng: random.Random):
         """Dense variable tracking in variable_tracking's own wording: 2-5 chains of 2-5 variables, each from a
