@@ -202,7 +202,7 @@ def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
                                   "config_v2_multi.json", "config_v2_all.json",
                                   "config_v2_mv_once.json", "config_v2_mv_more.json",
                                   "config_v2_mv_list.json", "config_v2_mv_far.json", "config_v2_mv_wide.json",
-                                  "config_v2_mv_wide_kv.json"])
+                                  "config_v2_mv_wide_kv.json", "config_v2_mv_open.json"])
 def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     config = json.loads((TRAINING / name).read_text())
     drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
