@@ -19,7 +19,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnkit.eval import retrieval_data as R
-from attnkit.eval import retrieval_templates as T
 from attnkit.eval import tasks
 from attnkit.eval.harness import depth_list
 
@@ -33,7 +32,7 @@ def spaced(tok, gap: int, seed: int, length: int = 1024) -> tuple[list[int], lis
 
     def enc(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False)
-    ids = tok(T.INTROS[0] + "\n").input_ids  # niah_multivalue's intro
+    ids = tok(tasks.MAGIC_INTRO + "\n").input_ids
     ids += R.filler(tok, "docs", "eval", 40, rng)
     for i, v in enumerate(values):
         ids += R.filler(tok, "docs", "eval", gap if i else 0, rng)
@@ -63,14 +62,15 @@ def main(argv=None) -> None:
         n_values, right = len(values), 0
         for step, value in enumerate(values):
             ids = ids + tok.encode(" " if step == 0 else ", ", add_special_tokens=False)
+            value_ids = tok.encode(value, add_special_tokens=False)
             x = torch.tensor([ids])
             with torch.no_grad():
-                out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=len(tok.encode(value, add_special_tokens=False)) + 1,
+                out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=len(value_ids) + 1,
                                      do_sample=False)
             text = tok.decode(out[0, len(ids):]).strip().rstrip(",.")
             given[step][values.index(text) + 1 if text in values else "other"] += 1
             right += text == value
-            ids = ids + tok.encode(value, add_special_tokens=False)
+            ids = ids + value_ids
         in_order += right == n_values
     columns = list(range(1, n_values + 1)) + ["other"]
     where = f"at {args.length} tokens" if args.gap is None else f"with facts {args.gap} tokens apart"

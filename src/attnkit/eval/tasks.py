@@ -166,6 +166,7 @@ def _asks(question: str, value: str, meta: dict | None = None) -> Followup:
 
 
 # RULER's wordings, shared with the training drills that rehearse these tasks (training/data_v2.py)
+MAGIC_INTRO = "Special magic numbers are hidden in the text below. Memorize them."
 MAGIC_NEEDLE = "One of the special magic numbers for {key} is: {value}."
 MULTIVALUE_QUESTION = "\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are:"
 VT_INTRO = "Variables are assigned in the text below. Track them."
@@ -217,7 +218,7 @@ def make_niah_multikey(tokenizer, length: int, depth: float = 0.5, seed: int = 0
     target_key, target_value = keys[0], values[0]
     return _needle_sample(
         "niah_multikey", tokenizer, split, length, depth, seed, rng,
-        prefix="Special magic numbers are hidden in the text below. Memorize them.\n",
+        prefix=MAGIC_INTRO + "\n",
         needles=needles,
         suffix=_multikey_question(target_key),
         answers=(target_value,), target=f" {target_value}.\n", max_new_tokens=10, meta={"key": target_key},
@@ -243,7 +244,7 @@ def make_niah_multivalue(tokenizer, length: int, depth: float = 0.5, seed: int =
     needles = [(d, "\n" + MAGIC_NEEDLE.format(key=key, value=v) + "\n") for d, v in zip(depths, values)]
     return _needle_sample(
         "niah_multivalue", tokenizer, split, length, depth, seed, rng,
-        prefix="Special magic numbers are hidden in the text below. Memorize them.\n",
+        prefix=MAGIC_INTRO + "\n",
         needles=needles,
         suffix=MULTIVALUE_QUESTION.format(key=key),
         answers=tuple(values), target=" " + ", ".join(values) + ".\n", max_new_tokens=36, meta={"key": key},
