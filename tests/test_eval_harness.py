@@ -207,6 +207,18 @@ def test_format_table():
 # scorers and splits (attnkit.eval.tasks, attnkit.eval.corpus)
 
 
+def test_code_completion_scores_the_first_code_line_after_blank_and_comment_lines(model):
+    """LongBench lcc scores the first predicted line that is no comment, after leading newlines: a model that
+    writes a blank line or a comment first is scored on the code line after it, so a code sample's generation
+    must not stop at the first newline (it runs to its token limit)."""
+    sample = TASKS["code_completion"].make(model.tokenizer, 256, seed=3)
+    assert cells.stop_of(sample) is None and sample.max_new_tokens > 16
+    line = sample.answers[0]
+    assert tasks.code_score("\n\n    # a comment first\n" + line + "\nx = 1", sample) == 1.0
+    assert tasks.code_score(line[: len(line) // 2], sample) < 1.0
+    assert cells.stop_of(TASKS["passkey"].make(model.tokenizer, 256, seed=3)) == "\n"
+
+
 def test_edit_similarity_by_hand():
     # LCS("kitten", "sitting") = "ittn" (4): 2 * 4 / (6 + 7)
     assert edit_similarity("kitten", "sitting") == pytest.approx(8 / 13)

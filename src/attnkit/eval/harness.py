@@ -9,8 +9,9 @@ context). A stochastic method (Keyformer) runs once per seed of ``seeds`` (one r
 report merge them). Sample ``i`` uses eval seed ``seed + i``;
 its needle depth is ``(i + 0.5) / samples`` unless explicit depths are given (then every depth gets
 ``samples`` samples). Generation is greedy and stops at the first newline (every task's answer is on
-the first line of the continuation; LongBench-format items, :mod:`attnkit.eval.longbench`, run to their
-own token limit). ``perplexity`` is bits per byte of held-out standard-library text (lower is better).
+the first line of the continuation); ``code_completion`` and LongBench-format items
+(:mod:`attnkit.eval.longbench`) run to their own token limit, as their scorers skip leading blank and
+comment lines. ``perplexity`` is bits per byte of held-out standard-library text (lower is better).
 
 This module checks a request and plans it; the pieces live beside it: :mod:`~attnkit.eval.items`
 (samples and scoring), :mod:`~attnkit.eval.cells` (running cells), :mod:`~attnkit.eval.results` (the

@@ -361,9 +361,11 @@ def make_code_completion(tokenizer, length: int, depth: float = 1.0, seed: int =
             continue
         prompt = tokenizer.decode(context_ids[-(length - 1):])
         answer = lines[i]
-        # nothing is asked after the code: the whole prompt is context (LongBench's lcc has no question either)
+        # nothing is asked after the code: the whole prompt is context (LongBench's lcc has no question either).
+        # No stop string: as in lcc, blank and comment lines before the first code line are skipped by the scorer,
+        # so generation must not end at the first newline.
         return Sample("code_completion", prompt, (answer,), answer + "\n", length, depth, seed,
-                      min(128, len(_encode(tokenizer, answer)) + 16), question="")
+                      min(128, len(_encode(tokenizer, answer)) + 16), {"stop": None}, question="")
     raise ValueError(f"code_completion: no held-out file has {length} tokens of context")
 
 
