@@ -158,7 +158,7 @@ def test_isolated_newlines_keep_the_vocabulary_and_cut_newlines_from_indentation
     assert tok.decode(ids) == text and max(ids) < len(tok)  # the same vocabulary, lossless
 
 
-@pytest.mark.parametrize("kind", ["drill_far", "kv_drill"])
+@pytest.mark.parametrize("kind", ["drill_far", "drill_far_stated", "kv_drill"])
 def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
     """The facts of a drill_far row lie anywhere in its filler (some in its first quarter), the questions come
     after, and each answer is the value of the asked key; a kv_drill row asks the keys of its JSON object."""
@@ -202,7 +202,9 @@ def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
                                   "config_v2_multi.json", "config_v2_all.json",
                                   "config_v2_mv_once.json", "config_v2_mv_more.json",
                                   "config_v2_mv_list.json", "config_v2_mv_far.json", "config_v2_mv_wide.json",
-                                  "config_v2_mv_wide_kv.json", "config_v2_mv_open.json"])
+                                  "config_v2_mv_wide_kv.json", "config_v2_mv_open.json",
+                                  "config_v2_words.json", "config_v2_stated.json",
+                                  "config_v2_stated_long.json"])
 def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     config = json.loads((TRAINING / name).read_text())
     drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
@@ -281,6 +283,28 @@ def test_mv_list_weighs_the_first_token_of_every_listed_value_more():
             boosted = [u for u in range(t, e) if weights[u] == w * data_v2._NEXT_BOOST]
             assert all(v.startswith(TOK.decode([ids[u + 1]]).strip()) for u, v in zip(boosted, values))
             assert len(boosted) == len(values) and all(weights[u] == w for u in range(t, e) if u not in boosted)
+
+
+@pytest.mark.parametrize("kind", ["drill_far_open", "kv_drill", "task:passkey", "task:variable_tracking",
+                                  "mv_list", "code"])
+def test_value_boost_weighs_the_first_letter_or_digit_of_every_answer_more(kind):
+    """With value_boost, the first target holding a letter or digit of every answer span weighs value_boost times
+    the answer weight; the rows and every other weight are those drawn without it. mv_list rows weigh their own
+    first tokens, and plain windows have no answers: both unchanged."""
+    n, w = 1024, CONFIG["answer_weight"]
+    plain = data_v2.Rows(TOK, CONFIG).row(kind, n, 1.0, random.Random(kind))
+    ids, weights, answer, _ = data_v2.Rows(TOK, dict(CONFIG, value_boost=3.0)).row(kind, n, 1.0, random.Random(kind))
+    assert ids == plain[0] and answer == plain[2]
+    changed = [i for i in range(n) if weights[i] != plain[1][i]]
+    if kind in ("mv_list", "code"):
+        assert not changed
+        return
+    spans = [t for t in range(n) if answer[t] and (t == 0 or not answer[t - 1])]
+    assert len(spans) >= 1 and len(changed) == len(spans)
+    for t, i in zip(spans, changed):
+        assert weights[i] == 3.0 * w and all(answer[t : i + 1])
+        texts = [TOK.decode([ids[u + 1]]) for u in range(t, i + 1)]
+        assert any(c.isalnum() for c in texts[-1]) and not any(c.isalnum() for x in texts[:-1] for c in x)
 
 
 def _sublist_at(ids: list[int], piece: list[int], end: int) -> int:

@@ -41,6 +41,9 @@ class Rows:
         self.seed = config["seed"]
         self.answer_weight = config["answer_weight"]
         self.mixes = config.get("mixes", {})
+        # the loss weight of each answer's first letter or digit, relative to the answer's other tokens: the token
+        # that says which value was found (the rest of a value copies it); mv_list rows weigh theirs themselves
+        self.value_boost = config.get("value_boost", 1.0)
 
     def mix(self, phase: dict) -> dict:
         return self.mixes[phase["mix"]] if isinstance(phase["mix"], str) else phase["mix"]
@@ -61,10 +64,23 @@ class Rows:
         fit `seq_len` in 20 draws (then labelled "code", so its loss is not counted as the kind's)."""
         for _ in range(20):
             try:
-                return (*self._row(kind, seq_len, prompt_weight, rng), kind)
+                row = self._row(kind, seq_len, prompt_weight, rng)
             except ValueError:  # too short for this draw (or a rejected filler window): draw again
                 continue
+            if self.value_boost != 1.0 and kind not in ("code", "docs", "copy") and not kind.startswith("mv_list"):
+                self._boost_first_tokens(*row)
+            return (*row, kind)
         return (*self._row("code", seq_len, prompt_weight, rng), "code")
+
+    def _boost_first_tokens(self, ids: list[int], weights: list[float], answer: list[bool]) -> None:
+        """Multiplies, in place, the weight of the first target holding a letter or digit in every answer span
+        (answer[i] flags target ids[i + 1]) by value_boost."""
+        pending = False  # inside an answer span whose first letter or digit is still to come
+        for i, a in enumerate(answer):
+            pending = a and (pending or i == 0 or not answer[i - 1])
+            if pending and any(c.isalnum() for c in self.tok.decode([ids[i + 1]])):
+                weights[i] *= self.value_boost
+                pending = False
 
     def _row(self, kind: str, seq_len: int, prompt_weight: float, rng: random.Random):
         n = seq_len  # targets; ids are n + 1 with <s>
@@ -75,8 +91,9 @@ class Rows:
             return self._copy(n, rng)
         if kind in ("drill", "drill_mixed", "drill_open"):
             return self._drill(n, prompt_weight, rng, mixed_values=kind != "drill", open_words=kind == "drill_open")
-        if kind in ("drill_far", "drill_far_open"):
-            return self._drill_far(n, prompt_weight, rng, open_words=kind == "drill_far_open")
+        if kind in ("drill_far", "drill_far_open", "drill_far_stated"):
+            return self._drill_far(n, prompt_weight, rng, open_words=kind != "drill_far",
+                                   stated=kind == "drill_far_stated")
         if kind == "kv_drill":
             return self._kv_drill(n, prompt_weight, rng)
         if kind in ("mv_drill", "mv_drill_once"):
@@ -207,13 +224,16 @@ class Rows:
         pad = n - len(answer)
         return ids[: n + 1] + [PAD] * pad, weights + [0.0] * pad, answer + [False] * pad
 
-    def _drill_far(self, n: int, prompt_weight: float, rng: random.Random, open_words: bool = False):
+    def _drill_far(self, n: int, prompt_weight: float, rng: random.Random, open_words: bool = False,
+                   stated: bool = False):
         """The drill's questions about facts spread through a whole row of filler: 2-12 facts (training needle
         phrasings or random words; keys of every format, values digits / words / hex) at uniform depths in
         the first 70-85 % of the row, then every key asked in shuffled rounds. The drill lists its facts at
         the start and a needle row carries one answer; this row carries dozens, each from anywhere up to the
         row's length back, which is what finding a needle far from the question needs. `open_words`: facts and
-        questions worded with open text as in the drill."""
+        questions worded with open text as in the drill. `stated`: half the questions worded as a fact with the
+        value left out (:func:`~attnkit.eval.retrieval_templates.stated_question`): multi-value rows teach that a
+        key stated again gets a new value, and these that a key restated at the end asks for the one it has."""
         n_facts = rng.randint(2, 12)
         keys = T.distinct(lambda r: T.make_key(r, rng.choice((None, "name", "words", "uuid", "item", "code"))),
                           n_facts, rng)
@@ -235,8 +255,14 @@ class Rows:
                                [(rng.random(), f) for f in facts])
         ids = head + body
         answer = [False] * (len(ids) - 1)
-        self._ask_rounds(_appender(ids, answer), ids, keys, values, n, rng, self._open_ask if open_words else None)
+        ask = self._stated_ask if stated else self._open_ask if open_words else None
+        self._ask_rounds(_appender(ids, answer), ids, keys, values, n, rng, ask)
         return self._finish(ids, answer, n, prompt_weight)
+
+    def _stated_ask(self, key: str, value: str, rng: random.Random) -> tuple[str, str]:
+        if rng.random() < 0.5:
+            return "\n" + T.stated_question(rng).format(key=key), " " + value
+        return self._open_ask(key, value, rng)
 
     def _kv_drill(self, n: int, prompt_weight: float, rng: random.Random):
         """kv_retrieval's JSON object of hex keys and values (training draws), over 60-80 % of the row, then its
