@@ -145,20 +145,29 @@ def test_wild_phrasings_are_training_only_and_share_nothing_with_heldout_phrasin
         R.example("needle_wild", TOK, 900, rng, "eval")
 
 
+def _bigrams(templates) -> set[tuple[str, str]]:
+    out = set()
+    for t in templates:
+        for part in T.literal_parts(t):
+            words = re.findall(r"[a-z]+", part.lower())
+            out |= set(zip(words, words[1:]))
+    return out
+
+
 def test_open_phrasings_vary_over_thousands_of_words_and_carry_no_heldout_phrase():
-    held = set()
-    for templates in T.ALL_POOLS.values():
-        for t in T.heldout(templates):
-            for part in T.literal_parts(t):
-                words = re.findall(r"[a-z]+", part.lower())
-                held |= set(zip(words, words[1:]))
+    """Open wordings carry no two consecutive words of a held-out template; stated questions (open words, then
+    an open or training fact wording) none that no training template has either."""
+    held = _bigrams(t for templates in T.ALL_POOLS.values() for t in T.heldout(templates))
+    trained = _bigrams(t for templates in T.ALL_POOLS.values() for t in T.pool(templates, "train"))
     rng = random.Random(5)
     vocabulary = set()
     for _ in range(400):
-        for template, slots in ((T.open_needle(rng), ("{key}", "{value}")), (T.open_question(rng), ("{key}",))):
-            assert all(template.count(s) == 1 for s in slots)
+        for template, slots, banned in ((T.open_needle(rng), ("{key}", "{value}"), held),
+                                        (T.open_question(rng), ("{key}",), held),
+                                        (T.stated_question(rng), ("{key}",), held - trained)):
+            assert all(template.count(s) == 1 for s in slots) and template.count("{value}") == ("{value}" in slots)
             for part in T.literal_parts(template):
                 words = re.findall(r"[a-z]+", part.lower())
-                assert not set(zip(words, words[1:])) & held, template
+                assert not set(zip(words, words[1:])) & banned, template
                 vocabulary |= set(words)
     assert len(vocabulary) > 500  # the wild words are 50

@@ -394,3 +394,13 @@ def open_question(rng: random.Random) -> str:
     words = [_open(rng, 1, 6), "{key}" + rng.choice(("?", ":", "", " -", ",", ".")), _open(rng, 0, 5)]
     text = " ".join(w for w in words if w) + rng.choice(("", "", ":"))
     return text[:1].upper() + text[1:]
+
+
+def stated_question(rng: random.Random) -> str:
+    """A question worded as a fact with its value left out: a few open words, then an open or training fact
+    wording up to ``{value}``. A known key restated so asks for the value it was given; training only."""
+    fact = rng.choice((open_needle(rng), rng.choice(pool(NEEDLES, "train"))))
+    head = fact[: fact.index("{value}")].rstrip() if fact.index("{key}") < fact.index("{value}") else None
+    head, lead = head or open_needle(rng).split(" {value}")[0], _open(rng, 0, 3)
+    text = f"{lead}, {head[:1].lower()}{head[1:]}" if lead else head
+    return text[:1].upper() + text[1:]
