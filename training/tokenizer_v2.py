@@ -39,7 +39,7 @@ def training_texts(n_samples: int = 400) -> Iterator[str]:
         for i in range(0, len(lines), 200):
             yield "\n".join(lines[i : i + 200]) + "\n"
     rng = random.Random("tokenizer-v2")
-    yield T.grammar_prose(rng, 2000)
+    yield R.grammar_prose(rng, 2000)
     for i in range(n_samples):
         task = list(R.GENERATORS)[i % len(R.GENERATORS)]
         ex = R.example(task, byte_tok, 1024, rng, "train")

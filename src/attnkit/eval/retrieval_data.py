@@ -39,6 +39,26 @@ class Example:
     question_at: int | None = None  # where the first question starts (its ids up to prompt_len ask it)
 
 
+_NOUNS = "river lantern farmer engine garden letter window teacher market valley signal harbor".split()
+_ADJ = "quiet old narrow bright careful distant heavy patient small early wooden silent".split()
+_VERBS = "crossed painted carried watched repaired followed opened measured described visited".split()
+_PLACES = "the hill|the station|the old mill|the north road|the square|the library|the coast|the bridge".split("|")
+
+
+def grammar_prose(rng: random.Random, n_sentences: int) -> str:
+    """English-like sentences from a small generated grammar (a training-only filler kind)."""
+    out = []
+    for _ in range(n_sentences):
+        s = (f"The {rng.choice(_ADJ)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} the "
+             f"{rng.choice(_NOUNS)} near {rng.choice(_PLACES)}")
+        if rng.random() < 0.3:
+            s += f" while the {rng.choice(_NOUNS)} {rng.choice(_VERBS)} {rng.choice(_PLACES)}"
+        out.append(s + ".")
+        if rng.random() < 0.15:
+            out.append("\n\n")
+    return " ".join(out)
+
+
 def _enc(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
@@ -71,7 +91,7 @@ def filler(tok, kind: str, split: str, n: int, rng: random.Random) -> list[int]:
             raise ValueError("the grammar filler is a training-only kind")
         ids: list[int] = []
         while len(ids) < n:
-            ids += _enc(tok, T.grammar_prose(rng, 40) + "\n")
+            ids += _enc(tok, grammar_prose(rng, 40) + "\n")
         start = rng.randrange(0, len(ids) - n + 1)
         return ids[start : start + n]
     hay = filler_ids(tok, kind, split)

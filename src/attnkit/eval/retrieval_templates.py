@@ -285,26 +285,6 @@ def doc_prose(split: str) -> str:
     return "\n\n".join(k for k in kept if k)
 
 
-_NOUNS = "river lantern farmer engine garden letter window teacher market valley signal harbor".split()
-_ADJ = "quiet old narrow bright careful distant heavy patient small early wooden silent".split()
-_VERBS = "crossed painted carried watched repaired followed opened measured described visited".split()
-_PLACES = "the hill|the station|the old mill|the north road|the square|the library|the coast|the bridge".split("|")
-
-
-def grammar_prose(rng: random.Random, n_sentences: int) -> str:
-    """English-like sentences from a small generated grammar (a training-only filler kind)."""
-    out = []
-    for _ in range(n_sentences):
-        s = (f"The {rng.choice(_ADJ)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} the "
-             f"{rng.choice(_NOUNS)} near {rng.choice(_PLACES)}")
-        if rng.random() < 0.3:
-            s += f" while the {rng.choice(_NOUNS)} {rng.choice(_VERBS)} {rng.choice(_PLACES)}"
-        out.append(s + ".")
-        if rng.random() < 0.15:
-            out.append("\n\n")
-    return " ".join(out)
-
-
 # Training-only phrasings drawn word by word: a fact or a question whose wording is a random run of ordinary words
 # around the key (and the value), so that nothing but the key itself can be keyed on. Words of any held-out
 # phrasing are left out, so no held-out phrasing (or a fragment of one) is ever drawn.
