@@ -204,7 +204,7 @@ def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
                                   "config_v2_mv_list.json", "config_v2_mv_far.json", "config_v2_mv_wide.json",
                                   "config_v2_mv_wide_kv.json", "config_v2_mv_open.json",
                                   "config_v2_words.json", "config_v2_stated.json",
-                                  "config_v2_stated_long.json"])
+                                  "config_v2_stated_long.json", "config_v2_stated_more.json"])
 def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     config = json.loads((TRAINING / name).read_text())
     drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
