@@ -72,13 +72,17 @@ class Rows:
             return (*row, kind)
         return (*self._row("code", seq_len, prompt_weight, rng), "code")
 
+    def _alnum(self, token: int) -> bool:
+        """Whether a token holds a letter or digit: the first such token of a value says which value it is."""
+        return any(c.isalnum() for c in self.tok.decode([token]))
+
     def _boost_first_tokens(self, ids: list[int], weights: list[float], answer: list[bool]) -> None:
         """Multiplies, in place, the weight of the first target holding a letter or digit in every answer span
         (answer[i] flags target ids[i + 1]) by value_boost."""
         pending = False  # inside an answer span whose first letter or digit is still to come
         for i, a in enumerate(answer):
             pending = a and (pending or i == 0 or not answer[i - 1])
-            if pending and any(c.isalnum() for c in self.tok.decode([ids[i + 1]])):
+            if pending and self._alnum(ids[i + 1]):
                 weights[i] *= self.value_boost
                 pending = False
 
@@ -378,8 +382,7 @@ class Rows:
             add(self._enc(q.format(key=key)), False)
             for i, v in enumerate(values):
                 piece = self._enc((" " if i == 0 else ", ") + v)
-                boost.append(len(answer) + next(j for j, t in enumerate(piece)
-                                                 if any(c.isalnum() for c in self.tok.decode([t]))))
+                boost.append(len(answer) + next(j for j, t in enumerate(piece) if self._alnum(t)))
                 add(piece, True)
             add(self._enc(".\n\n" if ruler else "\n\n"), True)
         ids, weights, answer = self._finish(ids, answer, n, prompt_weight)

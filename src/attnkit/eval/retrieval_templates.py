@@ -192,6 +192,7 @@ def pool(templates: tuple[str, ...], split: str) -> tuple[str, ...]:
 
 ALL_POOLS = {"needle": NEEDLES, "question": QUESTIONS, "multi_question": MULTI_QUESTIONS, "intro": INTROS,
              "chain_question": CHAIN_QUESTIONS, "assignment": ASSIGNMENTS}
+assert all(t.index("{key}") < t.index("{value}") for t in NEEDLES)  # stated_question cuts a fact at its value
 # The acceptance tasks' own phrasings must stay on the training side.
 assert NEEDLES[0] not in heldout(NEEDLES) and NEEDLES[1] not in heldout(NEEDLES)
 assert not {QUESTIONS[0], QUESTIONS[1], MULTI_QUESTIONS[0], INTROS[0], INTROS[1]} & set(
@@ -379,8 +380,7 @@ def open_question(rng: random.Random) -> str:
 def stated_question(rng: random.Random) -> str:
     """A question worded as a fact with its value left out: a few open words, then an open or training fact
     wording up to ``{value}``. A known key restated so asks for the value it was given; training only."""
-    fact = rng.choice((open_needle(rng), rng.choice(pool(NEEDLES, "train"))))
-    head = fact[: fact.index("{value}")].rstrip() if fact.index("{key}") < fact.index("{value}") else None
-    head, lead = head or open_needle(rng).split(" {value}")[0], _open(rng, 0, 3)
+    fact = rng.choice((open_needle(rng), rng.choice(pool(NEEDLES, "train"))))  # the key before the value, always
+    head, lead = fact[: fact.index("{value}")].rstrip(), _open(rng, 0, 3)
     text = f"{lead}, {head[:1].lower()}{head[1:]}" if lead else head
     return text[:1].upper() + text[1:]
