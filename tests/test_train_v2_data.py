@@ -221,6 +221,23 @@ def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     assert config["tokenizer"].get("isolated_newlines", False) == (name != "config_v2_drill_more.json")
 
 
+def test_the_chain_lists_a_lineage_that_can_carry_its_weights_from_stage_to_stage():
+    chain = json.loads((TRAINING / "chain_v2.json").read_text())["stages"]
+    configs = [json.loads((TRAINING / s["config"]).read_text()) for s in chain]
+    assert configs[0]["name"] == "model_v2" and configs[-1]["name"] == "model_v2_stated_long"  # the best weights
+    assert len({c["name"] for c in configs}) == len(configs)  # one run directory per stage
+    for before, after in zip(configs, configs[1:]):
+        assert {k: v for k, v in after["model"].items() if k != "rope_theta"} == \
+            {k: v for k, v in before["model"].items() if k != "rope_theta"}, after["name"]
+        assert after["model"]["rope_theta"] >= before["model"]["rope_theta"], after["name"]  # raised once, kept
+        assert after["tokenizer"]["vocab_size"] == before["tokenizer"]["vocab_size"]
+    for stage, config in zip(chain, configs):
+        if "max_steps" in stage:  # a stage stopped early stops inside its schedule
+            assert 0 < stage["max_steps"] < sum(p["steps"] for p in config["phases"]), config["name"]
+    draft = json.loads((TRAINING / "config_v2_draft.json").read_text())
+    assert draft["tokenizer"] == configs[-1]["tokenizer"]  # the draft takes the final model's tokenizer
+
+
 @pytest.mark.parametrize("kind", ["mv_drill", "mv_drill_once", "mv_list", "mv_list_far", "mv_list_wide", "vt_drill"])
 def test_multi_answer_drills_list_every_value_of_the_asked_key_in_order(kind):
     """mv_drill, mv_list: each answer lists the values of the asked key's facts in the order they appear (mv_list:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -69,6 +70,21 @@ def train_bpe(vocab_size: int = 4096, individual_digits: bool = True, texts=None
     core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
     assert [core.token_to_id(t) for t in (BOS, EOS, PAD)] == [0, 1, 2]
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def load_tokenizer(run_dir: Path, config: dict) -> PreTrainedTokenizerFast:
+    """A training run's tokenizer, trained on the run's first start. `isolated_newlines` in the config cuts every
+    newline into a piece of its own, also for a tokenizer taken over from another run: the vocabulary (and so the
+    weights) stay, and the tokens joining a newline with indentation are no longer produced."""
+    path = run_dir / "tokenizer"
+    tc = config["tokenizer"]
+    if not (path / "tokenizer.json").exists():
+        train_bpe(tc["vocab_size"], tc["individual_digits"], isolated_newlines=tc.get("isolated_newlines", False)
+                  ).save_pretrained(path)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    if tc.get("isolated_newlines"):
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizer(tc["individual_digits"], isolated_newlines=True)
+    return tok
 
 
 def heldout_text() -> str:

@@ -2,9 +2,13 @@
 
     nice -n 19 python training/train_v2.py --run-dir runs/model_v2          # starts, or resumes the run there
     python training/train_v2.py --run-dir runs/model_v2 --max-minutes 60    # stop (after saving) past an hour
-    python training/train_v2.py --run-dir runs/new --init-from training/resume/model_v2   # go on from weights
+    python training/train_v2.py --run-dir runs/new --init-from runs/model_v2/export   # go on from weights
     # another config's own schedule from v2's weights (the key-recall drill):
     python training/train_v2.py --config training/config_v2_drill.json --run-dir runs/model_v2_drill --init-from runs/model_v2/export
+    # the draft model for speculative decoding: its own weights, the target's tokenizer
+    python training/train_v2.py --config training/config_v2_draft.json --run-dir runs/model_v2_draft \
+        --tokenizer-from runs/model_v2_stated_long/export
+    # the whole lineage of the best weights, from nothing: training/chain_v2.py
 
 Run from the checkout with PYTHONPATH=src:training. The run directory holds the tokenizer (trained on the
 first start from the training corpus, see tokenizer_v2.py), ckpt.pt (model, optimizer, step, phase),
@@ -48,7 +52,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 from attnkit.eval import retrieval_data as R  # noqa: E402
 from attnkit.eval.tasks import TASKS  # noqa: E402
 from data_v2 import BOS, PAD, Rows  # noqa: E402
-from tokenizer_v2 import pre_tokenizer, train_bpe  # noqa: E402
+from prefetch_v2 import Prefetcher  # noqa: E402
+from tokenizer_v2 import load_tokenizer  # noqa: E402
 from train_tiny import lr_at  # noqa: E402  (the same schedule: warm-up, peak held, cosine over the last phase)
 
 HERE = Path(__file__).resolve().parent
@@ -70,21 +75,6 @@ def fast_bf16(device: str) -> bool:
 
 def autocast(device: str):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=fast_bf16(device))
-
-
-def load_tokenizer(run_dir: Path, config: dict) -> PreTrainedTokenizerFast:
-    """The run's tokenizer (trained on the first start). `isolated_newlines` in the config cuts every newline
-    into a piece of its own, also for a tokenizer taken over from --init-from: the vocabulary (and so the
-    weights) stay, and the tokens joining a newline with indentation are no longer produced."""
-    path = run_dir / "tokenizer"
-    tc = config["tokenizer"]
-    if not (path / "tokenizer.json").exists():
-        train_bpe(tc["vocab_size"], tc["individual_digits"], isolated_newlines=tc.get("isolated_newlines", False)
-                  ).save_pretrained(path)
-    tok = PreTrainedTokenizerFast.from_pretrained(path)
-    if tc.get("isolated_newlines"):
-        tok.backend_tokenizer.pre_tokenizer = pre_tokenizer(tc["individual_digits"], isolated_newlines=True)
-    return tok
 
 
 def make_model(config: dict, vocab_size: int) -> LlamaForCausalLM:
@@ -122,7 +112,7 @@ content (finding the needle comes before copying all of it)."""
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=HERE / "config_v2.json")
     ap.add_argument("--run-dir", type=Path, required=True)
@@ -134,7 +124,24 @@ def main() -> None:
                     help="start a run without a checkpoint from an export directory (weights, tokenizer and "
                          "training.json of an earlier run): its step and phase go on, with a fresh optimizer whose "
                          "learning rate warms up again")
-    args = ap.parse_args()
+    ap.add_argument("--tokenizer-from", type=Path, default=None,
+                    help="a new run's tokenizer from this export directory, its weights from scratch (a draft model "
+                         "for speculative decoding must share its target's tokenizer)")
+    ap.add_argument("--save-every", type=int, default=None, help="steps between checkpoints (default: the config's)")
+    ap.add_argument("--probe-every", type=int, default=None,
+                    help="steps between probes (default: the config's; 0: none)")
+    ap.add_argument("--data-workers", type=int, default=None,
+                    help="processes writing batches ahead (default: 4 on a GPU, 0 on a CPU, whose cores train)")
+    return ap
+
+
+def main() -> None:
+    train(parser().parse_args())
+
+
+def train(args: argparse.Namespace) -> bool:
+    """Runs (or resumes) one config's schedule; True once it is done (every phase, or --max-steps reached),
+    False when stopped by --max-minutes."""
 
     config = json.loads(args.config.read_text())
     phases = [dict(p) for p in config["phases"]]
@@ -143,8 +150,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = args.run_dir / "ckpt.pt"
-    if args.init_from is not None and not ckpt.exists() and not (args.run_dir / "tokenizer").exists():
-        PreTrainedTokenizerFast.from_pretrained(args.init_from).save_pretrained(args.run_dir / "tokenizer")
+    tok_from = args.init_from if args.init_from is not None and not ckpt.exists() else args.tokenizer_from
+    if tok_from is not None and not (args.run_dir / "tokenizer").exists():
+        PreTrainedTokenizerFast.from_pretrained(tok_from).save_pretrained(args.run_dir / "tokenizer")
     tok = load_tokenizer(args.run_dir, config)
     model = make_model(config, len(tok)).to(device)
     oc = config["optimizer"]
@@ -175,7 +183,11 @@ def main() -> None:
     print(f"{config['name']}: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}, device {device}, "
           f"{'bf16 autocast' if fast_bf16(device) else 'fp32'}", flush=True)
 
-    rows = Rows(tok, config)
+    pc = config["probe"]
+    probe_every = pc["every"] if args.probe_every is None else args.probe_every
+    save_every = args.save_every or config["save_every"]
+    workers = args.data_workers if args.data_workers is not None else (4 if device == "cuda" else 0)
+    batches = Prefetcher(Rows(tok, config), workers, source=(args.run_dir, config))
     log = (args.run_dir / "log.jsonl").open("a")
     started = time.time()
     window: dict[str, list[float]] = collections.defaultdict(list)
@@ -193,6 +205,7 @@ def main() -> None:
         model.save_pretrained(args.run_dir / "export", safe_serialization=True)
         tok.save_pretrained(args.run_dir / "export")
         meta = {**st, "parameters": n_params, "phase": phases[min(st["phase_idx"], len(phases) - 1)]["name"],
+                "device": device, "precision": "bf16 autocast" if fast_bf16(device) else "fp32",
                 "config": config, "command": "python training/train_v2.py --run-dir RUN_DIR"}
         (args.run_dir / "export" / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -206,7 +219,7 @@ def main() -> None:
             lr *= min(1.0, (step - st["rewarm_from"] + 1) / oc["warmup"])
         for group in opt.param_groups:
             group["lr"] = lr
-        ids, weights, answer, kinds = rows.batch(phase, step)
+        ids, weights, answer, kinds = batches.batch(phase, step)
         ids, weights = ids.to(device), weights.to(device)
         with autocast(device):
             logits = model(ids[:, :-1]).logits
@@ -231,8 +244,7 @@ def main() -> None:
                     "answer_loss": {k: round(sum(v) / len(v), 3) for k, v in sorted(window.items())},
                     "tok_per_s": round(ids.numel() / (time.time() - t0)), "minutes": round(st["seconds"] / 60, 1)})
             window.clear()
-        pc = config["probe"]
-        if step % pc["every"] == 0:
+        if probe_every and step % probe_every == 0:
             length = max(pc["min_len"], phase["seq_len"])
             record({"step": step, "probe_len": length, "probe": probe(model, tok, length, pc["n"], device)})
         in_phase = step - st["phase_start"]
@@ -244,13 +256,17 @@ def main() -> None:
             st["phase_idx"], st["phase_start"] = st["phase_idx"] + 1, step
             recent.clear()  # the next gate judges answers at the next length only
             save()
-        elif step % config["save_every"] == 0:
+        elif step % save_every == 0:
             save()
         if (args.max_minutes and (time.time() - started) / 60 > args.max_minutes) or step == args.max_steps:
             save()
             print(f"stopping at step {step}", flush=True)
             break
-    print(f"done: step {st['step']}, {st['seconds'] / 60:.1f} min", flush=True)
+    batches.close()
+    log.close()
+    finished = st["phase_idx"] >= len(phases) or st["step"] == args.max_steps
+    print(f"{'done' if finished else 'stopped'}: step {st['step']}, {st['seconds'] / 60:.1f} min", flush=True)
+    return finished
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Model v2's chain (training/chain_v2.py), then its draft model, on a CUDA machine lent by the device tool:
+#   bash training/gpu_chain.sh MINUTES
+# trains for at most MINUTES in all (saved on stopping), prints the progress, and leaves under $OUT what comes
+# back: chain.log (every line), logs.tgz (each run's log.jsonl) and stage.tgz.part-* (the newest stage's run
+# directory without its checkpoint, in pieces under the 16 MiB a returned file may have). Here:
+#   mkdir -p runs/NAME && cat DIR/stage.tgz.part-* | tar xz -C runs/NAME   # NAME: the stage chain.log names last
+# A later call on a fresh machine goes on from that stage when `carry` brings runs/NAME back.
+set -uo pipefail
+export PYTHONPATH=src:training PYTHONUNBUFFERED=1
+: "${OUT:?run this through the device tool, which sets OUT}"
+start=$(date +%s)
+python3 training/chain_v2.py --runs-dir runs --max-minutes "${1:-8}" --save-every 500 --probe-every 1000 \
+    --data-workers 6 > "$OUT/chain.log" 2>&1
+rc=$?
+final=runs/$(python3 -c 'import json; c = json.load(open("training/chain_v2.json"))["stages"][-1]["config"]
+print(json.load(open("training/" + c))["name"])')
+left=$(python3 -c "print(${1:-8} - ($(date +%s) - $start) / 60)")
+if [ $rc = 0 ] && grep -q "chain: done" "$OUT/chain.log" && python3 -c "import sys; sys.exit($left < 0.5)"; then
+  python3 training/train_v2.py --config training/config_v2_draft.json --run-dir runs/model_v2_draft \
+      --tokenizer-from "$final/export" --max-minutes "$left" --save-every 500 --data-workers 6 >> "$OUT/chain.log" 2>&1
+  tar czf "$OUT/draft.tgz" -C runs/model_v2_draft export log.jsonl
+fi
+grep -v '"answer_loss"\|Writing model shards' "$OUT/chain.log" | tail -60
+last=$(ls -td runs/model_v2*/ | grep -v _draft | head -1)
+echo "newest stage: $last"
+tar czf - -C "$last" --exclude ckpt.pt --exclude ckpt.tmp . | split -b 15M - "$OUT/stage.tgz.part-"
+tar czf "$OUT/logs.tgz" runs/*/log.jsonl
+exit $rc
