@@ -94,10 +94,13 @@ def test_tokenizer_from_takes_a_tokenizer_and_no_weights(tmp_path):
     tok = build_byte_tokenizer()
     tok.add_tokens(["<only-in-the-target>"])
     tok.save_pretrained(source)
-    out = _train(tmp_path, _config("toy_draft"), "draft", "--tokenizer-from", str(source))
+    out = _train(tmp_path, _config("toy_draft"), "draft", "--tokenizer-from", str(source), "--fp32")
     assert "initialised" not in out and "vocab 260" in out and "done: step 6" in out
     embed = _weights(tmp_path / "draft")["model.embed_tokens.weight"]
     assert embed.shape[0] == 260
+    # --fp32 (float32 even where bf16 autocast would be used) is said and recorded with the weights
+    assert "device cpu, fp32" in out
+    assert json.loads((tmp_path / "draft" / "export" / "training.json").read_text())["precision"] == "fp32"
 
 
 def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(tmp_path):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Model v2's chain (training/chain_v2.py), then its draft model, on a CUDA machine lent by the device tool:
 #   bash training/gpu_chain.sh MINUTES
+# in float32, the base run's precision on an AVX2 CPU (docs/benchmarks.md, "Rebuilding model v2").
 # trains for at most MINUTES in all (saved on stopping), prints the progress, and leaves under $OUT what comes
 # back: chain.log (every line), logs.tgz (each run's log.jsonl) and stage.tgz.part-* (the newest stage's run
 # directory without its checkpoint, in pieces under the 16 MiB a returned file may have). Here:
@@ -11,7 +12,7 @@ export PYTHONPATH=src:training PYTHONUNBUFFERED=1
 : "${OUT:?run this through the device tool, which sets OUT}"
 start=$(date +%s)
 python3 training/chain_v2.py --runs-dir runs --max-minutes "${1:-8}" --save-every 500 --probe-every 1000 \
-    --data-workers 6 > "$OUT/chain.log" 2>&1
+    --data-workers 6 --fp32 > "$OUT/chain.log" 2>&1
 rc=$?
 final=runs/$(python3 -c 'import json; c = json.load(open("training/chain_v2.json"))["stages"][-1]["config"]
 print(json.load(open("training/" + c))["name"])')

@@ -28,7 +28,8 @@ the later configs raise it to 500,000 (docs/benchmarks.md, "The RoPE base bounde
 CPU: the trainer shares 2 cores with other work; OMP_WAIT_POLICY=PASSIVE (set here before torch loads)
 stops idle OpenMP threads from spinning. bf16 autocast is used on a GPU and on CPUs with native bf16
 (about 1.6x faster than fp32 there); on AVX2-only CPUs it would be many times slower, so fp32. With a GPU
-(cuda), the same script trains there.
+(cuda), the same script trains there. --fp32 trains in float32 anywhere, as model v2's base run was trained
+(on an AVX2 CPU), for a rebuild that follows it more closely.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def fast_bf16(device: str) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def autocast(device: str):
-    return torch.autocast(device, dtype=torch.bfloat16, enabled=fast_bf16(device))
+def autocast(device: str, bf16: bool):
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
 
 
 def make_model(config: dict, vocab_size: int) -> LlamaForCausalLM:
@@ -85,7 +86,7 @@ def make_model(config: dict, vocab_size: int) -> LlamaForCausalLM:
 
 
 @torch.no_grad()
-def probe(model, tok, length: int, n: int, device: str) -> dict:
+def probe(model, tok, length: int, n: int, device: str, bf16: bool) -> dict:
     """Exact-answer accuracy on evaluation samples (held-out phrasings and filler for the v2 tasks, the
     eval split of the acceptance tasks), teacher-forced: every answer token is the argmax, which is
     exactly when greedy decoding writes the answer. Also the accuracy of the answer's first token with
@@ -100,7 +101,7 @@ content (finding the needle comes before copying all of it)."""
             prompt = [BOS] + tok.encode(s.prompt, add_special_tokens=False)
             target = tok.encode(s.target.split("\n")[0], add_special_tokens=False)
             ids = torch.tensor([prompt + target], device=device)
-            with autocast(device):
+            with autocast(device, bf16):
                 logits = model(ids[:, :-1]).logits
             pred = logits[0, len(prompt) - 1 :].argmax(-1).tolist()
             # the first token with content: with digits split, " 4821" starts with a bare space token
@@ -127,6 +128,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer-from", type=Path, default=None,
                     help="a new run's tokenizer from this export directory, its weights from scratch (a draft model "
                          "for speculative decoding must share its target's tokenizer)")
+    ap.add_argument("--fp32", action="store_true", help="float32 throughout, also where bf16 autocast is fast")
     ap.add_argument("--save-every", type=int, default=None, help="steps between checkpoints (default: the config's)")
     ap.add_argument("--probe-every", type=int, default=None,
                     help="steps between probes (default: the config's; 0: none)")
@@ -180,8 +182,10 @@ def train(args: argparse.Namespace) -> bool:
         print(f"initialised from {args.init_from} ({meta['config']['name']}, step {meta['step']}), at step "
               f"{st['step']} of {config['name']} (fresh optimizer)", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
+    bf16 = fast_bf16(device) and not args.fp32
+    precision = "bf16 autocast" if bf16 else "fp32"
     print(f"{config['name']}: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}, device {device}, "
-          f"{'bf16 autocast' if fast_bf16(device) else 'fp32'}", flush=True)
+          f"{precision}", flush=True)
 
     pc = config["probe"]
     probe_every = pc["every"] if args.probe_every is None else args.probe_every
@@ -205,7 +209,7 @@ def train(args: argparse.Namespace) -> bool:
         model.save_pretrained(args.run_dir / "export", safe_serialization=True)
         tok.save_pretrained(args.run_dir / "export")
         meta = {**st, "parameters": n_params, "phase": phases[min(st["phase_idx"], len(phases) - 1)]["name"],
-                "device": device, "precision": "bf16 autocast" if fast_bf16(device) else "fp32",
+                "device": device, "precision": precision,
                 "config": config, "command": "python training/train_v2.py --run-dir RUN_DIR"}
         (args.run_dir / "export" / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -221,7 +225,7 @@ def train(args: argparse.Namespace) -> bool:
             group["lr"] = lr
         ids, weights, answer, kinds = batches.batch(phase, step)
         ids, weights = ids.to(device), weights.to(device)
-        with autocast(device):
+        with autocast(device, bf16):
             logits = model(ids[:, :-1]).logits
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                              reduction="none").view(ids.shape[0], -1)
@@ -246,7 +250,7 @@ def train(args: argparse.Namespace) -> bool:
             window.clear()
         if probe_every and step % probe_every == 0:
             length = max(pc["min_len"], phase["seq_len"])
-            record({"step": step, "probe_len": length, "probe": probe(model, tok, length, pc["n"], device)})
+            record({"step": step, "probe_len": length, "probe": probe(model, tok, length, pc["n"], device, bf16)})
         in_phase = step - st["phase_start"]
         gate = phase.get("gate")
         losses = recent[gate[0]] if gate else ()
