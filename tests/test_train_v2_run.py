@@ -127,7 +127,7 @@ def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(tmp_p
 def test_batches_written_ahead_by_workers_are_the_batches_written_in_line(tmp_path):
     sys.path.insert(0, str(ROOT / "training"))
     from data_v2 import Rows
-    from prefetch_v2 import Prefetcher
+    from prefetch_v2 import Prefetcher, shutdown
 
     runs = []
     for seed, name in ((7, "toy"), (8, "toy_next")):  # two runs, one after the other, in the same worker processes
@@ -135,13 +135,16 @@ def test_batches_written_ahead_by_workers_are_the_batches_written_in_line(tmp_pa
         config["phases"][1]["mix"] = {"drill_far": 1, "drill": 1}
         build_byte_tokenizer().save_pretrained(tmp_path / name / "tokenizer")
         runs.append((tmp_path / name, config))
-    for run_dir, config in runs:
-        rows = Rows(build_byte_tokenizer(), config)
-        ahead = Prefetcher(rows, workers=1, source=(run_dir, config), ahead=3)
-        short, long = config["phases"]
-        # the first phase ends after step 1 (as a gate may end it), the second starts at step 2
-        for phase, step in [(short, 0), (short, 1), (long, 2), (long, 3)]:
-            got, want = ahead.batch(phase, step), rows.batch(phase, step)
-            assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])) and got[3] == want[3]
-        assert all(key[0] == "long" for key in ahead.pending)  # the left phase's work was dropped
-        ahead.close()
+    try:
+        for run_dir, config in runs:
+            rows = Rows(build_byte_tokenizer(), config)
+            ahead = Prefetcher(rows, workers=1, source=(run_dir, config), ahead=3)
+            short, long = config["phases"]
+            # the first phase ends after step 1 (as a gate may end it), the second starts at step 2
+            for phase, step in [(short, 0), (short, 1), (long, 2), (long, 3)]:
+                got, want = ahead.batch(phase, step), rows.batch(phase, step)
+                assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])) and got[3] == want[3]
+            assert all(key[0] == "long" for key in ahead.pending)  # the left phase's work was dropped
+            ahead.close()
+    finally:
+        shutdown()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Model v2's chain (training/chain_v2.py), then its draft model, on a CUDA machine lent by the device tool:
 #   bash training/gpu_chain.sh MINUTES
-# in float32, the base run's precision on an AVX2 CPU (docs/benchmarks.md, "Rebuilding model v2").
-# trains for at most MINUTES in all (saved on stopping), prints the progress, and leaves under $OUT what comes
+# trains for at most MINUTES in all (saved on stopping; the chain in float32, as the base run was trained on an
+# AVX2 CPU: docs/benchmarks.md, "Rebuilding model v2"), prints the progress, and leaves under $OUT what comes
 # back: chain.log (every line), logs.tgz (each run's log.jsonl) and stage.tgz.part-* (the newest stage's run
 # directory without its checkpoint, in pieces under the 16 MiB a returned file may have). Here:
 #   mkdir -p runs/NAME && cat DIR/stage.tgz.part-* | tar xz -C runs/NAME   # NAME: the stage chain.log names last

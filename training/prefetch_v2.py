@@ -41,11 +41,17 @@ def _batch(run_dir: str, config: str, phase: dict, step: int):
 
 def _pool(workers: int) -> cf.ProcessPoolExecutor:
     if _POOL[0] != workers:
-        if _POOL[1] is not None:
-            _POOL[1].shutdown(cancel_futures=True)
+        shutdown()
         # "spawn": fresh processes, since the trainer may hold a CUDA context, which a fork cannot share
         _POOL[:] = [workers, cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))]
     return _POOL[1]
+
+
+def shutdown() -> None:
+    """Ends the worker processes (they otherwise wait for the next run until the interpreter exits)."""
+    if _POOL[1] is not None:
+        _POOL[1].shutdown(cancel_futures=True)
+    _POOL[:] = [0, None]
 
 
 class Prefetcher:
