@@ -1,8 +1,8 @@
 """Training batches written ahead in worker processes.
 
-Writing a batch's rows in Python (sampling filler, wording needles, tokenizing) costs about as much as a whole
-step of a model this small on a GPU (docs/benchmarks.md, "Rebuilding model v2"), so a trainer that writes them
-in line leaves the device idle much of the time. A `Rows.batch(phase, step)` depends on nothing but its
+Writing a batch's rows in Python (sampling filler, wording needles, tokenizing) likely costs about as much as a
+whole step of a model this small on a GPU (docs/benchmarks.md, "Rebuilding model v2"), so a trainer that writes
+them in line would leave the device idle much of the time. A `Rows.batch(phase, step)` depends on nothing but its
 arguments (its random generator is seeded by the phase's name and the step), so batches written ahead by other
 processes are exactly the batches written in line; only the phase of a step is not known ahead (a gate may end
 a phase early or late), so work written for a phase the trainer has left is dropped. With no workers (a CPU,
