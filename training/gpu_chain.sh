@@ -14,12 +14,11 @@ start=$(date +%s)
 python3 training/chain_v2.py --runs-dir runs --max-minutes "${1:-8}" --save-every 500 --probe-every 1000 \
     --data-workers 6 --fp32 > "$OUT/chain.log" 2>&1
 rc=$?
-final=runs/$(python3 -c 'import json; c = json.load(open("training/chain_v2.json"))["stages"][-1]["config"]
-print(json.load(open("training/" + c))["name"])')
+final=$(sed -n 's/^chain: done; the model is //p' "$OUT/chain.log")  # the last stage's export, once done
 left=$(python3 -c "print(${1:-8} - ($(date +%s) - $start) / 60)")
-if [ $rc = 0 ] && grep -q "chain: done" "$OUT/chain.log" && python3 -c "import sys; sys.exit($left < 0.5)"; then
+if [ $rc = 0 ] && [ -n "$final" ] && python3 -c "import sys; sys.exit($left < 0.5)"; then
   python3 training/train_v2.py --config training/config_v2_draft.json --run-dir runs/model_v2_draft \
-      --tokenizer-from "$final/export" --max-minutes "$left" --save-every 500 --data-workers 6 >> "$OUT/chain.log" 2>&1
+      --tokenizer-from "$final" --max-minutes "$left" --save-every 500 --data-workers 6 >> "$OUT/chain.log" 2>&1
   tar czf "$OUT/draft.tgz" -C runs/model_v2_draft export log.jsonl
 fi
 grep -v '"answer_loss"\|Writing model shards' "$OUT/chain.log" | tail -60
