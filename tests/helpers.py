@@ -206,13 +206,15 @@ def assert_shortcut_is_exact(model, cases, patch) -> None:
 
 
 def assert_equals_full(model, ids, method, max_new_tokens: int, same_bytes: bool = True):
-    """`method` on `ids` gives full attention's tokens and logits (within 1e-4) and, with `same_bytes`, its final
-    and peak KV bytes: the unlimited-budget exactness every method owes. Returns both generations (method's, full's)."""
+    """`method` on `ids` (one prompt, or a list of prompts run as a batch) gives full attention's tokens and logits
+    (within 1e-4) for every prompt and, with `same_bytes`, its final and peak KV bytes: the unlimited-budget
+    exactness every method owes. Returns both generations (method's, full's)."""
     full = attnkit.generate(model, ids, "full", max_new_tokens=max_new_tokens, stop_at_eos=False, keep_logits=True)
     out = attnkit.generate(model, ids, method, max_new_tokens=max_new_tokens, stop_at_eos=False, keep_logits=True)
-    assert out.token_ids == full.token_ids
-    assert max((a - b).abs().max().item() for a, b in zip(out.logits, full.logits)) < 1e-4
-    if same_bytes:
-        assert (out.stats.final_kv_bytes, out.stats.peak_kv_bytes) == (full.stats.final_kv_bytes,
-                                                                       full.stats.peak_kv_bytes)
+    pairs = zip(out, full) if isinstance(out, list) else [(out, full)]
+    for o, f in pairs:
+        assert o.token_ids == f.token_ids
+        assert max((a - b).abs().max().item() for a, b in zip(o.logits, f.logits)) < 1e-4
+        if same_bytes:
+            assert (o.stats.final_kv_bytes, o.stats.peak_kv_bytes) == (f.stats.final_kv_bytes, f.stats.peak_kv_bytes)
     return out, full

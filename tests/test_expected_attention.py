@@ -40,12 +40,8 @@ def test_unlimited_budget_equals_full(models, arch, extra):
 def test_unlimited_budget_batch_equals_full(models, arch):
     model = models[arch]
     prompts = [random_ids(n, seed=s).tolist() for s, n in enumerate((120, 120, 90))]
-    full = attnkit.generate(model, prompts, "full", max_new_tokens=NEW, stop_at_eos=False, keep_logits=True)
     method = parse_method_spec("expected_attention:budget_tokens=400,decode_every=3")
-    out = attnkit.generate(model, prompts, method, max_new_tokens=NEW, stop_at_eos=False, keep_logits=True)
-    for o, f in zip(out, full):
-        assert o.token_ids == f.token_ids
-        assert max((a - b).abs().max().item() for a, b in zip(o.logits, f.logits)) < 1e-4
+    assert_equals_full(model, prompts, method, NEW)
 
 
 # ---- small budget: the paper's formula from the model's own queries before RoPE ----------------------------

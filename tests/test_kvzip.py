@@ -52,12 +52,7 @@ def test_unlimited_budget_equals_full(models, arch, extra):
 def test_unlimited_budget_batch_equals_full(models, arch):
     model = models[arch]
     prompts = [random_ids(n, seed=s).tolist() for s, n in enumerate((120, 120, 90))]
-    full = attnkit.generate(model, prompts, "full", max_new_tokens=NEW, stop_at_eos=False, keep_logits=True)
-    out = attnkit.generate(model, prompts, "kvzip", params={"budget": 1.0}, max_new_tokens=NEW, stop_at_eos=False,
-                           keep_logits=True)
-    for o, f in zip(out, full):
-        assert o.token_ids == f.token_ids
-        assert max((a - b).abs().max().item() for a, b in zip(o.logits, f.logits)) < 1e-4
+    assert_equals_full(model, prompts, parse_method_spec("kvzip:budget=1.0"), NEW)
 
 
 # ---- the score: the paper's formula from the reconstruction pass's own queries and keys ---------------------
