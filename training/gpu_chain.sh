@@ -6,7 +6,9 @@
 # back: chain.log (every line), logs.tgz (each run's log.jsonl) and stage.tgz.part-* (the newest stage's run
 # directory without its checkpoint, in pieces under the 16 MiB a returned file may have). Here:
 #   mkdir -p runs/NAME && cat DIR/stage.tgz.part-* | tar xz -C runs/NAME   # NAME: the stage chain.log names last
-# A later call on a fresh machine goes on from that stage when `carry` brings runs/NAME back.
+# A later call on a fresh machine goes on from that stage when `carry` brings runs/NAME back. A chain begun on a
+# CPU goes on the same way with carry ["runs/NAME/export", "runs/NAME/log.jsonl"] (its checkpoint, with the
+# optimizer's moments, is larger than carry takes: the stage then resumes from its export with a fresh optimizer).
 set -uo pipefail
 export PYTHONPATH=src:training PYTHONUNBUFFERED=1
 : "${OUT:?run this through the device tool, which sets OUT}"
