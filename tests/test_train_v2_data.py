@@ -226,6 +226,7 @@ def test_the_chain_lists_a_lineage_that_can_carry_its_weights_from_stage_to_stag
     configs = [json.loads((TRAINING / s["config"]).read_text()) for s in chain]
     assert configs[0]["name"] == "model_v2" and configs[-1]["name"] == "model_v2_stated_long"  # the best weights
     assert len({c["name"] for c in configs}) == len(configs)  # one run directory per stage
+    assert [bool(s.get("fp32")) for s in chain] == [True] + [False] * (len(chain) - 1)  # copying forms in float32
     for before, after in zip(configs, configs[1:]):
         assert {k: v for k, v in after["model"].items() if k != "rope_theta"} == \
             {k: v for k, v in before["model"].items() if k != "rope_theta"}, after["name"]

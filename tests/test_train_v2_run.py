@@ -107,7 +107,8 @@ def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(tmp_p
     for config in (_config("toy"), _config("toy_theta", base=500000.0)):
         (tmp_path / f"{config['name']}.json").write_text(json.dumps(config))
     chain = tmp_path / "chain.json"
-    chain.write_text(json.dumps({"stages": [{"config": "toy.json", "max_steps": 4}, {"config": "toy_theta.json"}]}))
+    chain.write_text(json.dumps({"stages": [{"config": "toy.json", "max_steps": 4, "fp32": True},
+                                            {"config": "toy_theta.json"}]}))
     runs = tmp_path / "runs"
     build_byte_tokenizer().save_pretrained(runs / "toy" / "tokenizer")
     out = _script("chain_v2.py", "--chain", str(chain), "--runs-dir", str(runs), "--max-minutes", "0.00001")
@@ -122,6 +123,13 @@ def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(tmp_p
     again = _script("chain_v2.py", "--chain", str(chain), "--runs-dir", str(runs))
     assert "chain: starts at toy_theta, stage 2 of 2" in again and "chain: toy_theta is done" in again
     assert "initialised" not in again
+    # the stage marked fp32 trains in float32; the next one in bf16 autocast where this CPU runs it fast
+    sys.path.insert(0, str(ROOT / "training"))
+    from train_v2 import fast_bf16
+
+    precision = {name: json.loads((runs / name / "export" / "training.json").read_text())["precision"]
+                 for name in ("toy", "toy_theta")}
+    assert precision == {"toy": "fp32", "toy_theta": "bf16 autocast" if fast_bf16("cpu") else "fp32"}
 
 
 def test_batches_written_ahead_by_workers_are_the_batches_written_in_line(tmp_path):

@@ -12,7 +12,10 @@ last stage begun (the ones before it are done, and their directories need not be
 only the last one) and resumes it: from its checkpoint, or, where only its export is left (the checkpoint, with
 the optimizer's moments, is three times larger and may not have been kept), from those weights with the
 schedule going on and a fresh optimizer. The last stage's export is the model (RUNS_DIR/<name>/export).
-Options not listed here (--threads, --save-every, --probe-every, --data-workers) go to every stage.
+Options not listed here (--threads, --save-every, --probe-every, --data-workers, --fp32) go to every stage; a
+stage marked "fp32" in the chain file trains in float32 anyway (the base run, whose first skill, copying, formed
+in float32 but not in bf16 autocast), the others in bf16 autocast where it is fast (a GPU, a CPU with native bf16;
+docs/benchmarks.md has the speeds).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def main() -> None:
                 argv += ["--init-from", str(init)]
             if max_steps is not None:
                 argv += ["--max-steps", str(max_steps)]
+            if stage.get("fp32") and "--fp32" not in argv:
+                argv.append("--fp32")
             if args.max_minutes is not None:
                 left = args.max_minutes - (time.time() - started) / 60
                 if left <= 0:

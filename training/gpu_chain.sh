@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Model v2's chain (training/chain_v2.py), then its draft model, on a CUDA machine lent by the device tool:
 #   bash training/gpu_chain.sh MINUTES
-# trains for at most MINUTES in all (saved on stopping; the chain in float32, as the base run was trained on an
-# AVX2 CPU: docs/benchmarks.md, "Rebuilding model v2"), prints the progress, and leaves under $OUT what comes
+# trains for at most MINUTES in all (saved on stopping; the base stage in float32, the others in bf16 autocast:
+# training/chain_v2.json, docs/benchmarks.md "Rebuilding model v2"), prints the progress, and leaves under $OUT what comes
 # back: chain.log (every line), logs.tgz (each run's log.jsonl) and stage.tgz.part-* (the newest stage's run
 # directory without its checkpoint, in pieces under the 16 MiB a returned file may have). Here:
 #   mkdir -p runs/NAME && cat DIR/stage.tgz.part-* | tar xz -C runs/NAME   # NAME: the stage chain.log names last
@@ -14,7 +14,7 @@ export PYTHONPATH=src:training PYTHONUNBUFFERED=1
 : "${OUT:?run this through the device tool, which sets OUT}"
 start=$(date +%s)
 python3 training/chain_v2.py --runs-dir runs --max-minutes "${1:-8}" --save-every 500 --probe-every 1000 \
-    --data-workers 6 --fp32 > "$OUT/chain.log" 2>&1
+    --data-workers 6 > "$OUT/chain.log" 2>&1
 rc=$?
 final=$(sed -n 's/^chain: done; the model is //p' "$OUT/chain.log")  # the last stage's export, once done
 left=$(python3 -c "print(${1:-8} - ($(date +%s) - $start) / 60)")
