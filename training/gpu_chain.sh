@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Model v2's chain (training/chain_v2.py), then its draft model, on a CUDA machine lent by the device tool:
 #   bash training/gpu_chain.sh MINUTES
-# trains for at most MINUTES in all (saved on stopping; the base stage in float32, the others in bf16 autocast:
-# training/chain_v2.json, docs/benchmarks.md "Rebuilding model v2"), prints the progress, and leaves under $OUT what comes
-# back: chain.log (every line), logs.tgz (each run's log.jsonl) and stage.tgz.part-* (the newest stage's run
-# directory without its checkpoint, in pieces under the 16 MiB a returned file may have). Here:
+# trains for at most MINUTES in all (saved on stopping; the models trained from scratch, the base stage and the
+# draft, in float32, the other stages in bf16 autocast: docs/benchmarks.md "Rebuilding model v2"), prints the
+# progress, and leaves under $OUT what comes back: chain.log (every line), logs.tgz (each run's log.jsonl) and
+# stage.tgz.part-* (the newest stage's run directory without its checkpoint, in pieces under the 16 MiB a returned
+# file may have). Here:
 #   mkdir -p runs/NAME && cat DIR/stage.tgz.part-* | tar xz -C runs/NAME   # NAME: the stage chain.log names last
 # A later call on a fresh machine goes on from that stage when `carry` brings runs/NAME back. A chain begun on a
 # CPU goes on the same way with carry ["runs/NAME/export", "runs/NAME/log.jsonl"] (its checkpoint, with the
@@ -20,7 +21,7 @@ final=$(sed -n 's/^chain: done; the model is //p' "$OUT/chain.log")  # the last 
 left=$(python3 -c "print(${1:-8} - ($(date +%s) - $start) / 60)")
 if [ $rc = 0 ] && [ -n "$final" ] && python3 -c "import sys; sys.exit($left < 0.5)"; then
   python3 training/train_v2.py --config training/config_v2_draft.json --run-dir runs/model_v2_draft \
-      --tokenizer-from "$final" --max-minutes "$left" --save-every 500 --data-workers 6 >> "$OUT/chain.log" 2>&1
+      --tokenizer-from "$final" --max-minutes "$left" --save-every 500 --data-workers 6 --fp32 >> "$OUT/chain.log" 2>&1
   tar czf "$OUT/draft.tgz" -C runs/model_v2_draft export log.jsonl
 fi
 grep -v '"answer_loss"\|Writing model shards' "$OUT/chain.log" | tail -60
