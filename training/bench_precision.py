@@ -1,6 +1,7 @@
-"""One training step of model v2 (config_v2.json: forward, loss, backward, AdamW) in float32 against bf16 autocast,
-interleaved, on random tokens, 4,096 tokens a step; prints the median times and the ratio per sequence length.
-Why the chain trains its later stages in bf16 autocast where it is fast (docs/benchmarks.md, "Rebuilding model v2").
+"""Model v2's training step (config_v2.json; the trainer's own `optimizer_step`: forward, loss, backward, clipping,
+AdamW) in float32 against bf16 autocast, interleaved, on random tokens, 4,096 tokens a step; prints the median
+times and the ratio per sequence length. Why the chain trains its later stages in bf16 autocast where it is fast
+(docs/benchmarks.md, "Rebuilding model v2").
 
     PYTHONPATH=src:training python training/bench_precision.py --lengths 1024,4096 --repeats 4
 """
@@ -14,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import train_v2
 
@@ -34,13 +34,9 @@ def main() -> None:
 
     def step(bf16: bool, length: int) -> float:
         ids = torch.randint(3, vocab, (4096 // length, length), device=device)
+        weights = torch.ones(ids.shape[0], length - 1, device=device)
         start = time.perf_counter()
-        with train_v2.autocast(device, bf16):
-            logits = model(ids[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train_v2.optimizer_step(model, opt, ids, weights, bf16, config["optimizer"]["clip"])
         if device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start

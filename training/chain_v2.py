@@ -78,7 +78,7 @@ def main() -> None:
                 argv += ["--init-from", str(init)]
             if max_steps is not None:
                 argv += ["--max-steps", str(max_steps)]
-            if stage.get("fp32") and "--fp32" not in argv:
+            if stage.get("fp32"):  # a flag: given twice (also in the options passed on) it is still just set
                 argv.append("--fp32")
             if args.max_minutes is not None:
                 left = args.max_minutes - (time.time() - started) / 60

@@ -27,9 +27,9 @@ the later configs raise it to 500,000 (docs/benchmarks.md, "The RoPE base bounde
 
 CPU: the trainer shares 2 cores with other work; OMP_WAIT_POLICY=PASSIVE (set here before torch loads)
 stops idle OpenMP threads from spinning. bf16 autocast is used on a GPU and on CPUs with native bf16
-(about 1.6x faster than fp32 there); on AVX2-only CPUs it would be many times slower, so fp32. With a GPU
-(cuda), the same script trains there. --fp32 trains in float32 anywhere, as model v2's base run was trained
-(on an AVX2 CPU), for a rebuild that follows it more closely.
+(faster than fp32 there: docs/benchmarks.md); on AVX2-only CPUs it would be many times slower, so fp32. With a
+GPU (cuda), the same script trains there. --fp32 trains in float32 anywhere: the chain's base stage, whose first
+skill, copying, formed in float32 but not in bf16 autocast (docs/benchmarks.md, "Rebuilding model v2").
 """
 
 from __future__ import annotations
@@ -76,6 +76,22 @@ def fast_bf16(device: str) -> bool:
 
 def autocast(device: str, bf16: bool):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
+
+
+def optimizer_step(model, opt, ids: torch.Tensor, weights: torch.Tensor, bf16: bool, clip: float):
+    """One training step on a batch: next-token cross-entropy per position (in autocast where `bf16`), its mean
+    weighted by `weights` ([rows, length - 1]), backward, gradient clipping, the optimizer's step. Returns the
+    per-position losses and the loss, detached."""
+    with autocast(ids.device.type, bf16):
+        logits = model(ids[:, :-1]).logits
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                         reduction="none").view(ids.shape[0], -1)
+    loss = (ce * weights).sum() / weights.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return ce.detach(), loss.detach()
 
 
 def make_model(config: dict, vocab_size: int) -> LlamaForCausalLM:
@@ -224,20 +240,11 @@ def train(args: argparse.Namespace) -> bool:
         for group in opt.param_groups:
             group["lr"] = lr
         ids, weights, answer, kinds = batches.batch(phase, step)
-        ids, weights = ids.to(device), weights.to(device)
-        with autocast(device, bf16):
-            logits = model(ids[:, :-1]).logits
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                             reduction="none").view(ids.shape[0], -1)
-        loss = (ce * weights).sum() / weights.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), oc["clip"])
-        opt.step()
+        ce, loss = optimizer_step(model, opt, ids.to(device), weights.to(device), bf16, oc["clip"])
         st["step"] = step = step + 1
         st["seconds"] += time.time() - t0
         st["tokens"] += ids.numel()
-        ce = ce.detach().cpu()
+        ce = ce.cpu()
         for r, kind in enumerate(kinds):
             if answer[r].any():
                 value = ce[r][answer[r]].mean().item()
