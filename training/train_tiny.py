@@ -194,6 +194,22 @@ def lr_at(step: int, final_phase_start: int | None, final_steps: int, peak: floa
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def optimizer_step(model, opt, ids: torch.Tensor, weights: torch.Tensor, bf16: bool, clip: float):
+    """One training step on a batch: next-token cross-entropy per position (in autocast where `bf16`), its mean
+    weighted by `weights` ([rows, length - 1]), backward, gradient clipping, the optimizer's step. Returns the
+    per-position losses and the loss, detached."""
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(ids[:, :-1]).logits
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                         reduction="none").view(ids.shape[0], -1)
+    loss = (ce * weights).sum() / weights.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return ce.detach(), loss.detach()
+
+
 @torch.no_grad()
 def probe(model, batches: Batches, seq_len: int, n: int = 6) -> dict:
     """Teacher-forced answer accuracy on evaluation-split samples (first answer token; whole answer)."""
@@ -310,15 +326,7 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         ids, weights, answer, kinds = batches.batch(phase, step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(ids[:, :-1]).logits
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                             reduction="none").view(ids.shape[0], -1)
-        loss = (ce * weights).sum() / weights.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        ce, loss = optimizer_step(model, opt, ids, weights, True, 1.0)
         step += 1
         trained_seconds += time.time() - t0
         tokens_seen += ids.numel()

@@ -46,7 +46,6 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
@@ -55,7 +54,7 @@ from attnkit.eval.tasks import TASKS  # noqa: E402
 from data_v2 import BOS, PAD, Rows  # noqa: E402
 from prefetch_v2 import Prefetcher  # noqa: E402
 from tokenizer_v2 import load_tokenizer  # noqa: E402
-from train_tiny import lr_at  # noqa: E402  (the same schedule: warm-up, peak held, cosine over the last phase)
+from train_tiny import lr_at, optimizer_step  # noqa: E402  (the same schedule and step)
 
 HERE = Path(__file__).resolve().parent
 PROBE_TASKS = ("needle_heldout", "needle_multikey_heldout", "needle_multivalue_heldout", "kv_listing_heldout",
@@ -76,22 +75,6 @@ def fast_bf16(device: str) -> bool:
 
 def autocast(device: str, bf16: bool):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
-
-
-def optimizer_step(model, opt, ids: torch.Tensor, weights: torch.Tensor, bf16: bool, clip: float):
-    """One training step on a batch: next-token cross-entropy per position (in autocast where `bf16`), its mean
-    weighted by `weights` ([rows, length - 1]), backward, gradient clipping, the optimizer's step. Returns the
-    per-position losses and the loss, detached."""
-    with autocast(ids.device.type, bf16):
-        logits = model(ids[:, :-1]).logits
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                         reduction="none").view(ids.shape[0], -1)
-    loss = (ce * weights).sum() / weights.sum()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    return ce.detach(), loss.detach()
 
 
 def make_model(config: dict, vocab_size: int) -> LlamaForCausalLM:
