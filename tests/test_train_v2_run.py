@@ -1,8 +1,9 @@
 """training/train_v2.py end to end on a toy geometry (the byte tokenizer, one layer of width 32): a run stopped
 and resumed from its checkpoint ends with the same weights as one that was never stopped, and --init-from
 carries weights into another config, also one with a raised RoPE base; training/chain_v2.py runs stages in
-order, each from the last one's export, and goes on where it stopped; batches written ahead in worker
-processes are the batches written in line."""
+order, each from the last one's export, and goes on where it stopped; training/bundle_v2.py stores the chain's
+model and its draft as float16 with their lineage, and refuses an unfinished draft; batches written ahead in
+worker processes are the batches written in line."""
 
 import json
 import os
@@ -103,18 +104,27 @@ def test_tokenizer_from_takes_a_tokenizer_and_no_weights(tmp_path):
     assert json.loads((tmp_path / "draft" / "export" / "training.json").read_text())["precision"] == "fp32"
 
 
-def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(tmp_path):
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> tuple[Path, Path, list[str]]:
+    """A two-stage toy chain, stopped at once, its first stage's checkpoint then lost, run on to its end:
+    (the chain file, the runs directory, what each of the two calls printed)."""
+    tmp = tmp_path_factory.mktemp("chain")
     for config in (_config("toy"), _config("toy_theta", base=500000.0)):
-        (tmp_path / f"{config['name']}.json").write_text(json.dumps(config))
-    chain = tmp_path / "chain.json"
+        (tmp / f"{config['name']}.json").write_text(json.dumps(config))
+    chain = tmp / "chain.json"
     chain.write_text(json.dumps({"stages": [{"config": "toy.json", "max_steps": 4, "fp32": True},
                                             {"config": "toy_theta.json"}]}))
-    runs = tmp_path / "runs"
+    runs = tmp / "runs"
     build_byte_tokenizer().save_pretrained(runs / "toy" / "tokenizer")
-    out = _script("chain_v2.py", "--chain", str(chain), "--runs-dir", str(runs), "--max-minutes", "0.00001")
-    assert "stopping at step 1" in out and "chain: stopped in toy" in out and not (runs / "toy_theta").exists()
+    first = _script("chain_v2.py", "--chain", str(chain), "--runs-dir", str(runs), "--max-minutes", "0.00001")
+    first += f"\n(toy_theta begun: {(runs / 'toy_theta').exists()})"
     (runs / "toy" / "ckpt.pt").unlink()  # only the export is left: its weights go on with the schedule
-    out = _script("chain_v2.py", "--chain", str(chain), "--runs-dir", str(runs))
+    return chain, runs, [first, _script("chain_v2.py", "--chain", str(chain), "--runs-dir", str(runs))]
+
+
+def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(chain):
+    chain, runs, (first, out) = chain
+    assert "stopping at step 1" in first and "chain: stopped in toy" in first and "(toy_theta begun: False)" in first
     assert f"initialised from {runs / 'toy' / 'export'} (toy, step 1), at step 1 of toy" in out
     assert "done: step 4" in out  # the stage's step limit
     assert f"initialised from {runs / 'toy' / 'export'} (toy, step 4), at step 0 of toy_theta" in out
@@ -130,6 +140,54 @@ def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(tmp_p
     precision = {name: json.loads((runs / name / "export" / "training.json").read_text())["precision"]
                  for name in ("toy", "toy_theta")}
     assert precision == {"toy": "fp32", "toy_theta": "bf16 autocast" if fast_bf16("cpu") else "fp32"}
+
+
+def test_bundling_stores_the_chain_s_model_and_its_draft_in_float16_with_their_lineage(chain, tmp_path):
+    from safetensors.torch import load_file
+
+    from attnkit.eval.tasks import TASKS
+    from attnkit.model import load_model
+
+    chain_file, runs, _ = chain
+    draft_config = tmp_path / "toy_draft.json"
+    draft_config.write_text(json.dumps(_config("toy_draft")))
+    argv = ["--runs-dir", str(runs), "--chain", str(chain_file), "--draft", "toy_draft",
+            "--draft-config", str(draft_config), "--dest", str(tmp_path / "assets"), "--log-out", str(tmp_path / "log")]
+    _script("train_v2.py", "--config", str(draft_config), "--run-dir", str(runs / "toy_draft"), "--tokenizer-from",
+            str(runs / "toy_theta" / "export"), "--max-steps", "2")
+    unfinished = _bundle(*argv)  # the draft stopped before its schedule's end: nothing is written
+    assert unfinished.returncode == 1 and "the draft has not finished its schedule" in unfinished.stderr
+    assert not (tmp_path / "assets").exists()
+    _script("train_v2.py", "--config", str(draft_config), "--run-dir", str(runs / "toy_draft"))
+    done = _bundle(*argv, "--check", "512")
+    assert done.returncode == 0, done.stderr[-2000:]
+    effect = done.stdout.splitlines()[1:]  # one line per eval task: float16 rounding moves the logits a little
+    assert [line.split(":")[0] for line in effect] == list(TASKS)
+    assert all(0 < float(line.split("difference| ")[1].split(",")[0]) < 0.1 for line in effect)
+    for name, run in (("tiny", "toy_theta"), ("tiny-draft", "toy_draft")):
+        stored = load_file(tmp_path / "assets" / name / "model.safetensors")
+        trained = load_file(runs / run / "export" / "model.safetensors")
+        assert stored.keys() == trained.keys()
+        assert all(stored[k].dtype == torch.float16 and torch.equal(stored[k], trained[k].half()) for k in stored)
+        model = load_model(str(tmp_path / "assets" / name))  # runs in float32, from the rounded weights
+        weight = model.hf.get_input_embeddings().weight
+        assert weight.dtype == torch.float32 and torch.equal(weight, trained["model.embed_tokens.weight"].half().float())
+        assert model.tokenizer("pass key 123").input_ids == load_model(str(runs / run / "export")).tokenizer(
+            "pass key 123").input_ids
+    meta = json.loads((tmp_path / "assets" / "tiny" / "training.json").read_text())
+    assert [(s["name"], s["steps"], s["precision"]) for s in meta["stages"]] == [
+        ("toy", 4, "fp32"), ("toy_theta", 6, meta["stages"][1]["precision"])]
+    assert meta["stored_dtype"] == "float16" and meta["model"] == "tiny"
+    draft = json.loads((tmp_path / "assets" / "tiny-draft" / "training.json").read_text())
+    assert [(s["name"], s["steps"]) for s in draft["stages"]] == [("toy_draft", 6)]
+    stages = [json.loads(line)["stage"] for line in (tmp_path / "log").read_text().splitlines()]
+    assert stages[0] == "toy" and stages[-1] == "toy_theta" and sorted(set(stages)) == ["toy", "toy_theta"]
+
+
+def _bundle(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT / 'training'}")
+    return subprocess.run([sys.executable, str(ROOT / "training" / "bundle_v2.py"), *argv],
+                          capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_batches_written_ahead_by_workers_are_the_batches_written_in_line(tmp_path):

@@ -250,7 +250,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="export dir (default src/attnkit/assets/<model>)")
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--save-every", type=int, default=100)
-    ap.add_argument("--probe-every", type=int, default=250)
+    ap.add_argument("--probe-every", type=int, default=250, help="steps between probes (0: none)")
     ap.add_argument("--extra-final-steps", type=int, default=0,
                     help="lengthen the last phase (to continue training in a later session)")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (after saving) past this wall time")
@@ -343,7 +343,7 @@ def main() -> None:
             record({"step": step, "phase": phase.name, "lr": round(lr, 6), "loss": round(loss.item(), 4),
                     "answer_loss": per_kind, "tok_per_s": round(ids.numel() / (time.time() - t0)),
                     "minutes": round(trained_seconds / 60, 1)})
-        if step % args.probe_every == 0:
+        if args.probe_every and step % args.probe_every == 0:
             record({"step": step, "probe_len": phase.seq_len, "probe": probe(model, batches, phase.seq_len)})
         # advance the curriculum
         in_phase = step - phase_start
