@@ -65,6 +65,7 @@ def bundle(export: Path, dest: Path, meta: dict, dtype: torch.dtype) -> None:
     weights = load_file(export / "model.safetensors")
     save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, dest / "model.safetensors",
               metadata={"format": "pt"})
+    (dest / "model.safetensors").chmod(0o644)  # safetensors writes it readable by its owner only
     (dest / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
