@@ -20,8 +20,9 @@
 set -uo pipefail
 out=${1:?usage: bash benchmarks/regenerate_tiny.sh OUT [JOB ...]}
 shift
+ALL=(eval duo eviction protocols tune minference share duo_eval kivi spec batch_eval)
 jobs=("$@")
-[ ${#jobs[@]} -gt 0 ] || jobs=(eval duo eviction protocols tune minference share duo_eval kivi spec batch_eval)
+[ ${#jobs[@]} -gt 0 ] || jobs=("${ALL[@]}")
 T=${OMP_NUM_THREADS:-1}
 export OMP_NUM_THREADS=$T
 A=(run "${PYTHON:-python}" -m attnkit.cli)
@@ -69,7 +70,7 @@ job() {
             --draft-confidence 0.4 --prompts 4 --threads "$T" ;;
     batch_eval) "${B[@]}" benchmarks/bench_batch.py --threads "$T" --repeats 3 --skip fixed,cap,scaling \
                   --out "$out/batch_eval" ;;
-    *) echo "unknown job $1; the jobs: eval duo eviction protocols tune minference share duo_eval kivi spec batch_eval" >&2
+    *) echo "unknown job $1; the jobs: ${ALL[*]}" >&2
        return 2 ;;
   esac
 }

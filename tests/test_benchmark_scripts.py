@@ -13,7 +13,8 @@ import pytest
 
 from attnkit.cli import main as cli_main
 
-SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
 
 
 def test_there_are_benchmark_scripts():
@@ -33,9 +34,8 @@ class _Parsed(Exception):
 
 
 def _regenerate_commands(tmp_path: Path) -> list[list[str]]:
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(["bash", str(root / "benchmarks" / "regenerate_tiny.sh"), str(tmp_path)],
-                          env={**os.environ, "DRY": "1"}, capture_output=True, text=True, cwd=root, timeout=60)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "regenerate_tiny.sh"), str(tmp_path)],
+                          env={**os.environ, "DRY": "1"}, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr
     return [shlex.split(line) for line in done.stdout.splitlines()]
 
@@ -66,7 +66,6 @@ def test_every_command_of_regenerate_tiny_parses(tmp_path, monkeypatch):
 
 
 def test_regenerate_tiny_refuses_an_unknown_job(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(["bash", str(root / "benchmarks" / "regenerate_tiny.sh"), str(tmp_path), "evl"],
-                          capture_output=True, text=True, cwd=root, timeout=60)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "regenerate_tiny.sh"), str(tmp_path), "evl"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 2 and "evl: failed" in done.stdout and "unknown job evl" in (tmp_path / "evl.txt").read_text()

@@ -37,10 +37,14 @@ def _config(name: str, base: float = 10000.0) -> dict:
     }
 
 
-def _script(name: str, *argv: str) -> str:
+def _run(name: str, *argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT / 'training'}")
-    done = subprocess.run([sys.executable, str(ROOT / "training" / name), *argv, "--threads", "1"],
+    return subprocess.run([sys.executable, str(ROOT / "training" / name), *argv],
                           capture_output=True, text=True, env=env, timeout=300)
+
+
+def _script(name: str, *argv: str) -> str:
+    done = _run(name, *argv, "--threads", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -155,11 +159,11 @@ def test_bundling_stores_the_chain_s_model_and_its_draft_in_float16_with_their_l
             "--draft-config", str(draft_config), "--dest", str(tmp_path / "assets"), "--log-out", str(tmp_path / "log")]
     _script("train_v2.py", "--config", str(draft_config), "--run-dir", str(runs / "toy_draft"), "--tokenizer-from",
             str(runs / "toy_theta" / "export"), "--max-steps", "2")
-    unfinished = _bundle(*argv)  # the draft stopped before its schedule's end: nothing is written
+    unfinished = _run("bundle_v2.py", *argv)  # the draft stopped before its schedule's end: nothing is written
     assert unfinished.returncode == 1 and "the draft has not finished its schedule" in unfinished.stderr
     assert not (tmp_path / "assets").exists()
     _script("train_v2.py", "--config", str(draft_config), "--run-dir", str(runs / "toy_draft"))
-    done = _bundle(*argv, "--check", "512")
+    done = _run("bundle_v2.py", *argv, "--check", "512")
     assert done.returncode == 0, done.stderr[-2000:]
     effect = done.stdout.splitlines()[1:]  # one line per eval task: float16 rounding moves the logits a little
     assert [line.split(":")[0] for line in effect] == list(TASKS)
@@ -182,12 +186,6 @@ def test_bundling_stores_the_chain_s_model_and_its_draft_in_float16_with_their_l
     assert [(s["name"], s["steps"]) for s in draft["stages"]] == [("toy_draft", 6)]
     stages = [json.loads(line)["stage"] for line in (tmp_path / "log").read_text().splitlines()]
     assert stages[0] == "toy" and stages[-1] == "toy_theta" and sorted(set(stages)) == ["toy", "toy_theta"]
-
-
-def _bundle(*argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT / 'training'}")
-    return subprocess.run([sys.executable, str(ROOT / "training" / "bundle_v2.py"), *argv],
-                          capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_batches_written_ahead_by_workers_are_the_batches_written_in_line(tmp_path):

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from attnkit.eval.tasks import TASKS
+from attnkit.generation import encode_prompt
 from attnkit.model import load_model
 from chain_v2 import stage_done
 
@@ -87,8 +88,7 @@ def rounding_effect(export: Path, bundled: Path, length: int) -> list[str]:
     lines = []
     for name, task in TASKS.items():
         sample = task.make(trained.tokenizer, length, seed=0)
-        ids = torch.tensor([[trained.tokenizer.bos_token_id]
-                            + trained.tokenizer(sample.prompt + sample.target, add_special_tokens=False).input_ids])
+        ids = encode_prompt(trained, sample.prompt + sample.target)[None]  # BOS first, as the runner feeds it
         with torch.no_grad():
             a, b = trained.hf(ids).logits[0], stored.hf(ids).logits[0]
         agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
