@@ -83,11 +83,12 @@ def main(argv=None) -> int:
     p.add_argument("--skip", default="", help="comma-separated parts to skip: fixed, scaling, cap, eval")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16 is what a GPU runs)")
     p.add_argument("--out", required=True, help="directory for capacity.json / .md / .png")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     b = f"budget_tokens={args.budget_tokens}"
     methods = split_spec_list(args.methods) if args.methods else ["full", f"streaming:{b}", f"h2o:{b}",
                                                                   f"snapkv:{b}"]
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
         if plot:
             (out / "capacity.png").write_bytes(plot.png)
     if "eval" not in skip:
-        rows = eval_rows(load_model(args.eval_model, device=args.device), args.eval_tasks.split(","),
+        rows = eval_rows(load_model(args.eval_model, device=args.device, dtype=args.dtype), args.eval_tasks.split(","),
                          split_spec_list(args.eval_methods), args.eval_length, args.eval_samples, args.eval_batch,
                          args.repeats)
         result["eval"] = rows

@@ -66,6 +66,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16 is what a GPU runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first run of every method")
     p.add_argument("--out", default=None, help="JSON file for all rows")
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     methods = [m.strip() for m in args.methods.split(";") if m.strip()]
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):

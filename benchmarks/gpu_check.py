@@ -179,21 +179,28 @@ def main(argv=None) -> int:
     compiled = args.device.startswith("cuda")  # FlexAttention compiles for CUDA; on a CPU the eager kernels run
     result = {"model": spec, "device": args.device, "dtype": str(dtype), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name() if compiled else "cpu", "argv": sys.argv[1:]}
+
+    def save() -> None:  # after every part, so a run stopped at its time limit still leaves what it measured
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+
     with tempfile.TemporaryDirectory() as tmp:
         result["exactness"] = exactness_rows(model, spec, exact, args.new_tokens, compiled, Path(tmp))
+        save()
         if importlib.util.find_spec("accelerate") is not None:
             placed, device_map = placed_model(spec, args.device, dtype, Path(tmp) / "offload")
             result["placement"] = {"device_map": device_map, "layer_devices": [str(d) for d in placed.layer_devices()],
                                    "rows": exactness_rows(placed, spec, exact, args.new_tokens, compiled, Path(tmp))}
             del placed
+            save()
     sparse = [m if compiled or m == "full" else m + (",compile=false" if ":" in m else ":compile=false")
               for m in split_spec_list(args.prefill_methods)]
     result["prefill"] = [row for n in lengths for row in run_bench(model, n, 2, sparse, repeats=args.repeats)]
+    save()
     bandwidth = measure_bandwidth(args.device)
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
     result["decode"] = run_bench(model, args.decode_context, args.new_tokens, split_spec_list(args.decode_methods),
                                  repeats=args.repeats, bandwidth=bandwidth, batch_sizes=sizes)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    save()
     text = (f"{spec} on {result['device_name']} ({result['dtype']}, torch {result['torch']})\n\n"
             f"### Exactness at an unlimited budget, prompts of {args.exact_lengths} tokens\n\n"
             f"{format_exactness(result['exactness'])}\n\n### Sparse prefill\n\n```\n{format_bench(result['prefill'])}\n```\n\n"

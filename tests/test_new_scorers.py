@@ -303,3 +303,26 @@ def test_specs_parse_and_describe():
     assert parse_method_spec("knorm:budget=0.3").decode_only_appends()
     assert parse_method_spec("tova:budget=0.3").describe() == "tova(budget=0.3, budget_tokens=None, layer_budgets=uniform)"
     assert {"knorm", "keydiff", "tova"} <= set(attnkit.methods.METHODS)
+
+
+@pytest.mark.parametrize("spec", ["h2o:budget_tokens=40", "h2o:budget=0.3,gqa_reduce=max"])
+def test_the_fused_prompt_pass_keeps_the_same_tokens(models, monkeypatch, spec):
+    """The GPU path of H2O's prompt (two flash calls, :func:`attnkit.methods.scoring.fused_attention_with_statistics`)
+    forced on a CPU: the same tokens and logits as the blocked pass, on a ragged batch; only H2O's mean over
+    the group takes it (the max over the group has no such form)."""
+    from attnkit.methods import eviction
+
+    model = models["llama"]
+    prompts = [random_ids(n, seed=20 + n) for n in (90, 130, 61)]
+    run = lambda: attnkit.generate(model, prompts, parse_method_spec(spec), max_new_tokens=NEW,  # noqa: E731
+                                   stop_at_eos=False, keep_logits=True)
+    blocked = run()
+    calls = []
+    fused = eviction.fused_attention_with_statistics
+    monkeypatch.setattr(eviction, "fused_pays", lambda q: True)
+    monkeypatch.setattr(eviction, "fused_attention_with_statistics", lambda *a: calls.append(1) or fused(*a))
+    forced = run()
+    assert len(calls) == (0 if "max" in spec else model.geometry.n_layers * len(prompts))
+    for a, b in zip(forced, blocked):
+        assert a.token_ids == b.token_ids
+        assert max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits)) < 1e-4

@@ -139,3 +139,25 @@ def test_one_pass_refuses_per_head_positions():
     q, k, v = qkv(8, 4, 2)
     with pytest.raises(ValueError, match="shared"):
         scoring.attention_with_statistics(q, k, v, 1.0, torch.arange(8), torch.arange(8).expand(1, 2, 8))
+
+
+@pytest.mark.parametrize("dtype,atol,out_atol", [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 2e-3, 5e-2)])
+def test_fused_pass_equals_the_blocked_pass(dtype, atol, out_atol):
+    """Two flash calls (the second with queries and keys swapped, -lse in an extra dimension) give the
+    prompt's output and H2O's statistic of the blocked pass, in half precision to about 1e-4 of each key's
+    statistic (the remainder dimension); here through torch's CPU flash kernel."""
+    n, hq, kv = 300, 8, 2
+    q, k, v = qkv(n, hq, kv, seed=7)
+    q, k, v = (torch.cat([x, randn(*x.shape, seed=11)]).mul(3).to(dtype) for x in (q, k, v))  # batch of 2
+    pos = torch.arange(n)
+    out, stats = scoring.fused_attention_with_statistics(q, k, v, 0.4)
+    ref_out, ref_stats = scoring.attention_with_statistics(q.float(), k.float(), v.float(), 0.4, pos, pos)
+    assert out.dtype == dtype and stats.shape == (2, kv, n)
+    assert torch.allclose(out.float(), ref_out, atol=out_atol)  # bf16: the output's own rounding
+    assert ((stats - ref_stats).abs() / ref_stats).max() < atol
+    assert torch.allclose(stats.sum(-1), torch.full((2, kv), float(n)), rtol=atol)  # each query gives 1 in all
+
+
+def test_fused_pass_is_only_chosen_where_flash_kernels_run():
+    q = torch.zeros(1, 8, 4, 32, dtype=torch.bfloat16)
+    assert not scoring.fused_pays(q)  # a CPU: the blocked pass is faster there

@@ -16,8 +16,9 @@ method accumulates its statistics chunk by chunk. A method that scores every pro
 (:func:`attnkit.methods.scoring.attention_with_statistics`); when another method supplies the prompt's
 output (``compose``), or the prompt is long enough that SDPA plus a separate statistic is cheaper
 (:func:`~attnkit.methods.scoring.one_pass_pays`), the statistic is computed on its own
-(:func:`~attnkit.methods.scoring.attention_statistics`).
-Either way in blocks, so no N x N matrix exists. After the last chunk the layer keeps its ``B`` best entries per kv
+(:func:`~attnkit.methods.scoring.attention_statistics`). On a GPU H2O's whole prompt takes two fused kernels
+instead (:func:`~attnkit.methods.scoring.fused_attention_with_statistics`), where the blocks would write every
+logit to memory. Either way no N x N matrix exists. After the last chunk the layer keeps its ``B`` best entries per kv
 head (:func:`~attnkit.methods.scoring.keep_top`) and the larger tensors are released (:meth:`LayerKV.keep`).
 
 **Decode.** When the layer is full, the lowest-ranked entry per kv head that is not protected (the
@@ -44,6 +45,8 @@ from attnkit.methods.scoring import (
     GQA_REDUCTIONS,
     attention_statistics,
     attention_with_statistics,
+    fused_attention_with_statistics,
+    fused_pays,
     keep_top,
     lowest,
     one_pass_pays,
@@ -210,8 +213,15 @@ class EvictionMethod(Method):
     # ---- the flow ----------------------------------------------------------------------------------
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         scorer = self.prefill_scorer(ctx) if self.evicts(ctx) else None
-        if (scorer is not None and ctx.session.method.dense_prefill_output()
-                and one_pass_pays(q.device, ctx.kv.length + q.shape[2])):
+        dense = scorer is not None and ctx.session.method.dense_prefill_output()
+        if (dense and scorer == ("mean", None) and ctx.native_window is None and ctx.kv.length == 0
+                and fused_pays(q)):
+            # a whole prompt's attention probabilities, summed per key: two fused kernels (H2O on a GPU)
+            out, stats = fused_attention_with_statistics(q, k, v, ctx.scaling)
+            ctx.kv.append(k, v, ctx.q_pos)
+            self.add_prefill_scores(ctx, stats)
+            return out
+        if dense and one_pass_pays(q.device, ctx.kv.length + q.shape[2]):
             # the prompt's output is plain dense attention: computed with the statistic, in one pass
             ctx.kv.append(k, v, ctx.q_pos)
             keys, values, positions = ctx.kv.view()

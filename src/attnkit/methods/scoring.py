@@ -174,6 +174,56 @@ def attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch
     return out.view(b, hq, n, -1), stats
 
 
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Causal fused attention (query i sees keys 0..i, equal head counts) and its per-query log-sum-exp of
+    the scaled logits, ``[b, h, n]`` float32: torch's flash kernels, which return it beside the output."""
+    if q.device.type == "cuda":
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+
+
+def fused_pays(q: torch.Tensor) -> bool:
+    """Whether :func:`fused_attention_with_statistics` should compute a whole prompt's output and H2O's statistic:
+    on a CUDA device with flash kernels (compute capability 8.0 on, half precision, head size a multiple of 8),
+    where the blocked pass would write every logit to memory. On a CPU the blocked pass is faster
+    (docs/benchmarks.md, "The cost of scoring")."""
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 248 and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+def fused_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                    scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole prompt's causal attention output ``[b, hq, n, d]`` and H2O's statistic ``[b, kv, n]`` (the
+    attention each key receives, summed over the queries, averaged over the query heads of its kv group) from
+    two fused attention calls, no logit ever written to memory.
+
+    The first call is the prompt's attention, which also returns ``lse_i``, the log-sum-exp of query ``i``'s
+    scaled logits. Key ``j``'s statistic per query head is ``s_j = sum_{i >= j} exp(q_i . k_j * scaling - lse_i)``,
+    itself an attention call with the roles swapped: the keys ask, the queries answer, ``-lse_i / scaling`` rides
+    in one more dimension of each query (split into a rounded part and its remainder, so half precision keeps it
+    to about 1e-4) against a 1 in each key's, and both sequences run backwards so ``i >= j`` is the ordinary
+    causal condition; that call's own log-sum-exp is ``log s_j``. Same result as :func:`attention_with_statistics`
+    with ``reduce="mean"`` and the probabilities as weights, for keys at the queries' own ascending positions
+    (a prompt's first chunk) and no window.
+    """
+    b, hq, n, d = q.shape
+    kv = keys.shape[1]
+    g = hq // kv
+    k_all, v_all = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+    out, lse = _flash_with_lse(q, k_all, v_all, scaling)
+    shift = -lse.float() / scaling
+    hi = shift.to(q.dtype)
+    lo = (shift - hi.float()).to(q.dtype)
+    width = -(-(d + 2) // 8) * 8  # the kernels take head sizes in multiples of 8
+    answer = q.new_zeros(b, hq, n, width)
+    answer[..., :d], answer[..., d], answer[..., d + 1] = q, hi, lo
+    ask = q.new_zeros(b, hq, n, width)
+    ask[..., :d], ask[..., d:d + 2] = k_all, 1
+    _, lse_keys = _flash_with_lse(ask.flip(2), answer.flip(2), torch.zeros_like(ask), scaling)
+    stats = lse_keys.float().flip(-1).exp_().view(b, kv, g, n).mean(2)
+    return out, stats
+
+
 def one_pass_pays(device: torch.device, n_keys: int) -> bool:
     """Whether :func:`attention_with_statistics` should compute a prompt chunk over `n_keys` keys
     (:data:`ONE_PASS_MAX_KEYS`); otherwise SDPA and :func:`attention_statistics` separately."""
