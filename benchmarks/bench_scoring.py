@@ -69,8 +69,14 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16 is what a GPU runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first run of every method")
+    p.add_argument("--block-elements", type=int, default=None,
+                   help="entries per block of the blocked scoring passes on this device (default: "
+                        "attnkit.methods.scoring.SCORE_BLOCK_ELEMENTS)")
     p.add_argument("--out", default=None, help="JSON file for all rows")
     args = p.parse_args(argv)
+    if args.block_elements:
+        from attnkit.methods import scoring
+        scoring.SCORE_BLOCK_ELEMENTS[torch.device(args.device).type] = args.block_elements
     if args.threads:
         torch.set_num_threads(args.threads)
 

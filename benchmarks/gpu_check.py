@@ -3,8 +3,10 @@
     python benchmarks/gpu_check.py --out results/gpu_check                     # on a machine with CUDA
     python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check  # keeps the script working (CI)
 
-Three parts, each written to ``OUT/gpu_check.json`` (every row) and ``OUT/gpu_check.md`` (the tables):
+Five parts, each written to ``OUT/gpu_check.json`` (every row) and ``OUT/gpu_check.md`` (the tables):
 
+0. **H2O's fused prompt pass** (:func:`attnkit.methods.scoring.fused_attention_with_statistics`, two flash calls)
+   against the blocked pass in float32 at the ``--prefill-lengths`` up to 32k: output and statistic differences.
 1. **Exactness** in the device's inference dtype (bfloat16 on CUDA, float32 on a CPU): every registered method
    at an unlimited budget against full attention on a batch of prompts of different lengths (greedy tokens
    equal? the largest logit difference). In bfloat16 a method that computes attention its own way (blocked
@@ -116,6 +118,31 @@ def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, 
     return rows
 
 
+def fused_statistics_rows(device: str, dtype: torch.dtype, lengths: list[int]) -> list[dict]:
+    """H2O's fused prompt pass (two flash calls) against the blocked pass in float32 on random tensors in `tiny`'s
+    head layout: the largest output difference, the largest relative difference of a key's statistic, times."""
+    from attnkit.generation import sync
+    from attnkit.methods import scoring
+
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for n in lengths:
+        q, k, v = (torch.randn(2, h, n, 32, device=device, generator=g).mul(2).to(dtype) for h in (8, 2, 2))
+        pos = torch.arange(n, device=device)
+        sync(device)
+        t0 = time.perf_counter()
+        out, stats = scoring.fused_attention_with_statistics(q, k, v, 32 ** -0.5)
+        sync(device)
+        t1 = time.perf_counter()
+        ref_out, ref_stats = scoring.attention_with_statistics(q.float(), k.float(), v.float(), 32 ** -0.5, pos, pos)
+        sync(device)
+        rows.append({"length": n, "chosen_by_default": scoring.fused_pays(q),
+                     "max_abs_output_diff": float((out.float() - ref_out).abs().max()),
+                     "max_rel_statistic_diff": float(((stats - ref_stats).abs() / ref_stats).max()),
+                     "fused_s": t1 - t0, "blocked_float32_s": time.perf_counter() - t1})
+    return rows
+
+
 def placed_model(spec: str, device: str, dtype: torch.dtype, offload_dir: Path):
     """The model spread over `device` and the CPU (on a CPU run: the CPU and the disk) by accelerate, as part 4
     of the module docstring says, and the device map used."""
@@ -183,6 +210,8 @@ def main(argv=None) -> int:
     def save() -> None:  # after every part, so a run stopped at its time limit still leaves what it measured
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
+    result["fused_statistics"] = fused_statistics_rows(args.device, dtype, [n for n in lengths if n <= 32768])
+    save()
     with tempfile.TemporaryDirectory() as tmp:
         result["exactness"] = exactness_rows(model, spec, exact, args.new_tokens, compiled, Path(tmp))
         save()
@@ -202,6 +231,8 @@ def main(argv=None) -> int:
                                  repeats=args.repeats, bandwidth=bandwidth, batch_sizes=sizes)
     save()
     text = (f"{spec} on {result['device_name']} ({result['dtype']}, torch {result['torch']})\n\n"
+            f"### H2O's fused prompt pass against the blocked pass\n\n```\n"
+            + "\n".join(json.dumps(r) for r in result["fused_statistics"]) + "\n```\n\n"
             f"### Exactness at an unlimited budget, prompts of {args.exact_lengths} tokens\n\n"
             f"{format_exactness(result['exactness'])}\n\n### Sparse prefill\n\n```\n{format_bench(result['prefill'])}\n```\n\n"
             f"### Decode at {args.decode_context} tokens\n\n```\n{format_bench(result['decode'])}\n```\n\n"

@@ -26,9 +26,9 @@ from attnkit import masks
 
 # Largest number of (query head x query x key) entries one block of the score computation holds, by
 # device type. Each entry costs a few 4-byte temporaries (logits, weights; hashed noise). On a CPU small
-# blocks stay in its caches, so a few MiB per block is fastest; a GPU wants fewer, larger blocks to fill
-# its cores.
-SCORE_BLOCK_ELEMENTS = {"cpu": 1 << 20, "default": 1 << 24}
+# blocks stay in its caches, so a few MiB per block is fastest; on a GPU each block costs kernel launches and
+# a host sync whatever its size, so blocks of a few hundred MiB (docs/benchmarks.md, "On a GPU").
+SCORE_BLOCK_ELEMENTS = {"cpu": 1 << 20, "default": 1 << 26}
 # Most keys for which :func:`attention_with_statistics` is the cheaper way to get a prompt's output and
 # statistic, by device type (None: no limit). Each block of queries reads every key and value it sees; on a
 # CPU a long prompt's blocks are either too few rows to reuse them or too large to stay in its caches, and
