@@ -7,7 +7,7 @@
     python training/train_v2.py --config training/config_v2_drill.json --run-dir runs/model_v2_drill --init-from runs/model_v2/export
     # the draft model for speculative decoding: its own weights, the target's tokenizer
     python training/train_v2.py --config training/config_v2_draft.json --run-dir runs/model_v2_draft \
-        --tokenizer-from runs/model_v2/export   # the base stage's tokenizer, which every stage keeps
+        --tokenizer-from runs/model_v2/export   # the vocabulary every stage keeps
     # the whole lineage of the best weights, from nothing: training/chain_v2.py
 
 Run from the checkout with PYTHONPATH=src:training. The run directory holds the tokenizer (trained on the
