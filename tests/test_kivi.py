@@ -300,7 +300,7 @@ def test_four_bits_stay_close_to_full_on_tiny_two_bits_less():
         agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
         errors[bits] = (logits - ref).abs().amax(-1).mean().item()
         assert agree >= (0.95 if bits == 4 else 0.8), (bits, agree)
-    assert errors[4] < 0.1 and errors[2] > 3 * errors[4], errors
+    assert errors[4] < 0.25 and errors[2] > 3 * errors[4], errors  # largest logit change, mean over steps
 
 
 # ---- routes ----------------------------------------------------------------------------------------------------

@@ -42,10 +42,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
@@ -54,11 +56,36 @@ from attnkit.eval.tasks import TASKS  # noqa: E402
 from data_v2 import BOS, PAD, Rows  # noqa: E402
 from prefetch_v2 import Prefetcher  # noqa: E402
 from tokenizer_v2 import load_tokenizer  # noqa: E402
-from train_tiny import lr_at, optimizer_step  # noqa: E402  (the same schedule and step)
 
 HERE = Path(__file__).resolve().parent
 PROBE_TASKS = ("needle_heldout", "needle_multikey_heldout", "needle_multivalue_heldout", "kv_listing_heldout",
                "variable_chain_heldout", "passkey", "niah_multikey", "kv_retrieval", "variable_tracking")
+
+
+def lr_at(step: int, final_phase_start: int | None, final_steps: int, peak: float, warmup: int = 100) -> float:
+    """Linear warm-up, then the peak rate held until the final phase, cosine to 10 % over it."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if final_phase_start is None or step < final_phase_start:
+        return peak
+    t = min(1.0, (step - final_phase_start) / max(1, final_steps))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def optimizer_step(model, opt, ids: torch.Tensor, weights: torch.Tensor, bf16: bool, clip: float):
+    """One training step on a batch: next-token cross-entropy per position (in autocast where `bf16`), its mean
+    weighted by `weights` ([rows, length - 1]), backward, gradient clipping, the optimizer's step. Returns the
+    per-position losses and the loss, detached."""
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(ids[:, :-1]).logits
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                         reduction="none").view(ids.shape[0], -1)
+    loss = (ce * weights).sum() / weights.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return ce.detach(), loss.detach()
 
 
 def fast_bf16(device: str) -> bool:

@@ -59,7 +59,8 @@ BUNDLED = ("tiny", "tiny-draft")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEVICE_KINDS = ("cpu", "cuda", "mps")
-TRAINING_SCRIPT = "training/train_tiny.py"  # builds the bundled models
+# builds the bundled models (training/bundle_v2.py says how, from a checkout)
+TRAINING_SCRIPT = "training/bundle_v2.py"
 
 _RANDOM_CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 _RANDOM_DEFAULTS = dict(layers=2, hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512, context=4096,
@@ -312,8 +313,8 @@ def load_model(spec: str, *, device: str | torch.device | None = None, dtype: to
     if base in BUNDLED:
         path = bundled_path(base)
         if not (path / "config.json").is_file():
-            raise AttnkitError(f"the bundled model {spec!r} is missing at {path}; train it with "
-                               f"`python {TRAINING_SCRIPT} --model {base}`")
+            raise AttnkitError(f"the bundled model {spec!r} is missing at {path}; {TRAINING_SCRIPT} in attnkit's "
+                               f"checkout says how to train it")
     else:
         path = Path(base)
     source = str(path) if path.is_dir() else base

@@ -1,4 +1,4 @@
-"""The byte-level tokenizer shared by the bundled model and the random test models.
+"""The byte-level tokenizer of the random test models (the bundled models have their own BPE tokenizer).
 
 Every UTF-8 byte is one token (a byte-level BPE with no merges), plus three special tokens.
 Token counts therefore equal byte counts, which keeps the synthetic long-context tasks exact

@@ -158,19 +158,19 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """A short evaluation of the bundled model: full attention vs a small sliding window."""
     from attnkit.eval.harness import format_table, run_eval
-    from attnkit.model import BUNDLED, bundled_path
+    from attnkit.model import BUNDLED, TRAINING_SCRIPT, bundled_path
 
     whole("--samples", args.samples, minimum=1)
     spec = args.model
     if spec in BUNDLED and not (bundled_path(spec) / "config.json").is_file():
         spec = "random:llama"
-        print(f"the bundled model {args.model!r} is not built yet (training/train_tiny.py makes it): running the "
+        print(f"the bundled model {args.model!r} is not built yet ({TRAINING_SCRIPT} makes it): running the "
               f"demo on {spec}, a random-weight model, whose scores mean nothing")
     model = load(spec)
     print(f"attnkit demo: {model.spec} ({model.geometry.n_layers} layers, {model.geometry.n_q_heads} query / "
           f"{model.geometry.n_kv_heads} kv heads), retrieval at 1k and 2k tokens, full vs window:window=256")
     t0 = time.time()
-    rows = run_eval(model, ["passkey", "kv_retrieval", "code_completion"], [1024, 2048],
+    rows = run_eval(model, ["passkey", "needle_heldout", "kv_retrieval", "code_completion"], [1024, 2048],
                     ["full", "window:window=256"], args.samples, seed=0,
                     out_dir=Path(args.out) if args.out else None, progress=True)
     print(format_table(rows))
