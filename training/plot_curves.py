@@ -2,6 +2,10 @@
 step (chance is ln(vocabulary)), phase boundaries, and the held-out probe (exact and first-token accuracy).
 
     python training/plot_curves.py runs/model_v2/log.jsonl --out docs/results/model_v2_curves.png
+
+A log of several runs (training/bundle_v2.py --log-out: each record names its ``stage``) is drawn as one run: each
+stage's steps follow the previous stage's last, and the lines mark where stages (not phases) begin. Losses are
+drawn as the mean of each ``--smooth`` consecutive records of a kind, since single batches are noisy.
 """
 
 from __future__ import annotations
@@ -20,22 +24,34 @@ import matplotlib.pyplot as plt  # noqa: E402
 def read_log(path: Path) -> tuple[dict, dict, list]:
     """(answer losses by kind: [(step, loss)], probe accuracies by task: [(step, first, exact)], phase ends)."""
     losses, probes, phases = defaultdict(list), defaultdict(list), []
+    stage, offset, last = None, 0, 0
     for line in path.read_text().splitlines():
         rec = json.loads(line)
+        if rec.get("stage", stage) != stage:  # a new stage: its steps start after the previous stage's
+            stage, offset = rec["stage"], last
+            phases.append((offset, stage))
+        step = offset + rec["step"]
+        last = max(last, step)
         for kind, value in rec.get("answer_loss", {}).items():
-            losses[kind].append((rec["step"], value))
+            losses[kind].append((step, value))
         for task, (first, exact) in rec.get("probe", {}).items():
-            probes[task].append((rec["step"], first, exact))
-        if "event" in rec:
-            phases.append((rec["step"], rec["event"]))
+            probes[task].append((step, first, exact))
+        if "event" in rec and stage is None:
+            phases.append((step, rec["event"]))
     return losses, probes, phases
 
 
-def plot(path: Path, out: Path) -> None:
+def smoothed(points: list, width: int) -> tuple[list, list]:
+    """Steps and mean values of each `width` consecutive points."""
+    groups = [points[i:i + width] for i in range(0, len(points), width)]
+    return [g[-1][0] for g in groups], [sum(v for _, v in g) / len(g) for g in groups]
+
+
+def plot(path: Path, out: Path, smooth: int = 1) -> None:
     losses, probes, phases = read_log(path)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 9), sharex=True)
     for kind, points in sorted(losses.items()):
-        steps, values = zip(*points)
+        steps, values = smoothed(points, smooth)
         top.plot(steps, values, label=kind, linewidth=1)
     top.set_yscale("log")
     top.set_ylabel("answer loss (nats per answer token)")
@@ -61,8 +77,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("log", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smooth", type=int, default=1, help="records of a kind averaged per point (default 1)")
     args = ap.parse_args()
-    plot(args.log, args.out)
+    plot(args.log, args.out, args.smooth)
 
 
 if __name__ == "__main__":
