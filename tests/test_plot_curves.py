@@ -33,3 +33,14 @@ def test_a_single_run_marks_its_phases(tmp_path):
                    + json.dumps({"step": 4, "event": "phase x done"}) + "\n")
     losses, _, marks = plot_curves.read_log(log)
     assert losses["copy"] == [(3, 1.0)] and marks == [(4, "phase x done")]
+
+
+def test_a_smoothing_width_below_one_is_refused_in_one_line(tmp_path):
+    import subprocess
+
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"step": 3, "answer_loss": {"copy": 1.0}}) + "\n")
+    out = subprocess.run([sys.executable, str(TRAINING / "plot_curves.py"), str(log), "--smooth", "0",
+                          "--out", str(tmp_path / "c.png")], capture_output=True, text=True)
+    assert out.returncode == 2 and "--smooth must be a whole number >= 1, got 0" in out.stderr
+    assert "Traceback" not in out.stderr

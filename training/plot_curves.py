@@ -22,14 +22,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def read_log(path: Path) -> tuple[dict, dict, list]:
-    """(answer losses by kind: [(step, loss)], probe accuracies by task: [(step, first, exact)], phase ends)."""
-    losses, probes, phases = defaultdict(list), defaultdict(list), []
+    """(answer losses by kind: [(step, loss)], probe accuracies by task: [(step, first, exact)], marks: where each
+    stage begins in a log of stages, else where each phase ends: [(step, name)])."""
+    losses, probes, marks = defaultdict(list), defaultdict(list), []
     stage, offset, last = None, 0, 0
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if rec.get("stage", stage) != stage:  # a new stage: its steps start after the previous stage's
             stage, offset = rec["stage"], last
-            phases.append((offset, stage))
+            marks.append((offset, stage))
         step = offset + rec["step"]
         last = max(last, step)
         for kind, value in rec.get("answer_loss", {}).items():
@@ -37,8 +38,8 @@ def read_log(path: Path) -> tuple[dict, dict, list]:
         for task, (first, exact) in rec.get("probe", {}).items():
             probes[task].append((step, first, exact))
         if "event" in rec and stage is None:
-            phases.append((step, rec["event"]))
-    return losses, probes, phases
+            marks.append((step, rec["event"]))
+    return losses, probes, marks
 
 
 def smoothed(points: list, width: int) -> tuple[list, list]:
@@ -48,7 +49,7 @@ def smoothed(points: list, width: int) -> tuple[list, list]:
 
 
 def plot(path: Path, out: Path, smooth: int = 1) -> None:
-    losses, probes, phases = read_log(path)
+    losses, probes, marks = read_log(path)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 9), sharex=True)
     for kind, points in sorted(losses.items()):
         steps, values = smoothed(points, smooth)
@@ -63,7 +64,7 @@ def plot(path: Path, out: Path, smooth: int = 1) -> None:
     bottom.set_xlabel("step")
     bottom.set_ylim(-0.05, 1.05)
     for ax in (top, bottom):
-        for step, _ in phases:
+        for step, _ in marks:
             ax.axvline(step, color="grey", linestyle=":", linewidth=1)
         ax.legend(fontsize=7, ncol=3, loc="best")
         ax.grid(alpha=0.3)
@@ -79,6 +80,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smooth", type=int, default=1, help="records of a kind averaged per point (default 1)")
     args = ap.parse_args()
+    if args.smooth < 1:
+        ap.error(f"--smooth must be a whole number >= 1, got {args.smooth}")
     plot(args.log, args.out, args.smooth)
 
 
