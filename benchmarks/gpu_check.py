@@ -3,10 +3,13 @@
     python benchmarks/gpu_check.py --out results/gpu_check                     # on a machine with CUDA
     python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check  # keeps the script working (CI)
 
-Five parts, each written to ``OUT/gpu_check.json`` (every row) and ``OUT/gpu_check.md`` (the tables):
+Six parts, each written to ``OUT/gpu_check.json`` (every row) and ``OUT/gpu_check.md`` (the tables):
 
 0. **H2O's fused prompt pass** (:func:`attnkit.methods.scoring.fused_attention_with_statistics`, two flash calls)
    against the blocked pass in float32 at the ``--prefill-lengths`` up to 32k: output and statistic differences.
+   Then the **Triton kernels** of the other prompt statistics (:mod:`attnkit.methods.scoring_triton`: H2O with a
+   maximum over the group, Keyformer, a KVzip reconstruction chunk; H2O's mean for comparison) against the
+   blocked pass in float32, with both times.
 1. **Exactness** in the device's inference dtype (bfloat16 on CUDA, float32 on a CPU): every registered method
    at an unlimited budget against full attention on a batch of prompts of different lengths (greedy tokens
    equal? the largest logit difference). In bfloat16 a method that computes attention its own way (blocked
@@ -143,6 +146,62 @@ def fused_statistics_rows(device: str, dtype: torch.dtype, lengths: list[int]) -
     return rows
 
 
+def kernel_statistics_rows(device: str, dtype: torch.dtype, lengths: list[int]) -> list[dict]:
+    """The Triton kernels of the prompt statistics (:mod:`attnkit.methods.scoring_triton`) against the blocked passes
+    in float32, on random tensors in `tiny`'s head layout: H2O (mean and max over the group), Keyformer's Gumbel
+    score and one KVzip reconstruction chunk (up to 2,048 queries over the prompt and themselves), with the largest
+    relative difference of a key's statistic and the times of both. Runs where the kernels do (CUDA with Triton,
+    or Triton's interpreter: ``TRITON_INTERPRET=1``, at the shortest length only)."""
+    import os
+
+    from attnkit.methods import scoring_triton
+
+    if not scoring_triton.kernels_pay(torch.zeros(1, device=device)):
+        if os.environ.get("TRITON_INTERPRET") != "1" or scoring_triton.triton is None:
+            return [{"skipped": "the kernels run on CUDA with Triton installed (or under TRITON_INTERPRET=1)"}]
+        lengths = lengths[:1]
+    g = torch.Generator(device=device).manual_seed(1)
+    rows = []
+    for n in lengths:
+        q, k, v = (torch.randn(2, h, n, 32, device=device, generator=g).mul(2).to(dtype) for h in (8, 2, 2))
+        m = min(n, 2048)
+        qr = torch.randn(2, 8, m, 32, device=device, generator=g).mul(2).to(dtype)
+        for name in ("h2o_mean", "h2o_max", "keyformer", "kvzip_chunk"):
+            rows.append({"length": n, "statistic": name, **kernel_against_blocked(name, q, k, v, qr)})
+    return rows
+
+
+def kernel_against_blocked(name: str, q, k, v, qr) -> dict:
+    """One statistic of :func:`kernel_statistics_rows` by the kernels and by the blocked pass in float32."""
+    from attnkit.generation import sync
+    from attnkit.methods import kvzip, scoring, scoring_triton
+    from attnkit.methods.keyformer_noise import GumbelFactorWeights
+
+    scale, pos, m = 32 ** -0.5, torch.arange(q.shape[2], device=q.device), qr.shape[2]
+    weights = GumbelFactorWeights(0, 0, 2) if name == "keyformer" else None
+    reduce = "max" if name == "h2o_max" else "mean"
+    kr, vr = torch.cat([k, k[:, :, :m]], 2), torch.cat([v, v[:, :, :m]], 2)
+
+    def run(kernels: bool, x, y, z, xr, yr, zr):
+        if name == "kvzip_chunk":
+            return kvzip.reconstruction_attention(xr, yr, zr, scale, 0, m, 0, one_pass=not kernels, kernels=kernels)[1]
+        if kernels:
+            return scoring_triton.prompt_attention_with_statistics(x, y, z, scale, pos, reduce=reduce, weights=weights)[1]
+        return scoring.attention_with_statistics(x, y, z, scale, pos, pos, reduce=reduce, weights=weights)[1]
+
+    if q.is_cuda:
+        run(True, q, k, v, qr, kr, vr)  # Triton compiles a kernel on its first call: not timed
+    sync(q.device)
+    t0 = time.perf_counter()
+    stats = run(True, q, k, v, qr, kr, vr)
+    sync(q.device)
+    t1 = time.perf_counter()
+    ref = run(False, *(x.float() for x in (q, k, v, qr, kr, vr)))
+    sync(q.device)
+    return {"kernels_s": t1 - t0, "blocked_float32_s": time.perf_counter() - t1,
+            "max_rel_statistic_diff": float(((stats - ref).abs() / ref.clamp(min=1e-6)).max())}
+
+
 def placed_model(spec: str, device: str, dtype: torch.dtype, offload_dir: Path):
     """The model spread over `device` and the CPU (on a CPU run: the CPU and the disk) by accelerate, as part 4
     of the module docstring says, and the device map used."""
@@ -212,6 +271,8 @@ def main(argv=None) -> int:
 
     result["fused_statistics"] = fused_statistics_rows(args.device, dtype, [n for n in lengths if n <= 32768])
     save()
+    result["kernel_statistics"] = kernel_statistics_rows(args.device, dtype, [n for n in lengths if n <= 32768])
+    save()
     with tempfile.TemporaryDirectory() as tmp:
         result["exactness"] = exactness_rows(model, spec, exact, args.new_tokens, compiled, Path(tmp))
         save()
@@ -233,6 +294,8 @@ def main(argv=None) -> int:
     text = (f"{spec} on {result['device_name']} ({result['dtype']}, torch {result['torch']})\n\n"
             f"### H2O's fused prompt pass against the blocked pass\n\n```\n"
             + "\n".join(json.dumps(r) for r in result["fused_statistics"]) + "\n```\n\n"
+            "### Triton's statistic kernels against the blocked pass\n\n```\n"
+            + "\n".join(json.dumps(r) for r in result["kernel_statistics"]) + "\n```\n\n"
             f"### Exactness at an unlimited budget, prompts of {args.exact_lengths} tokens\n\n"
             f"{format_exactness(result['exactness'])}\n\n### Sparse prefill\n\n```\n{format_bench(result['prefill'])}\n```\n\n"
             f"### Decode at {args.decode_context} tokens\n\n```\n{format_bench(result['decode'])}\n```\n\n"

@@ -4,6 +4,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton's kernels (attnkit.methods.scoring_triton) run on this CPU through its interpreter; Triton reads this when
+# its own language functions are defined, so before anything imports it
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import attnkit  # noqa: E402
 from helpers import SMALL  # noqa: E402

@@ -14,7 +14,8 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
 def run(*args):
-    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           "TRITON_INTERPRET": "1"}  # the kernel part runs its kernels in Triton's interpreter
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -33,6 +34,9 @@ def test_quick_cpu_run_goes_to_the_end(tmp_path):
                                                            "minference:dense_above=1,compile=false",
                                                            "a_shape:compile=false"}
     assert {r["batch_size"] for r in result["decode"]} == {1, 2}
+    kernels = result["kernel_statistics"]  # part 0's second half: every statistic, the shortest length
+    assert {r["statistic"] for r in kernels} == {"h2o_mean", "h2o_max", "keyformer", "kvzip_chunk"}
+    assert all(r["length"] == 512 and r["max_rel_statistic_diff"] < 1e-4 for r in kernels), kernels
     assert "### Decode at 512 tokens" in (tmp_path / "gpu_check.md").read_text()
     # part 4: odd layers and the head offloaded to the disk by accelerate, every method still exact
     placement = result["placement"]

@@ -11,7 +11,7 @@ sections 3.1 and 4.1; "the paper" below. Its three offline steps (section 4.1):
    類似"), pick one essential head per cluster and write ``{"essential_heads": [...], "share_to": {...}}``.
 
 The maps are never held whole: each layer's probabilities are formed a chunk of queries at a time (at most
-:data:`attnkit.methods.eviction.SCORE_BLOCK_ELEMENTS` head x query x key entries) and only the pairwise sums of
+:data:`attnkit.methods.scoring.SCORE_BLOCK_ELEMENTS` head x query x key entries) and only the pairwise sums of
 squared differences (``heads x heads`` numbers, accumulated in float64 through a Gram matrix) survive a chunk.
 
 Clustering (the paper does not spell it out): a leader rule that guarantees every shared head is within ``th``
@@ -50,7 +50,7 @@ from attnkit.config_file import dumps_layered_config, write_config_file
 from attnkit.errors import AttnkitError
 from attnkit.forward import prefill
 from attnkit.methods.base import Method
-from attnkit.methods.scoring import SCORE_BLOCK_ELEMENTS
+from attnkit.methods.scoring import block_elements_for
 from attnkit.methods.share import CONFIG_FORMAT, LayerPlan, essential_probabilities, parse_share_config
 from attnkit.model import LoadedModel, load_model_for_length
 from attnkit.session import new_session
@@ -78,7 +78,7 @@ def squared_differences(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_p
     n_k = keys.shape[2]
     plan = LayerPlan.identity(hq, keys.shape[1])
     if block_elements is None:
-        block_elements = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
+        block_elements = block_elements_for(q.device)
     block = max(1, block_elements // (hq * n_k))
     total = torch.zeros(hq, hq, dtype=torch.float64)
     for s in range(0, n_q, block):

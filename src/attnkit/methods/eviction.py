@@ -18,7 +18,8 @@ output (``compose``), or the prompt is long enough that SDPA plus a separate sta
 (:func:`~attnkit.methods.scoring.one_pass_pays`), the statistic is computed on its own
 (:func:`~attnkit.methods.scoring.attention_statistics`). On a GPU H2O's whole prompt takes two fused kernels
 instead (:func:`~attnkit.methods.scoring.fused_attention_with_statistics`), where the blocks would write every
-logit to memory. Either way no N x N matrix exists. After the last chunk the layer keeps its ``B`` best entries per kv
+logit to memory, and the other statistics a kernel can tile (a maximum over the kv group, Keyformer's noise) take
+Triton kernels that tile queries and keys (:mod:`attnkit.methods.scoring_triton`). Either way no N x N matrix exists. After the last chunk the layer keeps its ``B`` best entries per kv
 head (:func:`~attnkit.methods.scoring.keep_top`) and the larger tensors are released (:meth:`LayerKV.keep`).
 
 **Decode.** When the layer is full, the lowest-ranked entry per kv head that is not protected (the
@@ -52,6 +53,7 @@ from attnkit.methods.scoring import (
     one_pass_pays,
     visible,
 )
+from attnkit.methods.scoring_triton import kernels_pay, prompt_attention_with_statistics
 from attnkit.session import LayerContext
 from attnkit.validate import choice
 
@@ -214,10 +216,17 @@ class EvictionMethod(Method):
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         scorer = self.prefill_scorer(ctx) if self.evicts(ctx) else None
         dense = scorer is not None and ctx.session.method.dense_prefill_output()
-        if (dense and scorer == ("mean", None) and ctx.native_window is None and ctx.kv.length == 0
-                and fused_pays(q)):
+        whole_prompt = dense and ctx.native_window is None and ctx.kv.length == 0
+        if whole_prompt and scorer == ("mean", None) and fused_pays(q):
             # a whole prompt's attention probabilities, summed per key: two fused kernels (H2O on a GPU)
             out, stats = fused_attention_with_statistics(q, k, v, ctx.scaling)
+            ctx.kv.append(k, v, ctx.q_pos)
+            self.add_prefill_scores(ctx, stats)
+            return out
+        if whole_prompt and (scorer[1] is None or hasattr(scorer[1], "table_and_offsets")) and kernels_pay(q):
+            # the other statistics a kernel can tile (a maximum over the group, Keyformer's noise): Triton on a GPU
+            out, stats = prompt_attention_with_statistics(q, k, v, ctx.scaling, ctx.q_pos, reduce=scorer[0],
+                                                          weights=scorer[1])
             ctx.kv.append(k, v, ctx.q_pos)
             self.add_prefill_scores(ctx, stats)
             return out

@@ -44,7 +44,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
-from attnkit.methods.scoring import SCORE_BLOCK_ELEMENTS
+from attnkit.methods.scoring import block_elements_for
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import flag, number, whole
@@ -120,7 +120,7 @@ def expected_attention_logits(keys: torch.Tensor, mu: torch.Tensor, sigma: torch
         return logits
     # [b, kv, d, g * d]: column (j, e) is row e of head j's Sigma', so k @ it gives every head's Sigma' k
     stacked = sigma.float().view(b, kv, g, d, d).permute(0, 1, 3, 2, 4).reshape(b, kv, d, g * d)
-    limit = SCORE_BLOCK_ELEMENTS.get(keys.device.type, SCORE_BLOCK_ELEMENTS["default"])
+    limit = block_elements_for(keys.device)
     block = max(1, limit // max(1, b * kv * g * d))
     half_s2 = scaling * scaling / 2
     for start in range(0, n, block):

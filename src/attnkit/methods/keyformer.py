@@ -50,7 +50,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.eviction import EvictionState, RecentWindowEviction
-from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, gumbel_factor, keyformer_noise
+from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, GumbelFactorWeights, keyformer_noise
 from attnkit.methods.scoring import attend_with_logits, reduce_heads
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
@@ -145,14 +145,7 @@ class Keyformer(RecentWindowEviction):
         if tau == 1.0 and self.noise in ("none", "constant"):
             return None  # a constant added to every logit leaves the softmax unchanged
         if tau == 1.0 and self.noise == "gumbel":
-            kv_heads = ctx.kv.positions.shape[1]
-
-            def f(logits: torch.Tensor, probs: torch.Tensor, q_pos, k_pos) -> torch.Tensor:
-                # softmax(x + zeta) = p * exp(zeta) / sum(p * exp(zeta)): no second softmax
-                probs *= gumbel_factor(self.seed, ctx.index, kv_heads, logits.shape[2], q_pos, k_pos)
-                return probs.div_(probs.sum(dim=-1, keepdim=True))
-
-            return f
+            return GumbelFactorWeights(self.seed, ctx.index, ctx.kv.positions.shape[1])
         noisy = self._weights(ctx, tau)
         return lambda logits, probs, q_pos, k_pos: noisy(logits, q_pos, k_pos)
 

@@ -206,6 +206,30 @@ def gumbel_factor(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torc
     return table_draws("factor", row_offsets(seed, layer, kv_heads, groups, q_pos), k_pos)
 
 
+class GumbelFactorWeights:
+    """Eq. 9 at temperature 1 with Gumbel noise, as the weights of
+    :func:`attnkit.methods.scoring.attention_with_statistics`: ``softmax(x + zeta) = p * exp(zeta) / sum(p * exp(zeta))``
+    from the attention probabilities ``p`` the output needed (no second softmax), with :func:`gumbel_factor`'s draws.
+    :meth:`table_and_offsets` gives the same draws to a kernel that reads the table itself
+    (:mod:`attnkit.methods.scoring_triton`)."""
+
+    def __init__(self, seed: int, layer: int, kv_heads: int):
+        self.seed, self.layer, self.kv_heads = seed, layer, kv_heads
+
+    def __call__(self, logits: torch.Tensor, probs: torch.Tensor, q_pos: torch.Tensor,
+                 k_pos: torch.Tensor) -> torch.Tensor:
+        probs *= gumbel_factor(self.seed, self.layer, self.kv_heads, logits.shape[2], q_pos, k_pos)
+        return probs.div_(probs.sum(dim=-1, keepdim=True))
+
+    def table_and_offsets(self, groups: int, q_pos: torch.Tensor, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The factor table (1-D float32, covering key positions up to `largest`) and each (query head, query) row's
+        offset into it, ``[kv_heads x groups, queries]`` int64: the draw of key position j is
+        ``table[offset + j]``."""
+        offsets = row_offsets(self.seed, self.layer, self.kv_heads, groups, q_pos)
+        table = _table("factor", q_pos.device, TABLE_SIZE + largest + 1)
+        return table, offsets.reshape(self.kv_heads * groups, -1)
+
+
 def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel draws ``-log(-log(u))`` (density eq. 5), computed in place in `u`."""
     return u.log_().neg_().log_().neg_()

@@ -50,8 +50,9 @@ import torch
 from attnkit.attention import attend
 from attnkit.errors import AttnkitError
 from attnkit.forward import run_decoder_layers
+from attnkit.methods import scoring_triton
 from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
-from attnkit.methods.scoring import MIN_BLOCK_QUERIES, SCORE_BLOCK_ELEMENTS, visible
+from attnkit.methods.scoring import MIN_BLOCK_QUERIES, block_elements_for, visible
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext, Session, Step, layer_contexts
 from attnkit.validate import whole
@@ -97,12 +98,12 @@ def max_attention(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos: to
     """The most attention each key of `columns` receives: ``[b, kv, columns]`` (float32), the maximum over the
     queries `q` ``[b, hq, m, d]`` (at `q_pos`) and the query heads of each kv group of the softmax of the scaled
     logits over `keys` ``[b, kv, L, d]`` (at `k_pos` ``[L]``, causal by position, within `window`). Queries go in
-    blocks of at most :data:`SCORE_BLOCK_ELEMENTS` (query head x query x key) entries; the maximum of
-    ``exp(logit - logsumexp)`` is taken on the logits, so no probability matrix is written."""
+    blocks of at most :data:`~attnkit.methods.scoring.SCORE_BLOCK_ELEMENTS` (query head x query x key) entries; the
+    maximum of ``exp(logit - logsumexp)`` is taken on the logits, so no probability matrix is written."""
     b, hq, m, d = q.shape
     kv, length = keys.shape[1], keys.shape[2]
     g = hq // kv
-    limit = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
+    limit = block_elements_for(q.device)
     block = max(1, limit // max(1, b * hq * length))
     grouped = q.reshape(b, kv, g, m, d)
     best = torch.full((b, kv, columns.stop - columns.start), float("-inf"), device=q.device)
@@ -117,8 +118,8 @@ def max_attention(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos: to
 
 
 def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, start: int,
-                             end: int, sink: int, window: int | None = None,
-                             one_pass: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             end: int, sink: int, window: int | None = None, one_pass: bool | None = None,
+                             kernels: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One reconstruction forward's attention in one layer, and its score.
 
     `q` ``[b, hq, m, d]`` are the input's queries at positions ``n..n+m-1``; `keys`/`values` ``[b, kv, n+m, d]`` hold
@@ -126,13 +127,18 @@ def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     ``[b, hq, m, d]`` (causal by position, within `window`) and the score of prompt positions ``start..end-1``
     ``[b, kv, end-start]`` (float32): the maximum over the queries and the query heads of each kv group of the same
     logits' softmax over the scored keys only (the sinks ``0..sink-1``, the chunk ``start..end-1`` and the own keys).
-    `one_pass` (None: up to :data:`ONE_PASS_MAX_KEYS` keys) computes both in one pass over the logits; otherwise the
-    output comes from SDPA's fused kernel (:func:`attnkit.attention.attend`) and the score from a second pass over
-    the scored keys (:func:`max_attention`)."""
+    `one_pass` (None: up to :data:`ONE_PASS_MAX_KEYS` keys, and never where Triton's kernels run) computes both in
+    one pass over the logits; otherwise the output comes from SDPA's fused kernel (:func:`attnkit.attention.attend`)
+    and the score from a second pass over the scored keys: with `kernels` (None: on a CUDA device with Triton, no
+    window) two kernels that tile queries and keys (:mod:`attnkit.methods.scoring_triton`: the scored keys'
+    log-sum-exp per query, then the chunk's maximum), otherwise :func:`max_attention`."""
     total = keys.shape[2]
+    tiled = window is None and scoring_triton.kernels_pay(q) if kernels is None else kernels
+    if tiled and window is not None:
+        raise ValueError(f"the kernels take no window (window={window})")
     if one_pass is None:
         limit = ONE_PASS_MAX_KEYS.get(q.device.type, ONE_PASS_MAX_KEYS["default"])
-        one_pass = limit is None or total <= limit
+        one_pass = not tiled and (limit is None or total <= limit)
     if one_pass:
         return one_pass_reconstruction(q, keys, values, scaling, start, end, sink, window)
     n = total - q.shape[2]
@@ -141,21 +147,25 @@ def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     if end <= start:  # nothing to score
         return out, torch.zeros(keys.shape[:2] + (0,), dtype=torch.float32, device=q.device)
     scored = torch.cat([positions[:sink], positions[start:end], positions[n:]])
+    if tiled:
+        shift = scoring_triton.row_normalisers(q, keys[:, :, scored], scaling, positions[n:], scored)
+        return out, scoring_triton.column_statistics(q, keys[:, :, start:end], scaling, positions[n:],
+                                                     positions[start:end], shift, rows="max", reduce="max")
     return out, max_attention(q, keys[:, :, scored], scaling, positions[n:], scored, slice(sink, sink + end - start),
                               window)
 
 
 def one_pass_reconstruction(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, start: int,
                             end: int, sink: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`reconstruction_attention` in one pass per block of queries (about :data:`SCORE_BLOCK_ELEMENTS` query
-    head x query x key entries): the logits over the keys the block sees, their exponentials, the output from their
-    full normalisation and the score from their normalisation over the scored keys (recomputed with the scored keys'
-    own maximum where the row's maximum lies so far above them that their exponentials lose precision,
-    :data:`UNDERFLOW`)."""
+    """:func:`reconstruction_attention` in one pass per block of queries (about
+    :data:`~attnkit.methods.scoring.SCORE_BLOCK_ELEMENTS` query head x query x key entries): the logits over the
+    keys the block sees, their exponentials, the output from their full normalisation and the score from their
+    normalisation over the scored keys (recomputed with the scored keys' own maximum where the row's maximum lies so
+    far above them that their exponentials lose precision, :data:`UNDERFLOW`)."""
     b, hq, m, d = q.shape
     kv, total = keys.shape[1], keys.shape[2]
     n, g = total - m, hq // kv
-    limit = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
+    limit = block_elements_for(q.device)
     block = max(MIN_BLOCK_QUERIES, limit // max(1, b * hq * total))
     grouped = q.reshape(b, kv, g, m, d)
     out = torch.empty(b, kv, g, m, values.shape[-1], dtype=q.dtype, device=q.device)

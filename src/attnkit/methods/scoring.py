@@ -29,6 +29,13 @@ from attnkit import masks
 # blocks stay in its caches, so a few MiB per block is fastest; on a GPU each block costs kernel launches and
 # a host sync whatever its size, so blocks of a few hundred MiB (docs/benchmarks.md, "On a GPU").
 SCORE_BLOCK_ELEMENTS = {"cpu": 1 << 20, "default": 1 << 26}
+
+
+def block_elements_for(device: torch.device) -> int:
+    """:data:`SCORE_BLOCK_ELEMENTS` for `device`'s type."""
+    return SCORE_BLOCK_ELEMENTS.get(device.type, SCORE_BLOCK_ELEMENTS["default"])
+
+
 # Most keys for which :func:`attention_with_statistics` is the cheaper way to get a prompt's output and
 # statistic, by device type (None: no limit). Each block of queries reads every key and value it sees; on a
 # CPU a long prompt's blocks are either too few rows to reuse them or too large to stay in its caches, and
@@ -117,7 +124,7 @@ def _block_queries(q: torch.Tensor, n_keys: int, block_elements: int | None, flo
     """Queries per block so that one block holds at most `block_elements` (query head x query x key)
     entries (:data:`SCORE_BLOCK_ELEMENTS` by device type), but at least `floor`."""
     if block_elements is None:
-        block_elements = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
+        block_elements = block_elements_for(q.device)
     return max(floor, block_elements // max(1, q.shape[0] * q.shape[1] * n_keys))
 
 
@@ -174,7 +181,7 @@ def attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch
     return out.view(b, hq, n, -1), stats
 
 
-def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Causal fused attention (query i sees keys 0..i, equal head counts) and its per-query log-sum-exp of
     the scaled logits, ``[b, h, n]`` float32: torch's flash kernels, which return it beside the output."""
     if q.device.type == "cuda":
@@ -210,7 +217,7 @@ def fused_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values:
     kv = keys.shape[1]
     g = hq // kv
     k_all, v_all = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-    out, lse = _flash_with_lse(q, k_all, v_all, scaling)
+    out, lse = flash_with_lse(q, k_all, v_all, scaling)
     shift = -lse.float() / scaling
     hi = shift.to(q.dtype)
     lo = (shift - hi.float()).to(q.dtype)
@@ -219,7 +226,7 @@ def fused_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values:
     answer[..., :d], answer[..., d], answer[..., d + 1] = q, hi, lo
     ask = q.new_zeros(b, hq, n, width)
     ask[..., :d], ask[..., d:d + 2] = k_all, 1
-    _, lse_keys = _flash_with_lse(ask.flip(2), answer.flip(2), torch.zeros_like(ask), scaling)
+    _, lse_keys = flash_with_lse(ask.flip(2), answer.flip(2), torch.zeros_like(ask), scaling)
     stats = lse_keys.float().flip(-1).exp_().view(b, kv, g, n).mean(2)
     return out, stats
 

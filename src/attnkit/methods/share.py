@@ -51,7 +51,7 @@ from attnkit.attention import attend, position_mask, sdpa
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
-from attnkit.methods.scoring import SCORE_BLOCK_ELEMENTS
+from attnkit.methods.scoring import block_elements_for
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import flag, is_whole
@@ -146,7 +146,7 @@ def shared_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     k_pos = shared_positions(k_pos)
     n = keys.shape[2]
     if block_elements is None:
-        block_elements = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["default"])
+        block_elements = block_elements_for(q.device)
     block = max(1, block_elements // max(1, b * hq * n))
     source = torch.tensor(plan.source, device=q.device)
     ascending = n < 2 or bool((k_pos[1:] > k_pos[:-1]).all())
