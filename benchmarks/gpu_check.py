@@ -114,10 +114,17 @@ def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, 
                  for o, f in zip(out, full)]
         diff = max(float((a.float() - b.float()).abs().max()) for o, f in zip(out, full)
                    for a, b in zip(o.logits, f.logits))
+        # up to the step where the tokens part (that step's logits still come from the same inputs): a rounding
+        # difference, and full's margin between its two best tokens there (a near tie flips on such a difference)
+        before = max(float((a.float() - b.float()).abs().max()) for o, f, i in zip(out, full, first)
+                     for a, b in list(zip(o.logits, f.logits))[:None if i is None else i + 1])
+        margins = [float(f.logits[i].float().topk(2).values.diff().abs()) for f, i in zip(full, first) if i is not None]
         rows.append({"method": name, "spec": spec, "unlimited": name not in NOT_UNLIMITED,
                      "tokens_equal": all(i is None for i in first),
                      "first_different_token": [i for i in first if i is not None][:1] or None,
-                     "max_abs_logit_diff": diff, "wall_s": time.perf_counter() - start})
+                     "max_abs_logit_diff": diff, "max_abs_logit_diff_until_parting": before,
+                     "full_top2_margin_at_parting": min(margins) if margins else None,
+                     "wall_s": time.perf_counter() - start})
     return rows
 
 
@@ -224,7 +231,10 @@ def format_exactness(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['method']} | `{r['spec']}` | refused: {r['error']} | |")
         else:
-            first = "" if r["tokens_equal"] else f" (first differs at {r['first_different_token'][0]})"
+            first = "" if r["tokens_equal"] else (
+                f" (first differs at {r['first_different_token'][0]}; logits until then within "
+                f"{r['max_abs_logit_diff_until_parting']:.3g}, full's top-2 margin there "
+                f"{r['full_top2_margin_at_parting']:.3g})")
             first += f"; {NOT_UNLIMITED[r['method']]}" if r["method"] in NOT_UNLIMITED else ""
             lines.append(f"| {r['method']} | `{r['spec']}` | {'yes' if r['tokens_equal'] else 'no'}{first} | "
                          f"{r['max_abs_logit_diff']:.3g} |")

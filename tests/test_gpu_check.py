@@ -30,6 +30,8 @@ def test_quick_cpu_run_goes_to_the_end(tmp_path):
         assert "error" not in row, row
         if row["unlimited"]:
             assert row["tokens_equal"] and row["max_abs_logit_diff"] < 1e-3, row
+        assert row["max_abs_logit_diff_until_parting"] <= row["max_abs_logit_diff"]
+        assert (row["full_top2_margin_at_parting"] is None) == row["tokens_equal"], row
     assert {r["method"] for r in result["prefill"]} == {"full", "minference:compile=false",
                                                            "minference:dense_above=1,compile=false",
                                                            "a_shape:compile=false"}
