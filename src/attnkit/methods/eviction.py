@@ -19,8 +19,9 @@ output (``compose``), or the prompt is long enough that SDPA plus a separate sta
 (:func:`~attnkit.methods.scoring.attention_statistics`). On a GPU H2O's whole prompt takes two fused kernels
 instead (:func:`~attnkit.methods.scoring.fused_attention_with_statistics`), where the blocks would write every
 logit to memory, and the other statistics a kernel can tile (a maximum over the kv group, Keyformer's noise) take
-Triton kernels that tile queries and keys (:mod:`attnkit.methods.scoring_triton`). Either way no N x N matrix exists. After the last chunk the layer keeps its ``B`` best entries per kv
-head (:func:`~attnkit.methods.scoring.keep_top`) and the larger tensors are released (:meth:`LayerKV.keep`).
+Triton kernels that tile queries and keys (:mod:`attnkit.methods.scoring_triton`). Either way no N x N matrix
+exists. After the last chunk the layer keeps its ``B`` best entries per kv head
+(:func:`~attnkit.methods.scoring.keep_top`) and the larger tensors are released (:meth:`LayerKV.keep`).
 
 **Decode.** When the layer is full, the lowest-ranked entry per kv head that is not protected (the
 recent window, attention sinks) is evicted (:func:`~attnkit.methods.scoring.lowest`) and the incoming
@@ -42,6 +43,7 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
 from attnkit.methods.budget import check_budget, check_recent, pyramid_share, recent_window, resolve_budget
+from attnkit.methods.keyformer_noise import GumbelFactorWeights
 from attnkit.methods.scoring import (
     GQA_REDUCTIONS,
     attention_statistics,
@@ -223,7 +225,7 @@ class EvictionMethod(Method):
             ctx.kv.append(k, v, ctx.q_pos)
             self.add_prefill_scores(ctx, stats)
             return out
-        if whole_prompt and (scorer[1] is None or hasattr(scorer[1], "table_and_offsets")) and kernels_pay(q):
+        if whole_prompt and (scorer[1] is None or isinstance(scorer[1], GumbelFactorWeights)) and kernels_pay(q):
             # the other statistics a kernel can tile (a maximum over the group, Keyformer's noise): Triton on a GPU
             out, stats = prompt_attention_with_statistics(q, k, v, ctx.scaling, ctx.q_pos, reduce=scorer[0],
                                                           weights=scorer[1])
