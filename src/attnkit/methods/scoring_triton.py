@@ -57,6 +57,14 @@ def _jit(fn):
 
 
 @_jit
+def _tile(P, rows, n, stride, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows `rows` of an ``[n, D]`` matrix at `P` (row stride `stride`, columns contiguous) as a ``[rows, BLOCK_D]``
+    block, zero past its end."""
+    rd = tl.arange(0, BLOCK_D)
+    return tl.load(P + rows[:, None] * stride + rd[None, :], mask=(rows[:, None] < n) & (rd[None, :] < D), other=0.0)
+
+
+@_jit
 def _row_kernel(Q, K, QPOS, KPOS, KLIM, SHIFT, TABLE, OFFS, OUT,
                 sqb, sqh, sqm, skb, skh, skn,
                 HQ, G, M, L, scale,
@@ -67,10 +75,8 @@ def _row_kernel(Q, K, QPOS, KPOS, KLIM, SHIFT, TABLE, OFFS, OUT,
     b = bh // HQ
     h = bh % HQ
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
     qmask = rm < M
-    q = tl.load(Q + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :],
-                mask=qmask[:, None] & (rd[None, :] < D), other=0.0)
+    q = _tile(Q + b * sqb + h * sqh, rm, M, sqm, D, BLOCK_D)
     qp = tl.load(QPOS + rm, mask=qmask, other=0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -83,8 +89,7 @@ def _row_kernel(Q, K, QPOS, KPOS, KLIM, SHIFT, TABLE, OFFS, OUT,
     for start in range(0, lim, BLOCK_N):
         rn = start + tl.arange(0, BLOCK_N)
         kmask = rn < L
-        k = tl.load(K + b * skb + (h // G) * skh + rn[:, None] * skn + rd[None, :],
-                    mask=kmask[:, None] & (rd[None, :] < D), other=0.0)
+        k = _tile(K + b * skb + (h // G) * skh, rn, L, skn, D, BLOCK_D)
         kp = tl.load(KPOS + rn, mask=kmask, other=0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         vis = (kp[None, :] <= qp[:, None]) & kmask[None, :] & qmask[:, None]
@@ -116,10 +121,8 @@ def _column_kernel(Q, K, QPOS, KPOS, QFIRST, SHIFT, TABLE, OFFS, OUT,
     b = bk // KV
     kvh = bk % KV
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rd = tl.arange(0, BLOCK_D)
     kmask = rn < L
-    k = tl.load(K + b * skb + kvh * skh + rn[:, None] * skn + rd[None, :],
-                mask=kmask[:, None] & (rd[None, :] < D), other=0.0)
+    k = _tile(K + b * skb + kvh * skh, rn, L, skn, D, BLOCK_D)
     kp = tl.load(KPOS + rn, mask=kmask, other=0)
     acc = tl.zeros([BLOCK_N], tl.float32)
     first = tl.load(QFIRST + pid_n)
@@ -131,8 +134,7 @@ def _column_kernel(Q, K, QPOS, KPOS, QFIRST, SHIFT, TABLE, OFFS, OUT,
         w = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for j in range(0, G):
             h = kvh * G + j
-            q = tl.load(Q + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :],
-                        mask=qmask[:, None] & (rd[None, :] < D), other=0.0)
+            q = _tile(Q + b * sqb + h * sqh, rm, M, sqm, D, BLOCK_D)
             c = tl.load(SHIFT + (b * HQ + h) * M + rm, mask=qmask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             p = tl.where(vis, tl.exp(s - c[:, None]), 0.0)
