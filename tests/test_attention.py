@@ -33,3 +33,28 @@ def test_slot_order_mask_equals_reference_with_per_head_positions():
     slots = torch.arange(30)
     bias = folded_bias(slots[26:], slots, 4, None, q.dtype)
     assert torch.allclose(folded_attention(q, k, v, 0.25, bias), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])  # bf16: its own rounding
+def test_a_chunk_after_its_prefix_takes_two_flash_calls(monkeypatch, dtype, atol):
+    """A prompt chunk after the chunks before it (queries = the last positions of a contiguous run of keys): two
+    flash calls merged by their log-sum-exps equal the masked reference, GQA included; a short step (decode,
+    verification) and non-contiguous keys keep the masked kernel."""
+    from attnkit import attention
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 50, 8, 16, generator=g).transpose(1, 2).mul(2).to(dtype)  # HF's layout: [b, hq, n, d], strided
+    k, v = (torch.randn(2, 2, 170, 16, generator=g).mul(2).to(dtype) for _ in range(2))
+    q_pos, k_pos = torch.arange(120, 170), torch.arange(170)
+    mask = attention.position_mask(q_pos, k_pos)
+    ref = attention.sdpa(q.float(), k.float(), v.float(), 0.25, mask=mask)
+    calls = []
+    split = attention.prefix_attention
+    monkeypatch.setattr(attention, "_PREFIX_MIN_QUERIES", 16)
+    monkeypatch.setattr(attention, "prefix_attention", lambda *a: calls.append(1) or split(*a))
+    out = attention.attend(q, k, v, 0.25, q_pos, k_pos)
+    assert calls and out.dtype == dtype and torch.allclose(out.float(), ref, atol=atol)
+    attention.attend(q[:, :, -8:], k, v, 0.25, q_pos[-8:], k_pos)  # fewer queries than _PREFIX_MIN_QUERIES
+    gap = torch.cat([torch.arange(100), torch.arange(110, 180)])  # keys not contiguous (an evicted run)
+    attention.attend(q, k, v, 0.25, torch.arange(130, 180), gap)
+    assert len(calls) == 1

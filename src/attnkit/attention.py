@@ -32,6 +32,9 @@ ATTN_IMPLEMENTATION = "attnkit"
 # _BANDED_BLOCK queries (each block costs block x (window + block) pairs instead of q_len x k_len).
 _BANDED_MIN = 1024
 _BANDED_BLOCK = 256
+# Fewest queries for which a chunk after a prefix is computed as two flash calls (:func:`prefix_attention`); fewer
+# (a decode or verification step) take the masked kernel.
+_PREFIX_MIN_QUERIES = 64
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
@@ -42,6 +45,39 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
         return folded_attention(q, k, v, scaling)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scaling,
                                           enable_gqa=groups > 1)
+
+
+def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True):
+    """Fused attention (equal head counts; `causal`: query i sees keys 0..i) and each query's log-sum-exp of its
+    scaled logits, ``[b, h, n]`` float32: torch's flash kernels, which return it beside the output
+    (:func:`has_flash` says where they run)."""
+    if q.device.type == "cuda":
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def has_flash(q: torch.Tensor) -> bool:
+    """Whether :func:`flash_with_lse` runs for queries like `q`: on a CPU, or on a CUDA device of compute capability
+    8.0 on in half precision with a head size that is a multiple of 8 (at most 248)."""
+    if q.device.type == "cpu":
+        return True
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 248 and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of the last ``q_len`` of ``k_len`` contiguous positions (a prompt chunk after the ones before
+    it): every query sees the whole prefix and, causally, its own chunk. Two flash calls, the prefix unmasked and the
+    chunk causal, merged by their log-sum-exps (``out = sum_p out_p exp(lse_p - lse)``, ``lse = logaddexp``), where
+    one call would need an explicit ``q_len x k_len`` mask and the slower masked kernel."""
+    g = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(g, dim=1) if g > 1 else x for x in (k, v))
+    p = k.shape[2] - q.shape[2]
+    out_p, lse_p = flash_with_lse(q, k[:, :, :p], v[:, :, :p], scaling, causal=False)
+    out_c, lse_c = flash_with_lse(q, k[:, :, p:], v[:, :, p:], scaling, causal=True)
+    lse = torch.logaddexp(lse_p, lse_c)
+    out = out_p.float() * (lse_p - lse).exp_().unsqueeze(-1) + out_c.float() * (lse_c - lse).exp_().unsqueeze(-1)
+    return out.to(q.dtype)
 
 
 def folded_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, groups: int, window: int | None,
@@ -88,7 +124,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, q_
     """Dense attention of queries at `q_pos` to keys at `k_pos` (causal by position, optional window).
 
     Uses the cheapest exact path: no mask when every key is visible to every query, SDPA's causal
-    kernel when queries and keys are the same contiguous run of positions, a banded block loop for a
+    kernel when queries and keys are the same contiguous run of positions, two flash calls when the
+    queries are the last positions of that run (:func:`prefix_attention`), a banded block loop for a
     long windowed prefill, and an explicit boolean mask otherwise.
     """
     q_len, k_len = q.shape[2], k.shape[2]
@@ -103,6 +140,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, q_
         contiguous = hi - lo + 1 == k_len and bool((shared_pos[1:] > shared_pos[:-1]).all()) if k_len > 1 else True
         if window is None and contiguous and q_len == k_len and lo == q_lo:
             return sdpa(q, k, v, scaling, is_causal=True)
+        if (window is None and contiguous and _PREFIX_MIN_QUERIES <= q_len < k_len and q_lo == hi - q_len + 1
+                and has_flash(q) and bool((q_pos[1:] - q_pos[:-1] == 1).all())):  # a chunk's positions
+            return prefix_attention(q, k, v, scaling)
         if window is not None and contiguous and q_len * k_len > _BANDED_MIN * _BANDED_MIN:
             return banded_attention(q, k, v, scaling, q_lo, lo, window)
         return sdpa(q, k, v, scaling, mask=position_mask(q_pos, shared_pos, window))

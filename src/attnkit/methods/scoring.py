@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from attnkit import masks
+from attnkit.attention import flash_with_lse, has_flash
 
 # Largest number of (query head x query x key) entries one block of the score computation holds, by
 # device type. Each entry costs a few 4-byte temporaries (logits, weights; hashed noise). On a CPU small
@@ -181,21 +182,11 @@ def attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch
     return out.view(b, hq, n, -1), stats
 
 
-def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Causal fused attention (query i sees keys 0..i, equal head counts) and its per-query log-sum-exp of
-    the scaled logits, ``[b, h, n]`` float32: torch's flash kernels, which return it beside the output."""
-    if q.device.type == "cuda":
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-
-
 def fused_pays(q: torch.Tensor) -> bool:
     """Whether :func:`fused_attention_with_statistics` should compute a whole prompt's output and H2O's statistic:
-    on a CUDA device with flash kernels (compute capability 8.0 on, half precision, head size a multiple of 8),
-    where the blocked pass would write every logit to memory. On a CPU the blocked pass is faster
-    (docs/benchmarks.md, "The cost of scoring")."""
-    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 248 and torch.cuda.get_device_capability(q.device) >= (8, 0))
+    on a CUDA device with flash kernels (:func:`attnkit.attention.has_flash`), where the blocked pass would write
+    every logit to memory. On a CPU the blocked pass is faster (docs/benchmarks.md, "The cost of scoring")."""
+    return q.device.type == "cuda" and has_flash(q)
 
 
 def fused_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

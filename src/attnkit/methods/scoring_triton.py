@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from attnkit.methods.scoring import flash_with_lse, fused_pays
+from attnkit.attention import flash_with_lse, has_flash
 
 try:
     import triton
@@ -234,12 +234,12 @@ def prompt_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values
     :class:`~attnkit.methods.keyformer_noise.GumbelFactorWeights` eq. 9 at temperature 1 (Keyformer).
 
     The output and each query's log-sum-exp come from one flash kernel where torch has one for the device and dtype
-    (:func:`~attnkit.methods.scoring.fused_pays`; a CPU), otherwise from SDPA and :func:`row_normalisers`; Keyformer's
+    (:func:`attnkit.attention.has_flash`), otherwise from SDPA and :func:`row_normalisers`; Keyformer's
     row normaliser ``Z_i`` is one more sweep over the keys (:func:`row_normalisers` with the table); the statistic is
     :func:`column_statistics`."""
     g = q.shape[1] // keys.shape[1]
     k_all, v_all = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-    if q.device.type == "cpu" or fused_pays(q):
+    if has_flash(q):
         out, lse = flash_with_lse(q, k_all, v_all, scaling)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, scale=scaling)
