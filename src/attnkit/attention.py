@@ -76,7 +76,8 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     out_p, lse_p = flash_with_lse(q, k[:, :, :p], v[:, :, :p], scaling, causal=False)
     out_c, lse_c = flash_with_lse(q, k[:, :, p:], v[:, :, p:], scaling, causal=True)
     lse = torch.logaddexp(lse_p, lse_c)
-    out = out_p.float() * (lse_p - lse).exp_().unsqueeze(-1) + out_c.float() * (lse_c - lse).exp_().unsqueeze(-1)
+    wide = torch.promote_types(q.dtype, torch.float32)  # half precision merges in float32, float64 stays
+    out = out_p.to(wide) * (lse_p - lse).exp_().unsqueeze(-1) + out_c.to(wide) * (lse_c - lse).exp_().unsqueeze(-1)
     return out.to(q.dtype)
 
 
