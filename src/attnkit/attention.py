@@ -48,9 +48,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
 
 
 def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True):
-    """Fused attention (equal head counts; `causal`: query i sees keys 0..i) and each query's log-sum-exp of its
-    scaled logits, ``[b, h, n]`` float32: torch's flash kernels, which return it beside the output
-    (:func:`has_flash` says where they run)."""
+    """Fused attention (`causal`: query i sees keys 0..i) and each query's log-sum-exp of its scaled logits,
+    ``[b, hq, n]`` float32: torch's flash kernels, which return it beside the output (:func:`has_flash` says where
+    they run). The kernels take as many kv heads as query heads, so grouped kv heads are repeated for the call."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     if q.device.type == "cuda":
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -70,8 +73,6 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     it): every query sees the whole prefix and, causally, its own chunk. Two flash calls, the prefix unmasked and the
     chunk causal, merged by their log-sum-exps (``out = sum_p out_p exp(lse_p - lse)``, ``lse = logaddexp``), where
     one call would need an explicit ``q_len x k_len`` mask and the slower masked kernel."""
-    g = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(g, dim=1) if g > 1 else x for x in (k, v))
     p = k.shape[2] - q.shape[2]
     out_p, lse_p = flash_with_lse(q, k[:, :, :p], v[:, :, :p], scaling, causal=False)
     out_c, lse_c = flash_with_lse(q, k[:, :, p:], v[:, :, p:], scaling, causal=True)

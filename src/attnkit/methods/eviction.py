@@ -219,19 +219,18 @@ class EvictionMethod(Method):
         scorer = self.prefill_scorer(ctx) if self.evicts(ctx) else None
         dense = scorer is not None and ctx.session.method.dense_prefill_output()
         whole_prompt = dense and ctx.native_window is None and ctx.kv.length == 0
+        fused = None
         if whole_prompt and scorer == ("mean", None) and fused_pays(q):
             # a whole prompt's attention probabilities, summed per key: two fused kernels (H2O on a GPU)
-            out, stats = fused_attention_with_statistics(q, k, v, ctx.scaling)
-            ctx.kv.append(k, v, ctx.q_pos)
-            self.add_prefill_scores(ctx, stats)
-            return out
-        if whole_prompt and (scorer[1] is None or isinstance(scorer[1], GumbelFactorWeights)) and kernels_pay(q):
+            fused = fused_attention_with_statistics(q, k, v, ctx.scaling)
+        elif whole_prompt and (scorer[1] is None or isinstance(scorer[1], GumbelFactorWeights)) and kernels_pay(q):
             # the other statistics a kernel can tile (a maximum over the group, Keyformer's noise): Triton on a GPU
-            out, stats = prompt_attention_with_statistics(q, k, v, ctx.scaling, ctx.q_pos, reduce=scorer[0],
-                                                          weights=scorer[1])
+            fused = prompt_attention_with_statistics(q, k, v, ctx.scaling, ctx.q_pos, reduce=scorer[0],
+                                                     weights=scorer[1])
+        if fused is not None:
             ctx.kv.append(k, v, ctx.q_pos)
-            self.add_prefill_scores(ctx, stats)
-            return out
+            self.add_prefill_scores(ctx, fused[1])
+            return fused[0]
         if dense and one_pass_pays(q.device, ctx.kv.length + q.shape[2]):
             # the prompt's output is plain dense attention: computed with the statistic, in one pass
             ctx.kv.append(k, v, ctx.q_pos)

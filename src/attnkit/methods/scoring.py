@@ -207,8 +207,7 @@ def fused_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values:
     b, hq, n, d = q.shape
     kv = keys.shape[1]
     g = hq // kv
-    k_all, v_all = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-    out, lse = flash_with_lse(q, k_all, v_all, scaling)
+    out, lse = flash_with_lse(q, keys, values, scaling)
     shift = -lse.float() / scaling
     hi = shift.to(q.dtype)
     lo = (shift - hi.float()).to(q.dtype)
@@ -216,7 +215,7 @@ def fused_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values:
     answer = q.new_zeros(b, hq, n, width)
     answer[..., :d], answer[..., d], answer[..., d + 1] = q, hi, lo
     ask = q.new_zeros(b, hq, n, width)
-    ask[..., :d], ask[..., d:d + 2] = k_all, 1
+    ask[..., :d], ask[..., d:d + 2] = keys.repeat_interleave(g, dim=1), 1
     _, lse_keys = flash_with_lse(ask.flip(2), answer.flip(2), torch.zeros_like(ask), scaling)
     stats = lse_keys.float().flip(-1).exp_().view(b, kv, g, n).mean(2)
     return out, stats

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from attnkit.attention import flash_with_lse, has_flash
+from attnkit.attention import flash_with_lse, has_flash, sdpa
 
 try:
     import triton
@@ -186,11 +186,10 @@ def row_normalisers(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos: 
     ends = q_pos[torch.arange(bm - 1, m + bm - 1, bm, device=q.device).clamp_(max=m - 1)]
     klim = torch.searchsorted(k_pos, ends, right=True).to(torch.int32)
     out = torch.empty(b, hq, m, dtype=torch.float32, device=q.device)
-    factor = lse is not None
-    dummy = out  # a pointer the kernel never reads
+    factor = lse is not None  # without it the kernel reads no shift, table or offsets (`out` stands in)
     _row_kernel[(triton.cdiv(m, bm), b * hq)](
-        q, keys, q_pos, k_pos, klim, lse.float().contiguous() if factor else dummy, table if factor else dummy,
-        offsets.contiguous() if factor else dummy, out,
+        q, keys, q_pos, k_pos, klim, lse.float().contiguous() if factor else out, table if factor else out,
+        offsets.contiguous() if factor else out, out,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         hq, hq // keys.shape[1], m, length, scaling,
         D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, FACTOR=factor, PRECISION=precision)
@@ -214,7 +213,7 @@ def column_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos
     starts = k_pos[torch.arange(0, length, bn, device=q.device)]
     first = (torch.searchsorted(q_pos, starts) // bm * bm).to(torch.int32)  # the first query tile that sees the tile
     out = torch.empty(b, kv, length, dtype=torch.float32, device=q.device)
-    factor = table is not None
+    factor = table is not None  # without it the kernel reads no table or offsets (`out` stands in)
     _column_kernel[(triton.cdiv(length, bn), b * kv)](
         q, keys, q_pos, k_pos, first, shift.float().contiguous(), table if factor else out,
         offsets.contiguous() if factor else out, out,
@@ -237,15 +236,13 @@ def prompt_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values
     (:func:`attnkit.attention.has_flash`), otherwise from SDPA and :func:`row_normalisers`; Keyformer's
     row normaliser ``Z_i`` is one more sweep over the keys (:func:`row_normalisers` with the table); the statistic is
     :func:`column_statistics`."""
-    g = q.shape[1] // keys.shape[1]
-    k_all, v_all = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
     if has_flash(q):
-        out, lse = flash_with_lse(q, k_all, v_all, scaling)
+        out, lse = flash_with_lse(q, keys, values, scaling)
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, scale=scaling)
+        out = sdpa(q, keys, values, scaling, is_causal=True)
         lse = row_normalisers(q, keys, scaling, q_pos, q_pos)
     table = offsets = None
     if weights is not None:
-        table, offsets = weights.table_and_offsets(g, q_pos, int(q_pos[-1]))
+        table, offsets = weights.table_and_offsets(q.shape[1] // keys.shape[1], q_pos, int(q_pos[-1]))
         lse = row_normalisers(q, keys, scaling, q_pos, q_pos, lse=lse, table=table, offsets=offsets)
     return out, column_statistics(q, keys, scaling, q_pos, q_pos, lse, reduce=reduce, table=table, offsets=offsets)
