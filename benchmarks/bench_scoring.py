@@ -4,8 +4,9 @@
         --out results/bench_scoring.json
 
 A scoring method pays for its prompt statistics on every prompt: H2O and Keyformer sum a function of every
-prompt query's attention per key (computed in the same blocks as the prompt's attention output,
-:func:`attnkit.methods.scoring.attention_with_statistics`), SnapKV scores only its observation window.
+prompt query's attention per key (computed in the same sweep as the prompt's attention output: on a CPU by the C++
+kernel of :mod:`attnkit.methods.scoring_native`, ``ATTNKIT_NATIVE=0`` for the torch path), SnapKV scores only its
+observation window.
 For every length: one random prompt; every method runs once untimed, then ``--repeats`` rounds, each
 running every method once on the same prompt in turn (``--no-warmup`` skips the untimed run) (interleaved, so a drift of the machine hits all
 alike). Reported per method: the median prefill seconds (``generate(..., max_new_tokens=1)

@@ -91,7 +91,7 @@ def test_kvzip_scored_keys_equal_the_blocked_pass(kernels, monkeypatch):
     n, m = 120, 40
     q = randn(2, 8, m, 16, seed=8)
     keys, values = randn(2, 2, n + m, 16, seed=9), randn(2, 2, n + m, 16, seed=10)
-    ref_out, ref = kvzip.reconstruction_attention(q, keys, values, 0.25, 50, 90, 4, one_pass=False)
+    ref_out, ref = kvzip.reconstruction_attention(q, keys, values, 0.25, 50, 90, 4, one_pass=False, native=False)
     out, score = kvzip.reconstruction_attention(q, keys, values, 0.25, 50, 90, 4, kernels=True)
     assert torch.equal(out, ref_out) and score.shape == (2, 2, 40)
     assert torch.allclose(score, ref, rtol=1e-5, atol=1e-7)

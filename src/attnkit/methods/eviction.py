@@ -19,8 +19,10 @@ output (``compose``), or the prompt is long enough that SDPA plus a separate sta
 (:func:`~attnkit.methods.scoring.attention_statistics`). On a GPU H2O's whole prompt takes two fused kernels
 instead (:func:`~attnkit.methods.scoring.fused_attention_with_statistics`), where the blocks would write every
 logit to memory, and the other statistics a kernel can tile (a maximum over the kv group, Keyformer's noise) take
-Triton kernels that tile queries and keys (:mod:`attnkit.methods.scoring_triton`). Either way no N x N matrix
-exists. After the last chunk the layer keeps its ``B`` best entries per kv head
+Triton kernels that tile queries and keys (:mod:`attnkit.methods.scoring_triton`). On a CPU in float32 H2O's and
+Keyformer's prompt chunks take a C++ kernel that computes each tile of logits once for the output and the statistic
+(:mod:`attnkit.methods.scoring_native`), where the cache holds the whole prompt before the chunk. Either way no N x N
+matrix exists. After the last chunk the layer keeps its ``B`` best entries per kv head
 (:func:`~attnkit.methods.scoring.keep_top`) and the larger tensors are released (:meth:`LayerKV.keep`).
 
 **Decode.** When the layer is full, the lowest-ranked entry per kv head that is not protected (the
@@ -41,6 +43,7 @@ from typing import ClassVar
 import torch
 
 from attnkit.errors import AttnkitError
+from attnkit.methods import scoring_native
 from attnkit.methods.base import Method
 from attnkit.methods.budget import check_budget, check_recent, pyramid_share, recent_window, resolve_budget
 from attnkit.methods.keyformer_noise import GumbelFactorWeights
@@ -178,6 +181,10 @@ class EvictionMethod(Method):
             return
         reduce, weights = scorer
         keys, _, positions = ctx.kv.view()
+        if self._native_prompt(ctx, q, keys, None, scorer, stored=True):
+            self.add_prefill_scores(ctx, scoring_native.prompt_statistics(q, keys, ctx.scaling, reduce=reduce,
+                                                                          weights=weights))
+            return
 
         def with_probs(logits, q_pos, k_pos):
             return weights(logits, torch.softmax(logits, dim=-1), q_pos, k_pos)
@@ -231,6 +238,14 @@ class EvictionMethod(Method):
             ctx.kv.append(k, v, ctx.q_pos)
             self.add_prefill_scores(ctx, fused[1])
             return fused[0]
+        if dense and self._native_prompt(ctx, q, k, v, scorer):
+            # a prompt chunk over the whole prompt before it, on a CPU: the C++ kernel's one sweep
+            ctx.kv.append(k, v, ctx.q_pos)
+            keys, values, _ = ctx.kv.view()
+            out, stats = scoring_native.prompt_attention_with_statistics(q, keys, values, ctx.scaling,
+                                                                         reduce=scorer[0], weights=scorer[1])
+            self.add_prefill_scores(ctx, stats)
+            return out
         if dense and one_pass_pays(q.device, ctx.kv.length + q.shape[2]):
             # the prompt's output is plain dense attention: computed with the statistic, in one pass
             ctx.kv.append(k, v, ctx.q_pos)
@@ -243,6 +258,21 @@ class EvictionMethod(Method):
         if self.evicts(ctx):
             self.observe_prefill(ctx, q)
         return out
+
+    @staticmethod
+    def _native_prompt(ctx: LayerContext, q, k, v, scorer, stored: bool = False) -> bool:
+        """Whether :mod:`~attnkit.methods.scoring_native`'s kernel computes this prompt chunk's statistic (and output,
+        given values `v`): a statistic it can tile, no window, and a cache holding exactly positions ``0..`` before
+        the chunk's own (`stored`: the chunk is in the cache already)."""
+        if ctx.native_window is not None or not (scorer[1] is None or isinstance(scorer[1], GumbelFactorWeights)):
+            return False
+        if not scoring_native.kernel_pays(q, k, v):
+            return False
+        held = ctx.kv.view()[2]
+        if not torch.equal(held, torch.arange(held.shape[-1], device=held.device).expand_as(held)):
+            return False
+        length = held.shape[-1] + (0 if stored else q.shape[2])
+        return scoring_native.is_prompt_tail(ctx.q_pos, torch.arange(length, device=ctx.q_pos.device))
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
         if not self.evicts(ctx) or self.defer_prefill_eviction(ctx):

@@ -50,7 +50,7 @@ import torch
 from attnkit.attention import attend
 from attnkit.errors import AttnkitError
 from attnkit.forward import run_decoder_layers
-from attnkit.methods import scoring_triton
+from attnkit.methods import scoring_native, scoring_triton
 from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
 from attnkit.methods.scoring import MIN_BLOCK_QUERIES, block_elements_for, visible
 from attnkit.methods.spec import register
@@ -62,9 +62,9 @@ CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting
 ANSWER_PREFIX = "\n"
 OVERLAP = 8  # tokens of the previous chunk that start a later chunk's reconstruction input
 # Most keys (the prompt and the reconstruction input) for which one pass computes a reconstruction forward's output
-# and score, by device type (None: no limit). Each block of the one pass reads every key it sees; on a CPU, past
-# about this many, SDPA's fused kernel for the output plus a pass over the scored keys alone is faster
-# (benchmarks/bench_scoring.py; docs/benchmarks.md).
+# and score, by device type (None: no limit), where no kernel scores (a CPU without the C++ kernel, a window). Each
+# block of the one pass reads every key it sees; on a CPU, past about this many, SDPA's fused kernel for the output
+# plus a pass over the scored keys alone is faster (benchmarks/bench_scoring.py; docs/benchmarks.md).
 ONE_PASS_MAX_KEYS = {"cpu": 12288, "default": None}
 # Below this sum of the scored keys' exponentials (shifted by the row's maximum) they are recomputed, shifted by their
 # own maximum: theirs is then at least ~57 below the row's, near where float32 exponentials turn subnormal (~87).
@@ -119,7 +119,8 @@ def max_attention(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos: to
 
 def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, start: int,
                              end: int, sink: int, window: int | None = None, one_pass: bool | None = None,
-                             kernels: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             kernels: bool | None = None, native: bool | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """One reconstruction forward's attention in one layer, and its score.
 
     `q` ``[b, hq, m, d]`` are the input's queries at positions ``n..n+m-1``; `keys`/`values` ``[b, kv, n+m, d]`` hold
@@ -127,23 +128,30 @@ def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     ``[b, hq, m, d]`` (causal by position, within `window`) and the score of prompt positions ``start..end-1``
     ``[b, kv, end-start]`` (float32): the maximum over the queries and the query heads of each kv group of the same
     logits' softmax over the scored keys only (the sinks ``0..sink-1``, the chunk ``start..end-1`` and the own keys).
-    `one_pass` (None: up to :data:`ONE_PASS_MAX_KEYS` keys, and never where Triton's kernels run) computes both in
-    one pass over the logits; otherwise the output comes from SDPA's fused kernel (:func:`attnkit.attention.attend`)
-    and the score from a second pass over the scored keys: with `kernels` (None: on a CUDA device with Triton, no
-    window) two kernels that tile queries and keys (:mod:`attnkit.methods.scoring_triton`: the scored keys'
-    log-sum-exp per query, then the chunk's maximum), otherwise :func:`max_attention`."""
+    `one_pass` (None: up to :data:`ONE_PASS_MAX_KEYS` keys, and never where a kernel scores) computes both in one
+    pass over the logits; otherwise the output comes from SDPA's fused kernel (:func:`attnkit.attention.attend`) and
+    the score from a second pass over the scored keys: with `kernels` (None: on a CUDA device with Triton, no window)
+    two kernels that tile queries and keys (:mod:`attnkit.methods.scoring_triton`: the scored keys' log-sum-exp per
+    query, then the chunk's maximum), with `native` (None: where :func:`attnkit.methods.scoring_native.kernel_pays`,
+    no window) the CPU kernel's sweep over the scored keys (and its sweep for the output, one call where
+    :func:`~attnkit.attention.attend` makes two), otherwise :func:`max_attention`."""
     total = keys.shape[2]
     tiled = window is None and scoring_triton.kernels_pay(q) if kernels is None else kernels
-    if tiled and window is not None:
+    if native is None:
+        native = not tiled and window is None and scoring_native.kernel_pays(q, keys)
+    if (tiled or native) and window is not None:
         raise ValueError(f"the kernels take no window (window={window})")
     if one_pass is None:
         limit = ONE_PASS_MAX_KEYS.get(q.device.type, ONE_PASS_MAX_KEYS["default"])
-        one_pass = not tiled and (limit is None or total <= limit)
+        one_pass = not tiled and not native and (limit is None or total <= limit)
     if one_pass:
         return one_pass_reconstruction(q, keys, values, scaling, start, end, sink, window)
     n = total - q.shape[2]
     positions = torch.arange(total, device=q.device)
-    out = attend(q, keys, values, scaling, positions[n:], positions, window)
+    if native and scoring_native.kernel_pays(q, keys, values):
+        out = scoring_native.prompt_attention(q, keys, values, scaling)
+    else:
+        out = attend(q, keys, values, scaling, positions[n:], positions, window)
     if end <= start:  # nothing to score
         return out, torch.zeros(keys.shape[:2] + (0,), dtype=torch.float32, device=q.device)
     scored = torch.cat([positions[:sink], positions[start:end], positions[n:]])
@@ -151,6 +159,9 @@ def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
         shift = scoring_triton.row_normalisers(q, keys[:, :, scored], scaling, positions[n:], scored)
         return out, scoring_triton.column_statistics(q, keys[:, :, start:end], scaling, positions[n:],
                                                      positions[start:end], shift, rows="max", reduce="max")
+    if native:  # gathered, the scored keys are a prefix every query sees (sinks, chunk), then the input's own keys
+        best = scoring_native.prompt_statistics(q, keys[:, :, scored], scaling, reduce="max", rows="max")
+        return out, best[..., sink:sink + end - start]
     return out, max_attention(q, keys[:, :, scored], scaling, positions[n:], scored, slice(sink, sink + end - start),
                               window)
 

@@ -38,10 +38,10 @@ def block_elements_for(device: torch.device) -> int:
 
 
 # Most keys for which :func:`attention_with_statistics` is the cheaper way to get a prompt's output and
-# statistic, by device type (None: no limit). Each block of queries reads every key and value it sees; on a
-# CPU a long prompt's blocks are either too few rows to reuse them or too large to stay in its caches, and
-# past this many keys SDPA's fused kernel plus the separate :func:`attention_statistics` (no values, no
-# output) is faster (``benchmarks/bench_scoring.py``, docs/benchmarks.md).
+# statistic, by device type (None: no limit), where :mod:`attnkit.methods.scoring_native`'s kernel does not run.
+# Each block of queries reads every key and value it sees; on a CPU a long prompt's blocks are either too few rows
+# to reuse them or too large to stay in its caches, and past this many keys SDPA's fused kernel plus the separate
+# :func:`attention_statistics` (no values, no output) is faster (``benchmarks/bench_scoring.py``, docs/benchmarks.md).
 ONE_PASS_MAX_KEYS = {"cpu": 8192, "default": None}
 # Fewest queries per block of :func:`attention_with_statistics` (below it the per-block overhead of the
 # tensor operations dominates on a long prompt).
@@ -185,7 +185,8 @@ def attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch
 def fused_pays(q: torch.Tensor) -> bool:
     """Whether :func:`fused_attention_with_statistics` should compute a whole prompt's output and H2O's statistic:
     on a CUDA device with flash kernels (:func:`attnkit.attention.has_flash`), where the blocked pass would write
-    every logit to memory. On a CPU the blocked pass is faster (docs/benchmarks.md, "The cost of scoring")."""
+    every logit to memory. On a CPU the C++ kernel of :mod:`attnkit.methods.scoring_native`, or without it the blocked
+    pass, is faster (docs/benchmarks.md, "The cost of scoring")."""
     return q.device.type == "cuda" and has_flash(q)
 
 

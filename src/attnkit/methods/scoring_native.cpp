@@ -1,0 +1,344 @@
+// A prompt's causal attention and its per-key statistics on a CPU, in one sweep over the logits.
+//
+// What and why: see attnkit/methods/scoring_native.py. In short, H2O (Zhang et al., 2023, arXiv 2306.14048) and
+// Keyformer (Adnan et al., MLSys 2024, arXiv 2403.09054, eq. 9 at temperature 1) score each key by a sum, over the
+// queries that see it, of a function of the attention those queries give it. torch's operations either materialise
+// every logit (a blocked pass) or compute them twice (a flash kernel, then a statistics pass). Here each tile of
+// logits is computed once, in the caches: the output by the online softmax of FlashAttention (Dao et al., 2022,
+// arXiv 2205.14135, Algorithm 1; Milakov and Gimelshein, 2018, arXiv 1805.02867), and the statistic from the same
+// exponentials, kept per query block and rescaled by each row's final log-sum-exp once the block's sweep is done.
+//
+// Layout: queries q [B, HQ, NQ, D], keys k [B, KV, NK, D], values v [B, KV, NK, DV], float32, the last axis
+// contiguous, the other three strided (qs/ks/vs give their strides in elements). The queries are the last NQ of NK
+// contiguous positions: query i sits at position NK - NQ + i and sees keys 0 .. NK - NQ + i. Outputs: out
+// [B, HQ, NQ, DV] and stats [B, KV, NK] (both contiguous). Without values (v and out null) only the statistic is
+// computed, without stats (null) only the output.
+//
+// The statistic of key j, per kv head: w_ij = p_ij (the attention probability), or, given the factor table,
+// p_ij f_ij / sum_j' p_ij' f_ij' with f_ij = table[offsets[h, i] + j] (Keyformer's exp(zeta)); reduced over the
+// query heads of the group by their mean (group_max = 0) or maximum, then over the queries by their sum
+// (rows_max = 0) or maximum.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// 16 floats in GCC/Clang's portable vector extension: the compiler maps them onto the target's widest registers
+// (one AVX-512 register, two AVX or four NEON registers).
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // the same, at any float's address
+
+inline v16 ld(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void st(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+inline float hmax(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
+    return m;
+}
+inline float hsum(v16 x) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; ++i) s += x[i];
+    return s;
+}
+
+// exp of every lane, for arguments <= 0 (logits minus their running maximum): Cephes' expf (a reduction by ln 2 and
+// a degree-5 polynomial, about 1 ulp), 0 below -87.3 where float32 turns subnormal, so a masked -inf gives 0.
+inline v16 vexp(v16 x) {
+    const v16i dead = x < -87.3f;
+    x = dead ? splat(-87.3f) : x;
+    const v16 t = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: the rounded multiple of ln 2 in the low bits
+    const v16 n = t - 12582912.0f;
+    const v16i ni = (v16i)t - 0x4B400000;  // a vector cast keeps the bits
+    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const v16i scale = (ni + 127) << 23;  // 2^n
+    const v16 y = (p * r * r + r + 1.0f) * (v16)scale;
+    return dead ? splat(0.0f) : y;
+}
+
+constexpr int64_t BK = 64;      // keys per tile
+constexpr int64_t QK_ROWS = 4;  // rows of one logits micro-tile (4 x 64 logits in 16 registers)
+constexpr int64_t PAD = 8;      // rows are padded to a multiple of this (the output micro-tile's rows)
+
+// O[r] = O[r] * alpha[r] + sum_j P[r][j] V[j] for RW rows and NV blocks of 16 value columns
+template <int RW, int NV>
+inline void pv_tile(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t keys, float* O, int64_t ldo,
+                    const float* alpha) {
+    v16 o[RW][NV];
+    for (int r = 0; r < RW; ++r)
+        for (int c = 0; c < NV; ++c) o[r][c] = splat(0.0f);
+    for (int64_t j = 0; j < keys; ++j) {
+        v16 vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = ld(V + j * ldv + 16 * c);
+        for (int r = 0; r < RW; ++r) {
+            const v16 p = splat(P[r * ldp + j]);
+            for (int c = 0; c < NV; ++c) o[r][c] += p * vv[c];
+        }
+    }
+    for (int r = 0; r < RW; ++r)
+        for (int c = 0; c < NV; ++c) st(O + r * ldo + 16 * c, ld(O + r * ldo + 16 * c) * alpha[r] + o[r][c]);
+}
+
+// pv_tile over PAD rows and all DV value columns
+void pv_rows(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t keys, float* O, int64_t DV,
+             const float* alpha) {
+    int64_t c = 0;
+    for (; c + 64 <= DV; c += 64) {
+        pv_tile<4, 4>(P, ldp, V + c, ldv, keys, O + c, DV, alpha);
+        pv_tile<4, 4>(P + 4 * ldp, ldp, V + c, ldv, keys, O + 4 * DV + c, DV, alpha + 4);
+    }
+    switch (DV - c) {
+        case 48:
+            pv_tile<4, 3>(P, ldp, V + c, ldv, keys, O + c, DV, alpha);
+            pv_tile<4, 3>(P + 4 * ldp, ldp, V + c, ldv, keys, O + 4 * DV + c, DV, alpha + 4);
+            break;
+        case 32: pv_tile<8, 2>(P, ldp, V + c, ldv, keys, O + c, DV, alpha); break;
+        case 16: pv_tile<8, 1>(P, ldp, V + c, ldv, keys, O + c, DV, alpha); break;
+        default: break;
+    }
+}
+
+struct Problem {
+    const float *q, *v, *table, *kt;  // kt: the keys transposed, [B, KV, D, NKP], zero past NK
+    const int64_t* offsets;
+    int64_t qs[3], vs[3];
+    int64_t B, HQ, KV, G, NQ, NK, NKP, D, DV, BQ;
+    float scale;
+    bool group_max, rows_max;
+    float *out, *stats;
+};
+
+struct Scratch {  // one worker's buffers, sized for the longest block
+    std::vector<float> q, p, tile_max, o, l, m, z, alpha, coef, stats;
+};
+
+// One block: kv head kh of row b, queries i0 .. i0 + BQ - 1 and every query head of the group (R rows).
+void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) {
+    const int64_t G = a.G, D = a.D, DV = a.DV, nq = std::min(a.NQ, i0 + a.BQ) - i0;
+    const int64_t R = G * nq, RP = (R + PAD - 1) / PAD * PAD;
+    const int64_t first = a.NK - a.NQ + i0;  // position of the block's first query
+    const int64_t seen = first + nq, T = (seen + BK - 1) / BK, ldp = T * BK;
+    float *Q = s.q.data(), *P = s.p.data(), *TM = s.tile_max.data(), *O = s.o.data(), *L = s.l.data();
+    float *M = s.m.data(), *Z = s.z.data(), *AL = s.alpha.data();
+    for (int64_t r = 0; r < RP; ++r) {  // row r: query head kh * G + r / nq, query i0 + r % nq; scaled here
+        float* dst = Q + r * D;
+        if (r < R) {
+            const float* src = a.q + b * a.qs[0] + (kh * G + r / nq) * a.qs[1] + (i0 + r % nq) * a.qs[2];
+            for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * a.scale;
+        } else {
+            std::memset(dst, 0, D * sizeof(float));
+        }
+    }
+    std::fill(O, O + RP * DV, 0.0f);
+    std::fill(L, L + RP, 0.0f);
+    std::fill(Z, Z + RP, 0.0f);
+    std::fill(M, M + RP, -INFINITY);
+    std::fill(AL, AL + RP, 1.0f);
+    const float* Kt = a.kt + (b * a.KV + kh) * D * a.NKP;
+    const float* V = a.v ? a.v + b * a.vs[0] + kh * a.vs[1] : nullptr;
+    v16 lane;
+    for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t j0 = t * BK;
+        // logits of QK_ROWS rows x BK keys in registers; their online softmax; the exponentials to P
+        for (int64_t r = 0; r < RP; r += QK_ROWS) {
+            v16 acc[QK_ROWS][4];
+            for (int rr = 0; rr < QK_ROWS; ++rr)
+                for (int c = 0; c < 4; ++c) acc[rr][c] = splat(0.0f);
+            for (int64_t d = 0; d < D; ++d) {
+                const float* kp = Kt + d * a.NKP + j0;
+                const v16 k0 = ld(kp), k1 = ld(kp + 16), k2 = ld(kp + 32), k3 = ld(kp + 48);
+                for (int rr = 0; rr < QK_ROWS; ++rr) {
+                    const v16 qv = splat(Q[(r + rr) * D + d]);
+                    acc[rr][0] += qv * k0;
+                    acc[rr][1] += qv * k1;
+                    acc[rr][2] += qv * k2;
+                    acc[rr][3] += qv * k3;
+                }
+            }
+            for (int rr = 0; rr < QK_ROWS && r + rr < R; ++rr) {
+                const int64_t row = r + rr, pos = first + row % nq;
+                if (j0 + BK - 1 > pos)  // keys after the query's position (and the padding past NK) are hidden
+                    for (int c = 0; c < 4; ++c)
+                        acc[rr][c] = lane + static_cast<float>(j0 + 16 * c) > static_cast<float>(pos)
+                                         ? splat(-INFINITY) : acc[rr][c];
+                const float top = hmax(vmax(vmax(acc[rr][0], acc[rr][1]), vmax(acc[rr][2], acc[rr][3])));
+                const float m = std::max(M[row], top);  // finite: every query sees key 0, in the first tile
+                AL[row] = std::exp(M[row] - m);
+                M[row] = m;
+                TM[row * T + t] = m;
+                v16 sum = splat(0.0f);
+                for (int c = 0; c < 4; ++c) {
+                    const v16 e = vexp(acc[rr][c] - m);
+                    sum += e;
+                    st(P + row * ldp + j0 + 16 * c, e);
+                }
+                L[row] = L[row] * AL[row] + hsum(sum);
+            }
+        }
+        const int64_t keys = std::min(BK, seen - j0);
+        for (int64_t r = 0; a.out && r < RP; r += PAD)
+            pv_rows(P + r * ldp + j0, ldp, V + j0 * a.vs[2], a.vs[2], keys, O + r * DV, DV, AL + r);
+        if (a.table) {  // Keyformer: the exponentials times exp(zeta), and their running sum
+            for (int64_t row = 0; row < R; ++row) {
+                const float* f = a.table + a.offsets[(kh * G + row / nq) * a.NQ + i0 + row % nq] + j0;
+                float* pr = P + row * ldp + j0;
+                if (t + 2 < T)  // each row reads its own stretch of the table: too many streams for the prefetcher
+                    for (int c = 0; c < 4; ++c) __builtin_prefetch(f + 2 * BK + 16 * c);
+                v16 sum = splat(0.0f);
+                for (int c = 0; c < 4; ++c) {
+                    const v16 w = ld(pr + 16 * c) * ld(f + 16 * c);
+                    sum += w;
+                    st(pr + 16 * c, w);
+                }
+                Z[row] = Z[row] * AL[row] + hsum(sum);
+            }
+        }
+    }
+    // the rows are done: the output, and the factor that turns row r's stored exponentials of tile t into
+    // its weights, exp(tile max - row max) / (the row's sum of them), divided by G for a mean over the group
+    float* C = s.coef.data();
+    for (int64_t row = 0; row < R; ++row) {
+        const int64_t h = kh * G + row / nq, i = i0 + row % nq;
+        if (a.out) {
+            float* dst = a.out + ((b * a.HQ + h) * a.NQ + i) * DV;
+            const float inv = 1.0f / L[row];
+            for (int64_t c = 0; c < DV; ++c) dst[c] = O[row * DV + c] * inv;
+        }
+        if (!a.stats) continue;
+        const float denom = (a.table ? Z[row] : L[row]) * (a.group_max ? 1.0f : static_cast<float>(G));
+        for (int64_t t = 0; t < T; ++t) C[row * T + t] = std::exp(TM[row * T + t] - M[row]) / denom;
+    }
+    if (!a.stats) return;
+    float* stats = s.stats.data() + (b * a.KV + kh) * a.NKP;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t j0 = t * BK;
+        v16 acc[4];
+        for (int c = 0; c < 4; ++c) acc[c] = splat(0.0f);
+        if (!a.group_max && !a.rows_max) {  // a sum over every row
+            for (int64_t row = 0; row < R; ++row) {
+                const v16 cf = splat(C[row * T + t]);
+                for (int c = 0; c < 4; ++c) acc[c] += cf * ld(P + row * ldp + j0 + 16 * c);
+            }
+        } else {
+            for (int64_t i = 0; i < nq; ++i) {  // per query: its group's heads, then into the column
+                v16 g[4];
+                for (int c = 0; c < 4; ++c) g[c] = splat(0.0f);
+                for (int64_t h = 0; h < G; ++h) {
+                    const int64_t row = h * nq + i;
+                    const v16 cf = splat(C[row * T + t]);
+                    for (int c = 0; c < 4; ++c) {
+                        const v16 w = cf * ld(P + row * ldp + j0 + 16 * c);
+                        g[c] = a.group_max ? vmax(g[c], w) : g[c] + w;
+                    }
+                }
+                for (int c = 0; c < 4; ++c) acc[c] = a.rows_max ? vmax(acc[c], g[c]) : acc[c] + g[c];
+            }
+        }
+        for (int c = 0; c < 4; ++c) {
+            float* sp = stats + j0 + 16 * c;
+            st(sp, a.rows_max ? vmax(ld(sp), acc[c]) : ld(sp) + acc[c]);
+        }
+    }
+}
+
+}  // namespace
+
+// Returns 0, or 1 for shapes the kernel does not take, 2 for a factor table too short for its offsets, 3 when its
+// buffers cannot be allocated.
+extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, const float* k, const int64_t* ks,
+                                         const float* v, const int64_t* vs, int64_t B, int64_t HQ, int64_t KV,
+                                         int64_t NQ, int64_t NK, int64_t D, int64_t DV, float scale,
+                                         const float* table, int64_t table_len, const int64_t* offsets, int group_max,
+                                         int rows_max, int64_t block_queries, float* out, float* stats,
+                                         int threads) {
+    if (B < 1 || KV < 1 || HQ % KV || NQ < 1 || NQ > NK || D < 1 || block_queries < 1) return 1;
+    if ((v == nullptr) != (out == nullptr) || (v && (DV < 16 || DV % 16)) || (!out && !stats)) return 1;
+    Problem a;
+    a.q = q;
+    a.v = v;
+    a.table = table;
+    a.offsets = offsets;
+    for (int i = 0; i < 3; ++i) a.qs[i] = qs[i], a.vs[i] = vs[i];
+    a.B = B, a.HQ = HQ, a.KV = KV, a.G = HQ / KV, a.NQ = NQ, a.NK = NK, a.D = D, a.DV = DV, a.BQ = block_queries;
+    a.NKP = (NK + BK - 1) / BK * BK;
+    a.scale = scale;
+    a.group_max = group_max != 0, a.rows_max = rows_max != 0;
+    a.out = out, a.stats = stats;
+    if (table) {  // every row reads table[offset .. offset + NKP - 1] (the last tile's padding included)
+        for (int64_t r = 0; r < HQ * NQ; ++r)
+            if (offsets[r] < 0 || offsets[r] + a.NKP > table_len) return 2;
+    }
+    const int64_t blocks = (NQ + a.BQ - 1) / a.BQ, work = B * KV * blocks;
+    const int64_t RP = (a.G * a.BQ + PAD - 1) / PAD * PAD, T = a.NKP / BK;
+    const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, work)));
+    // every buffer is allocated here, before any worker starts, so a failed allocation is a return code
+    std::vector<float> kt;
+    std::vector<Scratch> scratch(workers);
+    try {
+        kt.assign(static_cast<size_t>(B * KV * D * a.NKP), 0.0f);
+        for (Scratch& s : scratch) {
+            s.q.assign(RP * D, 0.0f);
+            s.p.assign(RP * a.NKP, 0.0f);
+            s.tile_max.assign(RP * T, 0.0f);
+            s.coef.assign(RP * T, 0.0f);
+            s.o.assign(RP * DV, 0.0f);
+            s.l.assign(RP, 0.0f);
+            s.m.assign(RP, 0.0f);
+            s.z.assign(RP, 0.0f);
+            s.alpha.assign(RP, 1.0f);
+            s.stats.assign(stats ? B * KV * a.NKP : 0, 0.0f);
+        }
+    } catch (const std::bad_alloc&) {
+        return 3;
+    }
+    // the keys transposed, so a tile's logits are broadcasts of one query value times 16 contiguous keys
+    for (int64_t bh = 0; bh < B * KV; ++bh)
+        for (int64_t j = 0; j < NK; ++j) {
+            const float* src = k + (bh / KV) * ks[0] + (bh % KV) * ks[1] + j * ks[2];
+            float* dst = kt.data() + bh * D * a.NKP + j;
+            for (int64_t d = 0; d < D; ++d) dst[d * a.NKP] = src[d];
+        }
+    a.kt = kt.data();
+    // block n of the list, longest rows first, goes to worker n % workers: a fixed split, so the sums (each worker's
+    // in its own order, then the workers' in theirs) depend on the thread count only, never on timing
+    auto run = [&](int w) {
+        for (int64_t n = w; n < work; n += workers) {
+            const int64_t block = blocks - 1 - n / (B * KV), bh = n % (B * KV);
+            run_block(a, scratch[w], bh / KV, bh % KV, block * a.BQ);
+        }
+    };
+    std::vector<std::thread> pool;
+    int started = 1;
+    try {
+        for (; started < workers; ++started) pool.emplace_back(run, started);
+    } catch (const std::system_error&) {  // no more threads to be had: this one does the rest of the work
+    }
+    run(0);
+    for (int w = started; w < workers; ++w) run(w);
+    for (auto& th : pool) th.join();
+    for (int64_t bh = 0; stats && bh < B * KV; ++bh)
+        for (int64_t j = 0; j < NK; ++j) {
+            float acc = scratch[0].stats[bh * a.NKP + j];
+            for (int w = 1; w < workers; ++w) {
+                const float x = scratch[w].stats[bh * a.NKP + j];
+                acc = a.rows_max ? std::max(acc, x) : acc + x;
+            }
+            stats[bh * NK + j] = acc;
+        }
+    return 0;
+}

@@ -1,0 +1,210 @@
+"""A C++ kernel for a prompt's attention and per-key statistics on a CPU, in one sweep over the logits.
+
+H2O's accumulated attention (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of
+Large Language Models", arXiv 2306.14048) and Keyformer's accumulated Gumbel-softmax score (Adnan et al., MLSys 2024,
+arXiv 2403.09054, eq. 9 at temperature 1) sum, per key, a function of the attention every prompt query gives it.
+With torch operations a CPU either writes every logit of a query block to memory (the one pass of
+:func:`attnkit.methods.scoring.attention_with_statistics`, which falls out of the caches on a long prompt) or
+computes the logits twice (SDPA's fused kernel for the output, then :func:`~attnkit.methods.scoring.attention_statistics`).
+``scoring_native.cpp`` computes each tile of logits once, in the caches: the output by FlashAttention's online
+softmax (Dao et al., 2022, arXiv 2205.14135, Algorithm 1), and the statistic from the same exponentials, which each
+query block keeps until its rows' log-sum-exps are known and then rescales into probabilities (or Keyformer's
+weights, ``p_ij exp(zeta_ij) / sum_j p_ij exp(zeta_ij)`` with the draws of :mod:`attnkit.methods.keyformer_noise`).
+KVzip (Kim et al., 2025, arXiv 2505.23416) uses the same sweep for its reconstruction's output and, over the keys
+its score's softmax runs over, for its score (the maximum over the queries and the group's heads). It is written by
+hand because no library computes column statistics of attention (the GPU has the Triton kernels of
+:mod:`attnkit.methods.scoring_triton`).
+
+The kernel is plain C++17 (GCC/Clang vector extensions, ``std::thread``) with a C entry point called through
+:mod:`ctypes`. It uses neither torch's nor Python's headers, so one compiler call builds it: the system's compiler
+(``$CXX``, else ``c++``, ``g++`` or ``clang++``), the first time a process needs it, for the machine it runs on
+(``-march=native``). ``torch.utils.cpp_extension`` would compile against both sets of headers and needs ninja, for
+nothing the kernel uses. The build goes to ``$ATTNKIT_CACHE_DIR`` (default ``~/.cache/attnkit``) under a name that
+hashes the source, the compiler's path, the flags and the CPU, so a home directory shared by different machines keeps
+one build per kind of machine. Without a compiler, or with ``ATTNKIT_NATIVE=0``, the scorers keep the torch path (one
+warning says why); the results agree to float32 rounding (``tests/test_scoring_native.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("scoring_native.cpp")
+ENV_SWITCH = "ATTNKIT_NATIVE"  # 0: never build or use the kernel
+ENV_CACHE = "ATTNKIT_CACHE_DIR"
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
+TUNE = ("-march=native",)  # dropped when the compiler refuses it
+ROWS_PER_BLOCK = 128  # query rows (query heads of a group x queries) per block: a few logit micro-tiles per key tile
+BLOCK_FLOATS = 1 << 23  # most floats a block keeps (rows x keys, 32 MiB), which caps the rows on a very long prompt
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _cpu() -> str:
+    """What the build depends on besides the source and the compiler: the architecture and the CPU's features."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.processor()
+    return f"{platform.machine()} {flags}"
+
+
+def _build() -> Path:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++ or clang++)")
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS + TUNE).encode(),
+                                     _cpu().encode()])).hexdigest()[:16]
+    folder = Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "attnkit") / "kernels"
+    target = folder / f"scoring_native-{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for tune in (TUNE, ()):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        done = subprocess.run([compiler, *FLAGS, *tune, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode == 0:
+            os.replace(tmp, target)  # atomic: processes building at once each install a whole library
+            return target
+        os.unlink(tmp)
+        errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel (built on the first call), or None where it cannot be (``ATTNKIT_NATIVE=0``, no compiler,
+    a failed build: one warning says which)."""
+    global _library, _failure
+    with _lock:
+        if _library is not None or _failure is not None:
+            return _library
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            _failure = f"{ENV_SWITCH}=0"
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _failure = str(exc)
+            warnings.warn(f"attnkit: the CPU scoring kernel is not available ({exc}); H2O and Keyformer score with "
+                          f"torch operations instead (slower, same results)", RuntimeWarning, stacklevel=2)
+            return None
+        fn = lib.attnkit_prompt_statistics
+        ptr, i64, flt, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, flt, ptr, i64, ptr, i32, i32,
+                       i64, ptr, ptr, i32]
+        fn.restype = i32
+        _library = lib
+        return lib
+
+
+def kernel_pays(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> bool:
+    """Whether the kernel runs for these operands: float32 on a CPU, value heads (when given) a multiple of 16 wide,
+    and the kernel built (:func:`library`)."""
+    operands = (q, keys) if values is None else (q, keys, values)
+    return (q.device.type == "cpu" and all(t.dtype == torch.float32 for t in operands)
+            and (values is None or values.shape[-1] % 16 == 0) and library() is not None)
+
+
+def is_prompt_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Whether the keys sit at positions ``0..L-1`` in order and the queries at the last of them: a prompt's first
+    chunk, or a later chunk after the whole of the ones before it."""
+    n, m = k_pos.shape[-1], q_pos.shape[-1]
+    span = torch.arange(n, device=k_pos.device, dtype=k_pos.dtype)
+    return k_pos.dim() == 1 and m <= n and torch.equal(k_pos, span) and torch.equal(q_pos, span[n - m:])
+
+
+def prompt_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, *,
+                                     reduce: str = "mean", rows: str = "sum", weights=None,
+                                     threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of queries at the last ``m`` of ``L`` contiguous positions and the per-key statistic of
+    :func:`attnkit.methods.scoring.attention_with_statistics`, from one sweep of the kernel.
+
+    q ``[b, hq, m, d]``, keys ``[b, kv, L, d]`` at positions ``0..L-1``, values ``[b, kv, L, dv]`` (float32 on a
+    CPU, any strides with the last axis contiguous; :func:`kernel_pays`). `weights` None gives the attention
+    probabilities (H2O), a :class:`~attnkit.methods.keyformer_noise.GumbelFactorWeights` eq. 9 at temperature 1
+    (Keyformer); they are reduced over the query heads of each kv group with `reduce` (mean or max) and over the
+    queries with `rows` (sum or max). Returns the output ``[b, hq, m, dv]`` and the statistic ``[b, kv, L]``
+    (float32). `threads`: workers (None: ``torch.get_num_threads()``)."""
+    return _sweep(q, keys, values, scaling, reduce, rows, weights, threads)
+
+
+def prompt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, *,
+                     threads: int | None = None) -> torch.Tensor:
+    """The output of :func:`prompt_attention_with_statistics` alone (no statistic): for KVzip's reconstruction, whose
+    output attends to every key while its score's softmax runs over some of them."""
+    return _sweep(q, keys, values, scaling, "mean", "sum", None, threads, statistic=False)[0]
+
+
+def prompt_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, *, reduce: str = "mean", rows: str = "sum",
+                      weights=None, threads: int | None = None) -> torch.Tensor:
+    """The statistic of :func:`prompt_attention_with_statistics` alone (no values, no output): for a prompt whose
+    output another method computes, and for KVzip's score over the keys its softmax runs over."""
+    return _sweep(q, keys, None, scaling, reduce, rows, weights, threads)[1]
+
+
+def _strides(t: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(t.stride()[:3], dtype=torch.int64)
+
+
+def _sweep(q, keys, values, scaling, reduce, rows, weights, threads, statistic=True):
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the CPU scoring kernel is not available (see kernel_pays)")
+    operands = (q, keys) if values is None else (q, keys, values)
+    wrong = [f"{t.dtype} on {t.device}" for t in operands if t.device.type != "cpu" or t.dtype != torch.float32]
+    if wrong:
+        raise ValueError(f"the CPU scoring kernel takes float32 tensors on a CPU, not {wrong[0]}")
+    b, hq, m, d = q.shape
+    kv, n = keys.shape[1], keys.shape[2]
+    if hq % kv:
+        raise ValueError(f"{hq} query heads are not a multiple of {kv} kv heads")
+    q, keys = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys))
+    g = hq // kv
+    padded = -(-n // 64) * 64  # the kernel's key tiles: 64 keys
+    rows_per_block = max(g, min(ROWS_PER_BLOCK, BLOCK_FLOATS // padded))
+    table = offsets = None
+    if weights is not None:
+        table, offsets = weights.table_and_offsets(g, torch.arange(n - m, n), padded - 1)
+        offsets = offsets.contiguous()
+    out = dv = None
+    if values is not None:
+        values = values if values.stride(-1) == 1 else values.contiguous()
+        dv = values.shape[-1]
+        out = torch.empty(b, hq, m, dv, dtype=torch.float32)
+    stats = torch.empty(b, kv, n, dtype=torch.float32) if statistic else None
+    qs, ks = _strides(q), _strides(keys)
+    vs = qs if values is None else _strides(values)  # unread without values
+    code = lib.attnkit_prompt_statistics(
+        q.data_ptr(), qs.data_ptr(), keys.data_ptr(), ks.data_ptr(), None if values is None else values.data_ptr(),
+        vs.data_ptr(), b, hq, kv, m, n, d, dv or 0, float(scaling), None if table is None else table.data_ptr(),
+        0 if table is None else table.numel(), None if offsets is None else offsets.data_ptr(),
+        int(reduce == "max"), int(rows == "max"), max(1, rows_per_block // g), None if out is None else out.data_ptr(),
+        None if stats is None else stats.data_ptr(), threads or torch.get_num_threads())
+    if code == 3:
+        raise MemoryError(f"the CPU scoring kernel could not allocate its buffers for {n} keys")
+    if code:
+        shapes = f"q {tuple(q.shape)}, keys {tuple(keys.shape)}"
+        shapes += "" if values is None else f", values {tuple(values.shape)}"
+        raise ValueError(f"the CPU scoring kernel refused {shapes} (code {code}): it takes no more queries than keys, "
+                         f"and value heads a multiple of 16 wide")
+    return out, stats

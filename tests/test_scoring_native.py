@@ -1,0 +1,219 @@
+"""The C++ kernel of the CPU scoring pass (:mod:`attnkit.methods.scoring_native`): its output and statistics against
+the blocked pass of :mod:`attnkit.methods.scoring`, the generations that take it against the torch path, its
+refusals, and its build (cached per machine; without a compiler the torch path, with a warning)."""
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.methods import kvzip, scoring, scoring_native
+from attnkit.methods.keyformer_noise import GumbelFactorWeights
+from attnkit.methods.spec import parse_method_spec
+from helpers import randn, random_ids
+
+pytestmark = pytest.mark.skipif(scoring_native.library() is None, reason="no C++ compiler")  # CI has one
+
+
+def hf_layout(b, heads, n, d, seed):
+    """``[b, heads, n, d]`` with transformers' strides (a transposed ``[b, n, heads, d]``)."""
+    return randn(b, n, heads, d, seed=seed).transpose(1, 2)
+
+
+def operands(b, hq, kv, m, n, d, dv, seed=0):
+    return hf_layout(b, hq, m, d, seed), hf_layout(b, kv, n, d, seed + 1) * 2, hf_layout(b, kv, n, dv, seed + 2)
+
+
+SHAPES = [  # b, hq, kv, queries, keys, d, dv: a whole prompt or a chunk after one; GQA or not; any d, dv % 16 == 0
+    (2, 8, 2, 150, 150, 32, 32),
+    (1, 6, 3, 70, 201, 40, 48),
+    (2, 4, 4, 33, 130, 64, 64),
+    (1, 7, 1, 129, 129, 16, 128),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+@pytest.mark.parametrize("keyformer", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_equals_the_blocked_pass(shape, reduce, keyformer, threads):
+    b, hq, kv, m, n, d, dv = shape
+    q, k, v = operands(*shape)
+    weights = GumbelFactorWeights(seed=3, layer=1, kv_heads=kv) if keyformer else None
+    out, stats = scoring_native.prompt_attention_with_statistics(q, k, v, d ** -0.5, reduce=reduce, weights=weights,
+                                                                 threads=threads)
+    ref_out, ref_stats = scoring.attention_with_statistics(q, k, v, d ** -0.5, torch.arange(n - m, n),
+                                                           torch.arange(n), reduce=reduce, weights=weights)
+    assert out.shape == (b, hq, m, dv) and stats.shape == (b, kv, n) and stats.dtype == torch.float32
+    assert (out - ref_out).abs().max() < 1e-5
+    assert torch.allclose(stats, ref_stats, rtol=1e-5, atol=1e-6)
+    again = scoring_native.prompt_attention_with_statistics(q, k, v, d ** -0.5, reduce=reduce, weights=weights,
+                                                            threads=threads)
+    assert torch.equal(again[1], stats)  # the same sums in the same order, whatever the timing
+
+
+def test_the_most_attention_a_key_receives():
+    """``rows="max"``: the maximum over the queries (KVzip's reduction), of the group's mean or maximum."""
+    q, k, v = operands(1, 8, 2, 90, 90, 32, 32, seed=4)
+    logits = (q.double() @ k.double().repeat_interleave(4, 1).transpose(-1, -2)) * 0.2
+    probs = torch.softmax(logits.masked_fill(torch.ones(90, 90, dtype=torch.bool).triu(1), float("-inf")), -1)
+    for reduce, ref in (("max", probs.amax(dim=2)), ("mean", probs.view(1, 2, 4, 90, 90).mean(2).amax(2))):
+        _, stats = scoring_native.prompt_attention_with_statistics(q, k, v, 0.2, reduce=reduce, rows="max")
+        ref = ref.view(1, 2, 4, 90).amax(2) if reduce == "max" else ref
+        assert torch.allclose(stats.double(), ref, rtol=1e-5, atol=1e-7)
+
+
+def test_a_dominant_key_and_far_below_ones():
+    """Logits 80 apart in one row: the online softmax rescales, and weights below float32's range are 0, not NaN."""
+    q, k, v = operands(1, 2, 1, 100, 100, 16, 16, seed=5)
+    k[:, :, 3] = q[:, 0, 50] * 60  # query 50 of head 0 (and its neighbours) sees key 3 far above the rest
+    out, stats = scoring_native.prompt_attention_with_statistics(q, k, v, 1.0)
+    ref_out, ref_stats = scoring.attention_with_statistics(q, k, v, 1.0, torch.arange(100), torch.arange(100))
+    assert torch.isfinite(stats).all() and torch.isfinite(out).all()
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(stats, ref_stats, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["h2o:budget=0.3", "h2o:budget=0.3,gqa_reduce=max", "keyformer:budget_tokens=40",
+                                  "keyformer:budget=0.3,gqa_reduce=max"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_generations_keep_the_tokens_of_the_torch_path(arch_models, monkeypatch, spec, arch):
+    """A ragged batch, whole prompts and prompts in chunks: the kernel takes every layer's prompt (and every chunk
+    after the ones before it) and keeps the tokens and logits (within 1e-4) of the torch path."""
+    model = arch_models[arch]
+    prompts = [random_ids(n, seed=50 + n) for n in (90, 130, 61)]
+
+    def run(chunk_size=None):
+        return attnkit.generate(model, prompts, parse_method_spec(spec), max_new_tokens=8, stop_at_eos=False,
+                                keep_logits=True, chunk_size=chunk_size)
+
+    calls = []
+    kernel = scoring_native.prompt_attention_with_statistics
+    monkeypatch.setattr(scoring_native, "prompt_attention_with_statistics",
+                        lambda *a, **kw: calls.append(a[0].shape[2]) or kernel(*a, **kw))
+    native, chunked = run(), run(chunk_size=40)
+    assert len(calls) == model.geometry.n_layers * (len(prompts) + sum(-(-n // 40) for n in (90, 130, 61)))
+    monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
+    torch_path = run()
+    for a, b, c in zip(native, chunked, torch_path):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert max((x - y).abs().max().item() for x, y in zip(a.logits, c.logits)) < 1e-4
+        assert max((x - y).abs().max().item() for x, y in zip(b.logits, c.logits)) < 1e-4
+
+
+@pytest.mark.parametrize("spec", ["full+h2o:budget=0.3", "full+keyformer:budget=0.3,gqa_reduce=max"])
+def test_a_statistic_beside_another_methods_output(arch_models, monkeypatch, spec):
+    """``compose``: the prompt's output from another method, the statistic alone from the kernel (no values)."""
+    model = arch_models["llama"]
+    prompts = [random_ids(n, seed=70 + n) for n in (90, 61)]
+    run = lambda: attnkit.generate(model, prompts, parse_method_spec(spec), max_new_tokens=8,  # noqa: E731
+                                   stop_at_eos=False, keep_logits=True)
+    calls = []
+    statistic = scoring_native.prompt_statistics
+    monkeypatch.setattr(scoring_native, "prompt_statistics", lambda *a, **kw: calls.append(1) or statistic(*a, **kw))
+    native = run()
+    assert len(calls) == model.geometry.n_layers * len(prompts)
+    monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
+    for a, b in zip(native, run()):
+        assert a.token_ids == b.token_ids
+        assert max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits)) < 1e-4
+
+
+@pytest.mark.parametrize("start,end,sink", [(0, 60, 0), (50, 90, 4), (100, 140, 4)])
+def test_kvzip_reconstruction(start, end, sink):
+    """KVzip's reconstruction forward: the output over every key, the score's softmax over the sinks, the chunk and
+    the input's own keys, its maximum over the queries and the group's heads; against the torch passes."""
+    n, m = 140, 70
+    q = hf_layout(2, 6, m, 32, seed=8)
+    keys, values = hf_layout(2, 2, n + m, 32, seed=9), hf_layout(2, 2, n + m, 32, seed=10)
+    out, score = kvzip.reconstruction_attention(q, keys, values, 0.2, start, end, sink, native=True)
+    for one_pass in (True, False):
+        ref_out, ref = kvzip.reconstruction_attention(q, keys, values, 0.2, start, end, sink, one_pass=one_pass,
+                                                      native=False)
+        assert (out - ref_out).abs().max() < 1e-5
+        assert score.shape == (2, 2, end - start) and torch.allclose(score, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_kvzip_keeps_the_tokens_of_the_torch_path(arch_models, monkeypatch):
+    model = arch_models["qwen3"]
+    prompts = [random_ids(n, seed=80 + n) for n in (90, 130)]
+    run = lambda: attnkit.generate(model, prompts, parse_method_spec("kvzip:budget=0.3,chunk_size=48"),  # noqa: E731
+                                   max_new_tokens=8, stop_at_eos=False, keep_logits=True)
+    calls = []
+    statistic = scoring_native.prompt_statistics
+    monkeypatch.setattr(scoring_native, "prompt_statistics", lambda *a, **kw: calls.append(1) or statistic(*a, **kw))
+    native = run()
+    assert calls  # every reconstruction chunk of every layer that evicts
+    monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
+    for a, b in zip(native, run()):
+        assert a.token_ids == b.token_ids
+        assert max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits)) < 1e-4
+
+
+def test_an_unlimited_budget_is_full_attention(arch_models, monkeypatch):
+    model = arch_models["llama"]
+    prompts = [random_ids(n, seed=60 + n) for n in (70, 45)]
+    monkeypatch.setattr(scoring_native, "prompt_attention_with_statistics", None)  # never called: nothing to evict
+    run = lambda spec: attnkit.generate(model, prompts, parse_method_spec(spec), max_new_tokens=6,  # noqa: E731
+                                        stop_at_eos=False)
+    assert [r.token_ids for r in run("h2o:budget_tokens=1000")] == [r.token_ids for r in run("full")]
+
+
+def test_what_the_kernel_takes():
+    q = torch.zeros(1, 4, 8, 32)
+    assert scoring_native.kernel_pays(q, q[:, :2], q[:, :2])
+    assert not scoring_native.kernel_pays(q.bfloat16(), q[:, :2].bfloat16(), q[:, :2].bfloat16())  # float32 only
+    assert not scoring_native.kernel_pays(q, q[:, :2], q[:, :2, :, :8])  # value heads a multiple of 16 wide
+    assert not scoring_native.kernel_pays(q.to("meta"), q[:, :2].to("meta"), q[:, :2].to("meta"))  # a CPU only
+    with pytest.raises(ValueError, match="4 query heads are not a multiple of 3 kv heads"):
+        scoring_native.prompt_attention_with_statistics(q, q[:, :3], q[:, :3], 1.0)
+    with pytest.raises(ValueError, match="refused q .* it takes no more queries than keys"):
+        scoring_native.prompt_attention_with_statistics(q, q[:, :2, :4], q[:, :2, :4], 1.0)
+    with pytest.raises(ValueError, match="takes float32 tensors on a CPU, not torch.bfloat16 on cpu"):
+        scoring_native.prompt_statistics(q.bfloat16(), q[:, :2].bfloat16(), 1.0)
+    with pytest.raises(ValueError, match="window=8"):
+        kvzip.reconstruction_attention(q, q[:, :2], q[:, :2], 1.0, 0, 2, 0, window=8, native=True)
+    out = scoring_native.prompt_attention(q, q[:, :2], q[:, :2], 1.0)
+    assert out.shape == q.shape and torch.equal(out, scoring_native.prompt_attention_with_statistics(
+        q, q[:, :2], q[:, :2], 1.0)[0])
+    pos = torch.arange(10)
+    assert scoring_native.is_prompt_tail(pos[6:], pos) and scoring_native.is_prompt_tail(pos, pos)
+    assert not scoring_native.is_prompt_tail(pos[5:9], pos)  # not the last positions
+    assert not scoring_native.is_prompt_tail(pos[6:] + 1, pos + 1)  # keys not from position 0
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """The module as a new process finds it: nothing built or refused yet, the cache in `tmp_path`."""
+    monkeypatch.setattr(scoring_native, "_library", None)
+    monkeypatch.setattr(scoring_native, "_failure", None)
+    monkeypatch.setenv(scoring_native.ENV_CACHE, str(tmp_path))
+    return tmp_path
+
+
+def test_the_build_is_cached_per_machine(fresh_build, monkeypatch):
+    assert scoring_native.library() is not None
+    built = list((fresh_build / "kernels").glob("scoring_native-*.so"))
+    assert len(built) == 1
+    monkeypatch.setattr(scoring_native, "_library", None)
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(scoring_native.subprocess, "run", no_compiler)  # a second process finds the build
+    assert scoring_native.library() is not None
+
+
+def test_without_a_compiler_the_torch_path_runs(fresh_build, monkeypatch, arch_models):
+    monkeypatch.setenv("CXX", str(fresh_build / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="the CPU scoring kernel is not available .*torch operations instead"):
+        assert scoring_native.library() is None
+    q = torch.zeros(1, 4, 8, 32)
+    assert not scoring_native.kernel_pays(q, q[:, :2], q[:, :2])
+    out = attnkit.generate(arch_models["llama"], random_ids(80, seed=7), parse_method_spec("h2o:budget=0.3"),
+                           max_new_tokens=4, stop_at_eos=False)
+    assert len(out.token_ids) == 4
+
+
+def test_switched_off(fresh_build, monkeypatch):
+    monkeypatch.setenv(scoring_native.ENV_SWITCH, "0")
+    assert scoring_native.library() is None
+    assert not list(fresh_build.glob("**/*.so"))
