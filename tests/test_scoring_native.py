@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit import native
 from attnkit.methods import kvzip, scoring, scoring_native
 from attnkit.methods.keyformer_noise import GumbelFactorWeights
 from attnkit.methods.spec import parse_method_spec
@@ -182,29 +183,29 @@ def test_what_the_kernel_takes():
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
-    """The module as a new process finds it: nothing built or refused yet, the cache in `tmp_path`."""
-    monkeypatch.setattr(scoring_native, "_library", None)
-    monkeypatch.setattr(scoring_native, "_failure", None)
-    monkeypatch.setenv(scoring_native.ENV_CACHE, str(tmp_path))
+    """The kernels as a new process finds them: nothing built or refused yet, the cache in `tmp_path`."""
+    monkeypatch.setattr(native, "_libraries", {})
+    monkeypatch.setattr(native, "_failures", {})
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
     return tmp_path
 
 
 def test_the_build_is_cached_per_machine(fresh_build, monkeypatch):
     assert scoring_native.library() is not None
-    built = list((fresh_build / "kernels").glob("scoring_native-*.so"))
+    built = list((fresh_build / "kernels").glob("scoring-*.so"))
     assert len(built) == 1
-    monkeypatch.setattr(scoring_native, "_library", None)
+    monkeypatch.setattr(native, "_libraries", {})
 
     def no_compiler(*args, **kwargs):
         raise AssertionError("compiled again")
 
-    monkeypatch.setattr(scoring_native.subprocess, "run", no_compiler)  # a second process finds the build
+    monkeypatch.setattr(native.subprocess, "run", no_compiler)  # a second process finds the build
     assert scoring_native.library() is not None
 
 
 def test_without_a_compiler_the_torch_path_runs(fresh_build, monkeypatch, arch_models):
     monkeypatch.setenv("CXX", str(fresh_build / "no-such-compiler"))
-    with pytest.warns(RuntimeWarning, match="the CPU scoring kernel is not available .*torch operations instead"):
+    with pytest.warns(RuntimeWarning, match=r"the C\+\+ kernel 'scoring' is not available .*torch operations run instead"):
         assert scoring_native.library() is None
     q = torch.zeros(1, 4, 8, 32)
     assert not scoring_native.kernel_pays(q, q[:, :2], q[:, :2])
@@ -214,6 +215,6 @@ def test_without_a_compiler_the_torch_path_runs(fresh_build, monkeypatch, arch_m
 
 
 def test_switched_off(fresh_build, monkeypatch):
-    monkeypatch.setenv(scoring_native.ENV_SWITCH, "0")
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
     assert scoring_native.library() is None
     assert not list(fresh_build.glob("**/*.so"))

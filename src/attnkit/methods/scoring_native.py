@@ -6,7 +6,7 @@ arXiv 2403.09054, eq. 9 at temperature 1) sum, per key, a function of the attent
 With torch operations a CPU either writes every logit of a query block to memory (the one pass of
 :func:`attnkit.methods.scoring.attention_with_statistics`, which falls out of the caches on a long prompt) or
 computes the logits twice (SDPA's fused kernel for the output, then :func:`~attnkit.methods.scoring.attention_statistics`).
-``scoring_native.cpp`` computes each tile of logits once, in the caches: the output by FlashAttention's online
+The kernel computes each tile of logits once, in the caches: the output by FlashAttention's online
 softmax (Dao et al., 2022, arXiv 2205.14135, Algorithm 1), and the statistic from the same exponentials, which each
 query block keeps until its rows' log-sum-exps are known and then rescales into probabilities (or Keyformer's
 weights, ``p_ij exp(zeta_ij) / sum_j p_ij exp(zeta_ij)`` with the draws of :mod:`attnkit.methods.keyformer_noise`).
@@ -15,106 +15,30 @@ its score's softmax runs over, for its score (the maximum over the queries and t
 hand because no library computes column statistics of attention (the GPU has the Triton kernels of
 :mod:`attnkit.methods.scoring_triton`).
 
-The kernel is plain C++17 (GCC/Clang vector extensions, ``std::thread``) with a C entry point called through
-:mod:`ctypes`. It uses neither torch's nor Python's headers, so one compiler call builds it: the system's compiler
-(``$CXX``, else ``c++``, ``g++`` or ``clang++``), the first time a process needs it, for the machine it runs on
-(``-march=native``). ``torch.utils.cpp_extension`` would compile against both sets of headers and needs ninja, for
-nothing the kernel uses. The build goes to ``$ATTNKIT_CACHE_DIR`` (default ``~/.cache/attnkit``) under a name that
-hashes the source, the compiler's path, the flags and the CPU, so a home directory shared by different machines keeps
-one build per kind of machine. Without a compiler, or with ``ATTNKIT_NATIVE=0``, the scorers keep the torch path (one
-warning says why); the results agree to float32 rounding (``tests/test_scoring_native.py``).
+The kernel is ``attnkit/native/scoring.cpp``, built on first use (:mod:`attnkit.native`). Without it (no compiler,
+``ATTNKIT_NATIVE=0``) the scorers keep the torch path; the results agree to float32 rounding
+(``tests/test_scoring_native.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("scoring_native.cpp")
-ENV_SWITCH = "ATTNKIT_NATIVE"  # 0: never build or use the kernel
-ENV_CACHE = "ATTNKIT_CACHE_DIR"
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
-TUNE = ("-march=native",)  # dropped when the compiler refuses it
+from attnkit import native
+
 ROWS_PER_BLOCK = 128  # query rows (query heads of a group x queries) per block: a few logit micro-tiles per key tile
 BLOCK_FLOATS = 1 << 23  # most floats a block keeps (rows x keys, 32 MiB), which caps the rows on a very long prompt
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failure: str | None = None
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-
-
-def _cpu() -> str:
-    """What the build depends on besides the source and the compiler: the architecture and the CPU's features."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        flags = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = platform.processor()
-    return f"{platform.machine()} {flags}"
-
-
-def _build() -> Path:
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C++ compiler found (set $CXX, or install g++ or clang++)")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS + TUNE).encode(),
-                                     _cpu().encode()])).hexdigest()[:16]
-    folder = Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "attnkit") / "kernels"
-    target = folder / f"scoring_native-{key}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for tune in (TUNE, ()):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(fd)
-        done = subprocess.run([compiler, *FLAGS, *tune, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if done.returncode == 0:
-            os.replace(tmp, target)  # atomic: processes building at once each install a whole library
-            return target
-        os.unlink(tmp)
-        errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
-    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+_P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+SIGNATURE = ("attnkit_prompt_statistics",
+             [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I64, _P, _I32, _I32, _I64,
+              _P, _P, _I32], _I32)
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel (built on the first call), or None where it cannot be (``ATTNKIT_NATIVE=0``, no compiler,
-    a failed build: one warning says which)."""
-    global _library, _failure
-    with _lock:
-        if _library is not None or _failure is not None:
-            return _library
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            _failure = f"{ENV_SWITCH}=0"
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build()))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _failure = str(exc)
-            warnings.warn(f"attnkit: the CPU scoring kernel is not available ({exc}); H2O and Keyformer score with "
-                          f"torch operations instead (slower, same results)", RuntimeWarning, stacklevel=2)
-            return None
-        fn = lib.attnkit_prompt_statistics
-        ptr, i64, flt, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, flt, ptr, i64, ptr, i32, i32,
-                       i64, ptr, ptr, i32]
-        fn.restype = i32
-        _library = lib
-        return lib
+    """The compiled kernel (``attnkit/native/scoring.cpp``, :func:`attnkit.native.load`), or None."""
+    return native.load("scoring", SIGNATURE)
 
 
 def kernel_pays(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> bool:

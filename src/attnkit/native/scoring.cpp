@@ -27,90 +27,11 @@
 #include <thread>
 #include <vector>
 
+#include "tile.h"
+
 namespace {
 
-// 16 floats in GCC/Clang's portable vector extension: the compiler maps them onto the target's widest registers
-// (one AVX-512 register, two AVX or four NEON registers).
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // the same, at any float's address
-
-inline v16 ld(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void st(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
-inline float hmax(v16 x) {
-    float m = x[0];
-    for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
-    return m;
-}
-inline float hsum(v16 x) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; ++i) s += x[i];
-    return s;
-}
-
-// exp of every lane, for arguments <= 0 (logits minus their running maximum): Cephes' expf (a reduction by ln 2 and
-// a degree-5 polynomial, about 1 ulp), 0 below -87.3 where float32 turns subnormal, so a masked -inf gives 0.
-inline v16 vexp(v16 x) {
-    const v16i dead = x < -87.3f;
-    x = dead ? splat(-87.3f) : x;
-    const v16 t = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: the rounded multiple of ln 2 in the low bits
-    const v16 n = t - 12582912.0f;
-    const v16i ni = (v16i)t - 0x4B400000;  // a vector cast keeps the bits
-    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const v16i scale = (ni + 127) << 23;  // 2^n
-    const v16 y = (p * r * r + r + 1.0f) * (v16)scale;
-    return dead ? splat(0.0f) : y;
-}
-
-constexpr int64_t BK = 64;      // keys per tile
-constexpr int64_t QK_ROWS = 4;  // rows of one logits micro-tile (4 x 64 logits in 16 registers)
-constexpr int64_t PAD = 8;      // rows are padded to a multiple of this (the output micro-tile's rows)
-
-// O[r] = O[r] * alpha[r] + sum_j P[r][j] V[j] for RW rows and NV blocks of 16 value columns
-template <int RW, int NV>
-inline void pv_tile(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t keys, float* O, int64_t ldo,
-                    const float* alpha) {
-    v16 o[RW][NV];
-    for (int r = 0; r < RW; ++r)
-        for (int c = 0; c < NV; ++c) o[r][c] = splat(0.0f);
-    for (int64_t j = 0; j < keys; ++j) {
-        v16 vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = ld(V + j * ldv + 16 * c);
-        for (int r = 0; r < RW; ++r) {
-            const v16 p = splat(P[r * ldp + j]);
-            for (int c = 0; c < NV; ++c) o[r][c] += p * vv[c];
-        }
-    }
-    for (int r = 0; r < RW; ++r)
-        for (int c = 0; c < NV; ++c) st(O + r * ldo + 16 * c, ld(O + r * ldo + 16 * c) * alpha[r] + o[r][c]);
-}
-
-// pv_tile over PAD rows and all DV value columns
-void pv_rows(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t keys, float* O, int64_t DV,
-             const float* alpha) {
-    int64_t c = 0;
-    for (; c + 64 <= DV; c += 64) {
-        pv_tile<4, 4>(P, ldp, V + c, ldv, keys, O + c, DV, alpha);
-        pv_tile<4, 4>(P + 4 * ldp, ldp, V + c, ldv, keys, O + 4 * DV + c, DV, alpha + 4);
-    }
-    switch (DV - c) {
-        case 48:
-            pv_tile<4, 3>(P, ldp, V + c, ldv, keys, O + c, DV, alpha);
-            pv_tile<4, 3>(P + 4 * ldp, ldp, V + c, ldv, keys, O + 4 * DV + c, DV, alpha + 4);
-            break;
-        case 32: pv_tile<8, 2>(P, ldp, V + c, ldv, keys, O + c, DV, alpha); break;
-        case 16: pv_tile<8, 1>(P, ldp, V + c, ldv, keys, O + c, DV, alpha); break;
-        default: break;
-    }
-}
+using namespace attnkit;
 
 struct Problem {
     const float *q, *v, *table, *kt;  // kt: the keys transposed, [B, KV, D, NKP], zero past NK
@@ -157,37 +78,15 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
         // logits of QK_ROWS rows x BK keys in registers; their online softmax; the exponentials to P
         for (int64_t r = 0; r < RP; r += QK_ROWS) {
             v16 acc[QK_ROWS][4];
-            for (int rr = 0; rr < QK_ROWS; ++rr)
-                for (int c = 0; c < 4; ++c) acc[rr][c] = splat(0.0f);
-            for (int64_t d = 0; d < D; ++d) {
-                const float* kp = Kt + d * a.NKP + j0;
-                const v16 k0 = ld(kp), k1 = ld(kp + 16), k2 = ld(kp + 32), k3 = ld(kp + 48);
-                for (int rr = 0; rr < QK_ROWS; ++rr) {
-                    const v16 qv = splat(Q[(r + rr) * D + d]);
-                    acc[rr][0] += qv * k0;
-                    acc[rr][1] += qv * k1;
-                    acc[rr][2] += qv * k2;
-                    acc[rr][3] += qv * k3;
-                }
-            }
+            qk_tile(Q + r * D, D, Kt + j0, a.NKP, acc);
             for (int rr = 0; rr < QK_ROWS && r + rr < R; ++rr) {
                 const int64_t row = r + rr, pos = first + row % nq;
                 if (j0 + BK - 1 > pos)  // keys after the query's position (and the padding past NK) are hidden
                     for (int c = 0; c < 4; ++c)
                         acc[rr][c] = lane + static_cast<float>(j0 + 16 * c) > static_cast<float>(pos)
                                          ? splat(-INFINITY) : acc[rr][c];
-                const float top = hmax(vmax(vmax(acc[rr][0], acc[rr][1]), vmax(acc[rr][2], acc[rr][3])));
-                const float m = std::max(M[row], top);  // finite: every query sees key 0, in the first tile
-                AL[row] = std::exp(M[row] - m);
-                M[row] = m;
-                TM[row * T + t] = m;
-                v16 sum = splat(0.0f);
-                for (int c = 0; c < 4; ++c) {
-                    const v16 e = vexp(acc[rr][c] - m);
-                    sum += e;
-                    st(P + row * ldp + j0 + 16 * c, e);
-                }
-                L[row] = L[row] * AL[row] + hsum(sum);
+                AL[row] = softmax_tile(acc[rr], M[row], L[row], P + row * ldp + j0);  // every query sees key 0
+                TM[row * T + t] = M[row];
             }
         }
         const int64_t keys = std::min(BK, seen - j0);
