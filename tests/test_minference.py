@@ -36,8 +36,15 @@ def qkv(n, nq=None, hq=4, kv=2, d=16, seed=0):
 
 
 # ---- kernels == dense-mask reference ------------------------------------------------------------------
+@pytest.fixture
+def flex(monkeypatch):
+    """FlexAttention where the C++ kernel would run (a CPU in float32; the kernel has tests of its own,
+    tests/test_sparse_native.py): the path of a GPU, and of a CPU without a compiler."""
+    monkeypatch.setattr(sa.kernels, "native_pays", lambda *a: False)
+
+
 @pytest.mark.parametrize("n,nq", [(192, 192), (203, 203), (203, 70)])
-def test_flex_kernel_equals_reference(n, nq):
+def test_flex_kernel_equals_reference(flex, n, nq):
     """Compiled FlexAttention, mixed patterns, GQA (4 query / 2 kv heads), lengths that are and are not
     multiples of the block, a whole prompt and its last chunk."""
     q, k, v = qkv(n, nq)
@@ -48,7 +55,7 @@ def test_flex_kernel_equals_reference(n, nq):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_one_compiled_kernel_serves_every_prompt_length_of_a_padded_size():
+def test_one_compiled_kernel_serves_every_prompt_length_of_a_padded_size(flex):
     """Prompts of 203 and 197 tokens are padded to the same 208: the second runs the kernel compiled for the
     first (dynamo compiles no new graph) and still equals the reference."""
     import torch._dynamo.utils as dynamo_utils

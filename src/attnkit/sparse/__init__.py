@@ -10,7 +10,8 @@ MInference 1.0: Accelerating Pre-filling for Long-Context LLMs via Dynamic Spars
 - :mod:`attnkit.sparse.layout`: :class:`SparseLayout` (tiles, gathered vertical columns, the token rule as
   :mod:`attnkit.masks` rules), :func:`build_layout`, :func:`layout_for_patterns`, :func:`kernel_flops`.
 - :mod:`attnkit.sparse.profile`: the prefill profiler (index / build / kernel time, sparse and dense calls).
-- :mod:`attnkit.sparse.kernels`: the FlexAttention ``BlockMask`` and :func:`sparse_attention`.
+- :mod:`attnkit.sparse.kernels`: the FlexAttention ``BlockMask`` and :func:`sparse_attention` (on a CPU in
+  float32, a C++ kernel).
 - :mod:`attnkit.sparse.reference`: :func:`dense_mask` and :func:`reference_attention`, the tests' reference.
 
 Queries are the last ``nq`` of ``n`` contiguous key positions ``0 .. n-1`` (a prompt, or its last chunk);

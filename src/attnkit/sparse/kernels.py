@@ -14,10 +14,13 @@ rows have no tiles and cost nothing.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from attnkit import native
 from attnkit.errors import AttnkitError
 from attnkit.masks import and_, flex_mask_mod, sinks
 from attnkit.sparse.layout import SparseLayout
@@ -25,6 +28,10 @@ from attnkit.sparse.patterns import padded_length
 from attnkit.sparse.profile import timed
 
 _COMPILED = None
+_P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+NATIVE_SIGNATURE = ("attnkit_sparse_attention",
+                    [_P, _P, _P, _P, _P, _P] + [_I64] * 6 + [_F] + [_I64] * 4 + [_P] * 5 + [_I64, _P, _P, _P, _I32],
+                    _I32)
 
 
 def _flex_fn(compiled: bool):
@@ -109,6 +116,44 @@ def block_mask(layout: SparseLayout, groups: int, q_len: int, n_pad: int, comple
                                     seq_lengths=(q_len, n_pad + groups * width), compute_q_blocks=False)
 
 
+def native_pays(q: torch.Tensor, v: torch.Tensor, layout: SparseLayout) -> bool:
+    """Whether :func:`sparse_attention` runs the C++ kernel (``attnkit/native/sparse.cpp``): float32 on a CPU, tiles
+    of 16 to 64 keys (a multiple of 16), value heads a multiple of 16 wide, and the kernel built
+    (:func:`attnkit.native.load`)."""
+    return (q.device.type == "cpu" and q.dtype == v.dtype == torch.float32 and layout.block % 16 == 0
+            and layout.block <= 64 and v.shape[-1] % 16 == 0 and native.load("sparse", NATIVE_SIGNATURE) is not None)
+
+
+def native_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout,
+                            scaling: float) -> torch.Tensor:
+    """:func:`sparse_attention` by the C++ kernel: per query head and query tile row, FlashAttention's online softmax
+    over the layout's main tiles (the token rule inside the masked ones) and its tiles of gathered columns, nothing
+    else computed, no graph compiled."""
+    lib = native.load("sparse", NATIVE_SIGNATURE)
+    _, hq, nq, d = q.shape
+    kvh, n, dv = k.shape[1], k.shape[2], v.shape[-1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    flags = [None if t is None else t.to(torch.uint8).contiguous()
+             for t in (layout.main, layout.main_full, layout.vert, layout.vert_full)]
+    init, local = (t.to(torch.int64).contiguous() for t in (layout.init, layout.local))
+    columns = None if layout.columns is None else layout.columns.to(torch.int64).contiguous()
+    out = torch.empty(1, hq, nq, dv, dtype=torch.float32)
+    strides = [torch.tensor(t.stride()[:3], dtype=torch.int64) for t in (q, k, v)]
+    rows, tiles = layout.main.shape[1:]
+    code = lib.attnkit_sparse_attention(
+        q.data_ptr(), strides[0].data_ptr(), k.data_ptr(), strides[1].data_ptr(), v.data_ptr(), strides[2].data_ptr(),
+        hq, kvh, nq, n, d, dv, float(scaling), layout.block, layout.first_row, rows, tiles, flags[0].data_ptr(),
+        flags[1].data_ptr(), init.data_ptr(), local.data_ptr(), None if columns is None else columns.data_ptr(),
+        0 if columns is None else columns.shape[1], None if flags[2] is None else flags[2].data_ptr(),
+        None if flags[3] is None else flags[3].data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if code == 3:
+        raise MemoryError(f"the sparse prefill kernel could not allocate its buffers for {n} keys")
+    if code:
+        raise AttnkitError(f"the sparse prefill kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                           f"{tuple(v.shape)} with a layout of {layout.block}-token tiles (code {code})")
+    return out
+
+
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, scaling: float,
                      compiled: bool = True) -> torch.Tensor:
     """Attention of the layout's pairs in one FlexAttention call (see the module docstring) -> ``[1, hq, nq, d]``.
@@ -126,6 +171,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if n != layout.n_keys or n - nq != layout.q_start or hq != layout.n_heads:
         raise AttnkitError(f"layout for {layout.n_heads} heads, {layout.n_keys} keys from query {layout.q_start} "
                            f"does not fit q {tuple(q.shape)} / k {tuple(k.shape)}")
+    if compiled and b == 1 and native_pays(q, v, layout):
+        with timed("kernel"):
+            return native_sparse_attention(q, k, v, layout, scaling)
     with timed("build"):
         front = layout.q_start - layout.first_row * B
         q_len = padded_length(front + nq, B)
