@@ -89,8 +89,9 @@ def test_generations_keep_flexattentions_tokens(monkeypatch, spec):
 def test_what_the_kernel_takes():
     q, k, v = operands(130, 130, 4, 2, 16, seed=2)
     layout = sa.layout_for_patterns(MIXED, q, k, 0.25, block=16, last_q=16)
-    assert sa.kernels.native_pays(q, v, layout)
-    assert not sa.kernels.native_pays(q.bfloat16(), v.bfloat16(), layout)  # float32 only
-    assert not sa.kernels.native_pays(q, v[..., :8], layout)  # value heads a multiple of 16 wide
+    assert sa.kernels.native_pays(q, k, v, layout)
+    assert not sa.kernels.native_pays(q.bfloat16(), k.bfloat16(), v.bfloat16(), layout)  # float32 only
+    assert not sa.kernels.native_pays(q, k.double(), v, layout)
+    assert not sa.kernels.native_pays(q, k, v[..., :8], layout)  # value heads a multiple of 16 wide
     wide = sa.layout_for_patterns(MIXED, q, k, 0.25, block=128, last_q=16)
-    assert not sa.kernels.native_pays(q, v, wide)  # tiles of at most 64 keys
+    assert not sa.kernels.native_pays(q, k, v, wide)  # tiles of at most 64 keys

@@ -1,4 +1,5 @@
-"""The sparse prefill kernel: one FlexAttention call per layer over a :class:`SparseLayout`.
+"""The sparse prefill kernel: one FlexAttention call per layer over a :class:`SparseLayout` (on a CPU in float32, one
+call of the C++ kernel ``attnkit/native/sparse.cpp`` over the same tiles: :func:`native_sparse_attention`).
 
 :func:`sparse_attention` runs :func:`torch.nn.attention.flex_attention.flex_attention` (compiled with
 ``torch.compile``, CPU and CUDA) with a ``BlockMask`` built directly from the layout's tile indices
@@ -116,11 +117,11 @@ def block_mask(layout: SparseLayout, groups: int, q_len: int, n_pad: int, comple
                                     seq_lengths=(q_len, n_pad + groups * width), compute_q_blocks=False)
 
 
-def native_pays(q: torch.Tensor, v: torch.Tensor, layout: SparseLayout) -> bool:
+def native_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout) -> bool:
     """Whether :func:`sparse_attention` runs the C++ kernel (``attnkit/native/sparse.cpp``): float32 on a CPU, tiles
     of 16 to 64 keys (a multiple of 16), value heads a multiple of 16 wide, and the kernel built
     (:func:`attnkit.native.load`)."""
-    return (q.device.type == "cpu" and q.dtype == v.dtype == torch.float32 and layout.block % 16 == 0
+    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and layout.block % 16 == 0
             and layout.block <= 64 and v.shape[-1] % 16 == 0 and native.load("sparse", NATIVE_SIGNATURE) is not None)
 
 
@@ -130,6 +131,8 @@ def native_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     over the layout's main tiles (the token rule inside the masked ones) and its tiles of gathered columns, nothing
     else computed, no graph compiled."""
     lib = native.load("sparse", NATIVE_SIGNATURE)
+    if lib is None:
+        raise RuntimeError("the sparse prefill kernel is not available (see native_pays)")
     _, hq, nq, d = q.shape
     kvh, n, dv = k.shape[1], k.shape[2], v.shape[-1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -156,7 +159,9 @@ def native_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, scaling: float,
                      compiled: bool = True) -> torch.Tensor:
-    """Attention of the layout's pairs in one FlexAttention call (see the module docstring) -> ``[1, hq, nq, d]``.
+    """Attention of the layout's pairs in one FlexAttention call (see the module docstring) -> ``[1, hq, nq, d]``;
+    on a CPU in float32 (`compiled`), one call of the C++ kernel instead (:func:`native_pays`,
+    :func:`native_sparse_attention`), the same pairs.
 
     Queries are the last ``nq`` of the ``n`` contiguous key positions; batch size 1; q ``[1, q_heads, nq, d]``,
     k/v ``[1, kv_heads, n, d]`` (GQA: never expanded). `compiled=False` runs FlexAttention eagerly (it then
@@ -171,7 +176,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if n != layout.n_keys or n - nq != layout.q_start or hq != layout.n_heads:
         raise AttnkitError(f"layout for {layout.n_heads} heads, {layout.n_keys} keys from query {layout.q_start} "
                            f"does not fit q {tuple(q.shape)} / k {tuple(k.shape)}")
-    if compiled and b == 1 and native_pays(q, v, layout):
+    if compiled and b == 1 and native_pays(q, k, v, layout):
         with timed("kernel"):
             return native_sparse_attention(q, k, v, layout, scaling)
     with timed("build"):
