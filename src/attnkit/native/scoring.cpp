@@ -23,8 +23,6 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 #include "tile.h"
@@ -43,8 +41,8 @@ struct Problem {
     float *out, *stats;
 };
 
-struct Scratch {  // one worker's buffers, sized for the longest block
-    std::vector<float> q, p, tile_max, o, l, m, z, alpha, coef, stats;
+struct Scratch : RowBuffers {  // one worker's buffers, sized for the longest block
+    std::vector<float> tile_max, z, coef, stats;
 };
 
 // One block: kv head kh of row b, queries i0 .. i0 + BQ - 1 and every query head of the group (R rows).
@@ -191,27 +189,16 @@ extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, cons
     try {
         kt.assign(static_cast<size_t>(B * KV * D * a.NKP), 0.0f);
         for (Scratch& s : scratch) {
-            s.q.assign(RP * D, 0.0f);
-            s.p.assign(RP * a.NKP, 0.0f);
+            s.assign(RP, D, a.NKP, DV);
             s.tile_max.assign(RP * T, 0.0f);
             s.coef.assign(RP * T, 0.0f);
-            s.o.assign(RP * DV, 0.0f);
-            s.l.assign(RP, 0.0f);
-            s.m.assign(RP, 0.0f);
             s.z.assign(RP, 0.0f);
-            s.alpha.assign(RP, 1.0f);
             s.stats.assign(stats ? B * KV * a.NKP : 0, 0.0f);
         }
     } catch (const std::bad_alloc&) {
         return 3;
     }
-    // the keys transposed, so a tile's logits are broadcasts of one query value times 16 contiguous keys
-    for (int64_t bh = 0; bh < B * KV; ++bh)
-        for (int64_t j = 0; j < NK; ++j) {
-            const float* src = k + (bh / KV) * ks[0] + (bh % KV) * ks[1] + j * ks[2];
-            float* dst = kt.data() + bh * D * a.NKP + j;
-            for (int64_t d = 0; d < D; ++d) dst[d * a.NKP] = src[d];
-        }
+    transpose_keys(k, ks, B, KV, NK, D, a.NKP, kt.data());
     a.kt = kt.data();
     // block n of the list, longest rows first, goes to worker n % workers: a fixed split, so the sums (each worker's
     // in its own order, then the workers' in theirs) depend on the thread count only, never on timing
@@ -221,15 +208,7 @@ extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, cons
             run_block(a, scratch[w], bh / KV, bh % KV, block * a.BQ);
         }
     };
-    std::vector<std::thread> pool;
-    int started = 1;
-    try {
-        for (; started < workers; ++started) pool.emplace_back(run, started);
-    } catch (const std::system_error&) {  // no more threads to be had: this one does the rest of the work
-    }
-    run(0);
-    for (int w = started; w < workers; ++w) run(w);
-    for (auto& th : pool) th.join();
+    run_workers(workers, run);
     for (int64_t bh = 0; stats && bh < B * KV; ++bh)
         for (int64_t j = 0; j < NK; ++j) {
             float acc = scratch[0].stats[bh * a.NKP + j];

@@ -17,8 +17,6 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 #include "tile.h"
@@ -39,9 +37,9 @@ struct Layout {
     int64_t NKP;
 };
 
-struct Scratch {
-    std::vector<float> q, p, o, l, m, alpha, kg, vg;
-    std::vector<char> real;  // whether row u is a query
+struct Scratch : RowBuffers {
+    std::vector<float> kg, vg;  // a tile of gathered columns: keys transposed, values
+    std::vector<char> real;     // whether row u is a query
 };
 
 // the logits of the block's rows against one tile (64 lanes, `Kt` transposed with row stride ldk; lanes from `keys`
@@ -169,12 +167,7 @@ extern "C" int attnkit_sparse_attention(const float* q, const int64_t* qs, const
     try {
         kt.assign(static_cast<size_t>(KV * D * a.NKP), 0.0f);
         for (Scratch& s : scratch) {
-            s.q.assign(RP * D, 0.0f);
-            s.p.assign(RP * BK, 0.0f);
-            s.o.assign(RP * DV, 0.0f);
-            s.l.assign(RP, 0.0f);
-            s.m.assign(RP, 0.0f);
-            s.alpha.assign(RP, 1.0f);
+            s.assign(RP, D, BK, DV);
             s.kg.assign(D * BK, 0.0f);
             s.vg.assign(BK * DV, 0.0f);
             s.real.assign(RP, 0);
@@ -182,24 +175,11 @@ extern "C" int attnkit_sparse_attention(const float* q, const int64_t* qs, const
     } catch (const std::bad_alloc&) {
         return 3;
     }
-    for (int64_t h = 0; h < KV; ++h)
-        for (int64_t j = 0; j < NK; ++j) {
-            const float* src = k + h * ks[1] + j * ks[2];
-            float* dst = kt.data() + h * D * a.NKP + j;
-            for (int64_t d = 0; d < D; ++d) dst[d * a.NKP] = src[d];
-        }
+    transpose_keys(k, ks, 1, KV, NK, D, a.NKP, kt.data());
     a.kt = kt.data();
     auto run = [&](int w) {  // rows from the last (the longest) down, every worker taking every workers-th
         for (int64_t n = w; n < work; n += workers) run_row(a, scratch[w], n % HQ, rows - 1 - n / HQ);
     };
-    std::vector<std::thread> pool;
-    int started = 1;
-    try {
-        for (; started < workers; ++started) pool.emplace_back(run, started);
-    } catch (const std::system_error&) {  // no more threads to be had: this one does the rest of the work
-    }
-    run(0);
-    for (int w = started; w < workers; ++w) run(w);
-    for (auto& th : pool) th.join();
+    run_workers(workers, run);
     return 0;
 }

@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <system_error>
+#include <thread>
+#include <vector>
 
 namespace attnkit {
 
@@ -129,6 +132,47 @@ inline float softmax_tile(v16 acc[4], float& M, float& L, float* p) {
     }
     L = L * alpha + hsum(sum);
     return alpha;
+}
+
+// what a worker holds for a block of query rows: the rows' queries (scaled), their exponentials of a tile or more
+// (row stride ldp), outputs, running sums and maxima, and the last tile's rescaling factors
+struct RowBuffers {
+    std::vector<float> q, p, o, l, m, alpha;
+    void assign(int64_t rows, int64_t D, int64_t ldp, int64_t DV) {
+        q.assign(rows * D, 0.0f);
+        p.assign(rows * ldp, 0.0f);
+        o.assign(rows * DV, 0.0f);
+        l.assign(rows, 0.0f);
+        m.assign(rows, 0.0f);
+        alpha.assign(rows, 1.0f);
+    }
+};
+
+// the keys of B x KV heads (k, strides ks in elements: batch, head, position) transposed into kt [B * KV, D, NKP],
+// so a tile's logits are broadcasts of one query value times 16 contiguous keys (kt is zero-filled by the caller)
+inline void transpose_keys(const float* k, const int64_t* ks, int64_t B, int64_t KV, int64_t NK, int64_t D,
+                           int64_t NKP, float* kt) {
+    for (int64_t bh = 0; bh < B * KV; ++bh)
+        for (int64_t j = 0; j < NK; ++j) {
+            const float* src = k + (bh / KV) * ks[0] + (bh % KV) * ks[1] + j * ks[2];
+            float* dst = kt + bh * D * NKP + j;
+            for (int64_t d = 0; d < D; ++d) dst[d * NKP] = src[d];
+        }
+}
+
+// run(w) for w in 0 .. workers - 1, on that many threads (this one included); where no more threads can be had,
+// this one runs the rest
+template <typename Run>
+void run_workers(int workers, Run run) {
+    std::vector<std::thread> pool;
+    int started = 1;
+    try {
+        for (; started < workers; ++started) pool.emplace_back(run, started);
+    } catch (const std::system_error&) {
+    }
+    run(0);
+    for (int w = started; w < workers; ++w) run(w);
+    for (auto& th : pool) th.join();
 }
 
 }  // namespace attnkit
