@@ -230,7 +230,7 @@ class EvictionMethod(Method):
         if whole_prompt and scorer == ("mean", None) and fused_pays(q):
             # a whole prompt's attention probabilities, summed per key: two fused kernels (H2O on a GPU)
             fused = fused_attention_with_statistics(q, k, v, ctx.scaling)
-        elif whole_prompt and (scorer[1] is None or isinstance(scorer[1], GumbelFactorWeights)) and kernels_pay(q):
+        elif whole_prompt and self._tileable(scorer) and kernels_pay(q):
             # the other statistics a kernel can tile (a maximum over the group, Keyformer's noise): Triton on a GPU
             fused = prompt_attention_with_statistics(q, k, v, ctx.scaling, ctx.q_pos, reduce=scorer[0],
                                                      weights=scorer[1])
@@ -260,11 +260,16 @@ class EvictionMethod(Method):
         return out
 
     @staticmethod
-    def _native_prompt(ctx: LayerContext, q, k, v, scorer, stored: bool = False) -> bool:
+    def _tileable(scorer) -> bool:
+        """Whether a kernel computes this prompt statistic itself (the Triton kernels on a GPU, the C++ kernel on a
+        CPU): the attention probabilities (H2O) or Keyformer's Gumbel weights at temperature 1."""
+        return scorer[1] is None or isinstance(scorer[1], GumbelFactorWeights)
+
+    def _native_prompt(self, ctx: LayerContext, q, k, v, scorer, stored: bool = False) -> bool:
         """Whether :mod:`~attnkit.methods.scoring_native`'s kernel computes this prompt chunk's statistic (and output,
         given values `v`): a statistic it can tile, no window, and a cache holding exactly positions ``0..`` before
         the chunk's own (`stored`: the chunk is in the cache already)."""
-        if ctx.native_window is not None or not (scorer[1] is None or isinstance(scorer[1], GumbelFactorWeights)):
+        if ctx.native_window is not None or not self._tileable(scorer):
             return False
         if not scoring_native.kernel_pays(q, k, v):
             return False
