@@ -15,6 +15,7 @@ from attnkit import AttnkitError
 from attnkit.forward import logits_of, prefill
 from attnkit.hf_cache import AttnkitCache
 from attnkit.methods import kvzip as kvzip_module
+from attnkit.methods import scoring_native
 from attnkit.methods.full import Full
 from attnkit.methods.kvzip import (
     ANSWER_PREFIX,
@@ -296,6 +297,54 @@ def test_chunked_prefill_keeps_the_same_positions_and_tokens(models):
                                chunk_size=70)
     assert chunked.token_ids == one.token_ids
     assert max((a - b).abs().max().item() for a, b in zip(chunked.logits, one.logits)) < 1e-4
+
+
+@pytest.mark.parametrize("last_scores", [True, False])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_reconstruction_stops_at_the_last_layer_that_scores(models, monkeypatch, last_scores, kernel):
+    """Its hidden states are dropped, so the reconstruction runs the layers up to the last one that scores, and that
+    layer computes its score but no output: the scores, kept positions, tokens and logits of a reconstruction that
+    runs every layer in full (with the CPU kernel where it is built, and with torch operations)."""
+    if not kernel:
+        monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
+    model, n = models["llama"], 130
+    layers = model.geometry.n_layers
+    ids = random_ids(n, seed=23)
+    method = ScoreRecorder(budget_tokens=[40] * (layers - 1) + [40 if last_scores else 1000], chunk_size=48)
+
+    def run():
+        SCORES.clear()
+        calls = {}
+        hooks = projection_hooks(model, calls)
+        try:
+            session = new_session(model, method, n, 4)
+            with torch.inference_mode():
+                prefill(model, session, ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        out = attnkit.generate(model, ids, method, max_new_tokens=6, stop_at_eos=False, keep_logits=True)
+        forwards = [len(calls[(i, "q")]) for i in range(layers)]
+        return dict(SCORES), [held(session, i) for i in range(layers)], out, forwards
+
+    scores, kept, out, forwards = run()
+    chunks = -(-n // method.chunk_size)
+    assert forwards == [1 + chunks] * (layers - 1) + [1 + chunks if last_scores else 1]
+    original = kvzip_module.run_decoder_layers
+
+    def every_layer(model, hidden, positions, step, layers=None):
+        if isinstance(step, kvzip_module.ReconstructionStep):
+            step.last_layer, layers = len(model.hf.model.layers), None  # every layer, every output
+        return original(model, hidden, positions, step, layers)
+
+    monkeypatch.setattr(kvzip_module, "run_decoder_layers", every_layer)
+    all_scores, all_kept, all_out, all_forwards = run()
+    assert all_forwards == [1 + chunks] * layers
+    assert scores.keys() == all_scores.keys() == set(range(layers if last_scores else layers - 1))
+    for i in scores:
+        assert torch.allclose(scores[i], all_scores[i], rtol=1e-5, atol=1e-7)
+    assert kept == all_kept and out.token_ids == all_out.token_ids
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, all_out.logits)) < 1e-5
 
 
 def test_budgets_are_per_layer_where_the_paper_ranks_across_layers(models):

@@ -131,6 +131,64 @@ def test_kvzip_reconstruction(start, end, sink):
                                                       native=False)
         assert (out - ref_out).abs().max() < 1e-5
         assert score.shape == (2, 2, end - start) and torch.allclose(score, ref, rtol=1e-5, atol=1e-7)
+    none, alone = kvzip.reconstruction_attention(q, keys, values, 0.2, start, end, sink, native=True, output=False)
+    assert none is None and torch.allclose(alone, score, rtol=1e-5, atol=1e-7)  # the score without the output
+
+
+def subset_reference(q, keys, values, scaling, scored, columns):
+    """Dense float64: causal attention over every key, and the column maximum (over the queries and the group's
+    heads) of the softmax over the scored keys only."""
+    b, hq, m, _ = q.shape
+    kv, n = keys.shape[1], keys.shape[2]
+    k, v = (t.double().repeat_interleave(hq // kv, 1) for t in (keys, values))
+    logits = (q.double() @ k.transpose(-1, -2)) * scaling
+    seen = torch.arange(n)[None] <= torch.arange(n - m, n)[:, None]
+    out = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1) @ v
+    sub = torch.softmax(logits.masked_fill(~(seen & scored), float("-inf")), -1)
+    return out, sub.view(b, kv, hq // kv, m, n).amax(dim=(2, 3))[..., columns]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", [  # b, hq, kv, queries, keys, d, dv, scored ranges, columns
+    (2, 6, 2, 70, 210, 32, 32, [(0, 4), (50, 90), (140, 210)], (50, 90)),  # a chunk across a key tile's edge
+    (1, 8, 2, 130, 400, 16, 48, [(0, 3), (128, 256), (270, 400)], (128, 256)),  # whole tiles
+    (1, 4, 4, 40, 100, 64, 64, [(0, 100)], (0, 60)),  # every key scored: the plain softmax
+])
+def test_the_statistic_of_a_subset_of_keys(case, threads):
+    """One sweep: the output over every key and the score's softmax over the scored keys only (KVzip's)."""
+    b, hq, kv, m, n, d, dv, ranges, (lo, hi) = case
+    q, k, v = operands(b, hq, kv, m, n, d, dv, seed=11)
+    scored = torch.zeros(n, dtype=torch.bool)
+    for a, z in ranges:
+        scored[a:z] = True
+    out, stats = scoring_native.prompt_attention_with_subset_statistics(
+        q, k, v, d ** -0.5, scored, slice(lo, hi), reduce="max", rows="max", threads=threads)
+    ref_out, ref = subset_reference(q, k, v, d ** -0.5, scored, slice(lo, hi))
+    assert stats.shape == (b, kv, hi - lo) and (out.double() - ref_out).abs().max() < 1e-5
+    assert torch.allclose(stats.double(), ref, rtol=1e-5, atol=1e-7)
+
+
+def test_scored_keys_far_below_the_others_are_scored_in_a_sweep_of_their_own(monkeypatch):
+    """A key outside the scored ones whose logit lies ~200 above theirs leaves their float32 exponentials (relative
+    to the row's maximum) at zero: the one sweep says so (None), and the reconstruction scores them on their own."""
+    n, m, start, end, sink, d = 140, 70, 50, 90, 4, 32
+    q = hf_layout(1, 4, m, d, seed=12)
+    keys, values = hf_layout(1, 2, n + m, d, seed=13), hf_layout(1, 2, n + m, d, seed=14)
+    common = q.mean(dim=(0, 1, 2))
+    q += 3 * common
+    keys[:, :, 20] = common * 200 / (common.norm() ** 2 * 3 * d ** -0.5)  # position 20: neither sink nor chunk
+    scored = torch.zeros(n + m, dtype=torch.bool)
+    scored[:sink] = scored[start:end] = scored[n:] = True
+    assert scoring_native.prompt_attention_with_subset_statistics(q, keys, values, d ** -0.5, scored,
+                                                                  slice(start, end), reduce="max", rows="max") is None
+    calls = []
+    statistic = scoring_native.prompt_statistics
+    monkeypatch.setattr(scoring_native, "prompt_statistics", lambda *a, **kw: calls.append(1) or statistic(*a, **kw))
+    out, score = kvzip.reconstruction_attention(q, keys, values, d ** -0.5, start, end, sink, native=True)
+    assert calls == [1]
+    ref_out, ref = subset_reference(q, keys, values, d ** -0.5, scored, slice(start, end))
+    assert (out.double() - ref_out).abs().max() < 1e-5 and float(ref.min()) > 0
+    assert torch.allclose(score.double(), ref, rtol=1e-5, atol=1e-9)
 
 
 def test_kvzip_keeps_the_tokens_of_the_torch_path(arch_models, monkeypatch):
@@ -139,10 +197,15 @@ def test_kvzip_keeps_the_tokens_of_the_torch_path(arch_models, monkeypatch):
     run = lambda: attnkit.generate(model, prompts, parse_method_spec("kvzip:budget=0.3,chunk_size=48"),  # noqa: E731
                                    max_new_tokens=8, stop_at_eos=False, keep_logits=True)
     calls = []
-    statistic = scoring_native.prompt_statistics
-    monkeypatch.setattr(scoring_native, "prompt_statistics", lambda *a, **kw: calls.append(1) or statistic(*a, **kw))
+    for name in ("prompt_statistics", "prompt_attention_with_subset_statistics"):
+        function = getattr(scoring_native, name)
+        monkeypatch.setattr(scoring_native, name, lambda *a, f=function, name=name, **kw: calls.append(name) or f(
+            *a, **kw))
     native = run()
-    assert calls  # every reconstruction chunk of every layer that evicts
+    # per reconstruction chunk (2 + 3 for the two prompts), one sweep in each layer, the last one's score alone
+    chunks, layers = 5, model.geometry.n_layers
+    assert sorted(calls) == sorted(["prompt_attention_with_subset_statistics"] * chunks * (layers - 1)
+                                   + ["prompt_statistics"] * chunks)
     monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
     for a, b in zip(native, run()):
         assert a.token_ids == b.token_ids

@@ -34,11 +34,13 @@ are kept beside the cache until the reconstruction (``rows x n x hidden``), then
 **How it runs.** The reconstruction needs every layer of the model after the whole prompt, so kvzip is a
 model-level method (:meth:`run_layers`): it runs the prompt's chunks through the decoder as usual (storing,
 nothing evicted), then one forward per reconstruction chunk (a :class:`ReconstructionStep`), each layer scoring
-its cached entries; the last chunk compresses each layer as soon as its attention is done. A model's own sliding
-window applies to the reconstruction as to any attention, so an entry outside every reconstruction query's window
-scores 0 (kvpress scores without the window). Decoding appends generated tokens (``decode_every`` is refused: the
-score exists only for the prompt). ``AttnkitCache`` (inside ``model.generate``) and ``compose`` refuse
-model-level methods; batches work (every row reconstructs its own prompt in the same forwards).
+its cached entries; the last chunk compresses each layer as soon as its attention is done. Since the hidden states
+are dropped, a forward stops at the last layer that scores, and that layer computes its score but no output. A
+model's own sliding window applies to the reconstruction as to any attention, so an entry outside every
+reconstruction query's window scores 0 (kvpress scores without the window). Decoding appends generated tokens
+(``decode_every`` is refused: the score exists only for the prompt). ``AttnkitCache`` (inside ``model.generate``)
+and ``compose`` refuse model-level methods; batches work (every row reconstructs its own prompt in the same
+forwards).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class ReconstructionStep(Step):
 
     start: int = 0
     end: int = 0
+    last_layer: int = 0  # the last layer that scores: its output, and any later layer, is never needed
 
 
 def max_attention(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -119,8 +122,8 @@ def max_attention(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos: to
 
 def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, start: int,
                              end: int, sink: int, window: int | None = None, one_pass: bool | None = None,
-                             kernels: bool | None = None, native: bool | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             kernels: bool | None = None, native: bool | None = None, output: bool = True
+                             ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """One reconstruction forward's attention in one layer, and its score.
 
     `q` ``[b, hq, m, d]`` are the input's queries at positions ``n..n+m-1``; `keys`/`values` ``[b, kv, n+m, d]`` hold
@@ -133,8 +136,10 @@ def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     the score from a second pass over the scored keys: with `kernels` (None: on a CUDA device with Triton, no window)
     two kernels that tile queries and keys (:mod:`attnkit.methods.scoring_triton`: the scored keys' log-sum-exp per
     query, then the chunk's maximum), with `native` (None: where :func:`attnkit.methods.scoring_native.kernel_pays`,
-    no window) the CPU kernel's sweep over the scored keys (and its sweep for the output, one call where
-    :func:`~attnkit.attention.attend` makes two), otherwise :func:`max_attention`."""
+    no window) the CPU kernel: one sweep over every key for the output and the score (its softmax over the scored
+    keys kept beside the full one), or, where that sum loses precision, a sweep for the output and one over the
+    scored keys; otherwise :func:`max_attention`. Without `output` (the last layer that scores: what it would give
+    the next layer is never read) only the score is computed, and the output returned is None."""
     total = keys.shape[2]
     tiled = window is None and scoring_triton.kernels_pay(q) if kernels is None else kernels
     if native is None:
@@ -144,17 +149,25 @@ def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     if one_pass is None:
         limit = ONE_PASS_MAX_KEYS.get(q.device.type, ONE_PASS_MAX_KEYS["default"])
         one_pass = not tiled and not native and (limit is None or total <= limit)
-    if one_pass:
+    if one_pass and output:
         return one_pass_reconstruction(q, keys, values, scaling, start, end, sink, window)
     n = total - q.shape[2]
     positions = torch.arange(total, device=q.device)
-    if native and scoring_native.kernel_pays(q, keys, values):
+    scored = torch.cat([positions[:sink], positions[start:end], positions[n:]])
+    if native and output and end > start and scoring_native.kernel_pays(q, keys, values):
+        mask = torch.zeros(total, dtype=torch.bool)
+        mask[scored] = True
+        both = scoring_native.prompt_attention_with_subset_statistics(q, keys, values, scaling, mask,
+                                                                      slice(start, end), reduce="max", rows="max")
+        if both is not None:
+            return both
+    out = None
+    if output and native and scoring_native.kernel_pays(q, keys, values):
         out = scoring_native.prompt_attention(q, keys, values, scaling)
-    else:
+    elif output:
         out = attend(q, keys, values, scaling, positions[n:], positions, window)
     if end <= start:  # nothing to score
         return out, torch.zeros(keys.shape[:2] + (0,), dtype=torch.float32, device=q.device)
-    scored = torch.cat([positions[:sink], positions[start:end], positions[n:]])
     if tiled:
         shift = scoring_triton.row_normalisers(q, keys[:, :, scored], scaling, positions[n:], scored)
         return out, scoring_triton.column_statistics(q, keys[:, :, start:end], scaling, positions[n:],
@@ -259,8 +272,11 @@ class KVzip(PromptScorer):
 
     def reconstruct(self, model, session: Session, embeddings: torch.Tensor) -> None:
         """Run the reconstruction inputs of the prompt (input embeddings `embeddings` ``[rows, n, hidden]``) through
-        the decoder, chunk by chunk; each layer scores its entries, and is compressed by the last chunk."""
+        the decoder, chunk by chunk; each layer scores its entries, and is compressed by the last chunk. The layers
+        run up to the last one that scores: the hidden states are dropped, so no later layer is needed, nor that
+        layer's attention output."""
         n, rows = session.prompt_len, embeddings.shape[0]
+        last = max(ctx.index for ctx in layer_contexts(session) if self.evicts(ctx))
         embed = model.hf.model.embed_tokens
 
         def text(words: str) -> torch.Tensor:
@@ -274,8 +290,9 @@ class KVzip(PromptScorer):
             head = [first] if start == 0 else [later, embeddings[:, max(0, start - OVERLAP):start]]
             x = torch.cat(head + [answer, embeddings[:, start:end]], dim=1)
             pos = torch.arange(n, n + x.shape[1], device=x.device)
-            run_decoder_layers(model, x, pos, ReconstructionStep(session, "prefill", pos, i == len(starts) - 1,
-                                                                 start=start, end=end))
+            step = ReconstructionStep(session, "prefill", pos, i == len(starts) - 1, start=start, end=end,
+                                      last_layer=last)
+            run_decoder_layers(model, x, pos, step, layers=range(last + 1))
 
     # ---- attention hooks ---------------------------------------------------------------------------
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
@@ -284,15 +301,16 @@ class KVzip(PromptScorer):
             return super().prefill_attention(ctx, q, k, v)
         keys, values, _ = ctx.kv.view()  # the whole prompt, positions 0..n-1 in order (nothing evicted yet)
         scores = self.evicts(ctx)  # a layer that keeps everything needs only the output (an empty chunk)
+        output = ctx.index < step.last_layer
         out, score = reconstruction_attention(q, torch.cat([keys, k], 2), torch.cat([values, v], 2), ctx.scaling,
                                               step.start, step.end if scores else step.start,
-                                              min(self.n_sink, step.start), ctx.native_window)
+                                              min(self.n_sink, step.start), ctx.native_window, output=output)
         if scores:
             st = ctx.state
             if st.score is None:
                 st.score = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
             st.score[:, :, step.start:step.end] = score
-        return out
+        return out if output else q.new_zeros(q.shape[:3] + v.shape[-1:])
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
         # the prompt's last chunk: nothing yet (its reconstruction scores it); the reconstruction's last chunk:

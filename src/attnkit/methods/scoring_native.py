@@ -33,7 +33,7 @@ BLOCK_FLOATS = 1 << 23  # most floats a block keeps (rows x keys, 32 MiB), which
 _P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURE = ("attnkit_prompt_statistics",
              [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I64, _P, _I32, _I32, _I64,
-              _P, _P, _I32], _I32)
+              _P, _I64, _I64, _P, _P, _I32], _I32)
 
 
 def library() -> ctypes.CDLL | None:
@@ -79,6 +79,26 @@ def prompt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return _sweep(q, keys, values, scaling, "mean", "sum", None, threads, statistic=False)[0]
 
 
+def prompt_attention_with_subset_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                            scaling: float, scored: torch.Tensor, columns: slice, *,
+                                            reduce: str = "mean", rows: str = "sum", threads: int | None = None
+                                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`prompt_attention_with_statistics` where the statistic's softmax runs over the keys `scored` (a bool
+    mask ``[L]``) only, ``exp(l_ij) / sum over scored j' of exp(l_ij')``, while the output attends to every key: KVzip's
+    reconstruction (its output and its score in one sweep, where two sweeps computed each). Returns the output and
+    the statistic of the keys `columns` (scored keys) ``[b, kv, columns]``; or None where the scored keys' sum of
+    exponentials, relative to a row's maximum over all keys, fell below ``1e-25`` (they lie about 57 or more below
+    it, so float32 exponentials lose them): the caller then scores them in a sweep of their own
+    (:func:`prompt_statistics` over the scored keys, gathered)."""
+    if scored.shape != keys.shape[2:3] or scored.dtype != torch.bool:
+        raise ValueError(f"scored must be a bool mask over the {keys.shape[2]} keys, got {scored.dtype} "
+                         f"{tuple(scored.shape)}")
+    if not 0 <= columns.start <= columns.stop <= keys.shape[2] or not bool(scored[columns].all()):
+        raise ValueError(f"columns {columns.start}..{columns.stop} must be scored keys among {keys.shape[2]}")
+    out, stats = _sweep(q, keys, values, scaling, reduce, rows, None, threads, scored=scored, columns=columns)
+    return None if out is None else (out, stats[..., columns])
+
+
 def prompt_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, *, reduce: str = "mean", rows: str = "sum",
                       weights=None, threads: int | None = None) -> torch.Tensor:
     """The statistic of :func:`prompt_attention_with_statistics` alone (no values, no output): for a prompt whose
@@ -90,7 +110,7 @@ def _strides(t: torch.Tensor) -> torch.Tensor:
     return torch.tensor(t.stride()[:3], dtype=torch.int64)
 
 
-def _sweep(q, keys, values, scaling, reduce, rows, weights, threads, statistic=True):
+def _sweep(q, keys, values, scaling, reduce, rows, weights, threads, statistic=True, scored=None, columns=None):
     lib = library()
     if lib is None:
         raise RuntimeError("the CPU scoring kernel is not available (see kernel_pays)")
@@ -116,14 +136,19 @@ def _sweep(q, keys, values, scaling, reduce, rows, weights, threads, statistic=T
         dv = values.shape[-1]
         out = torch.empty(b, hq, m, dv, dtype=torch.float32)
     stats = torch.empty(b, kv, n, dtype=torch.float32) if statistic else None
+    mask = None if scored is None else scored.to(torch.uint8).contiguous()
+    lo, hi = (0, n) if columns is None else (columns.start, columns.stop)
     qs, ks = _strides(q), _strides(keys)
     vs = qs if values is None else _strides(values)  # unread without values
     code = lib.attnkit_prompt_statistics(
         q.data_ptr(), qs.data_ptr(), keys.data_ptr(), ks.data_ptr(), None if values is None else values.data_ptr(),
         vs.data_ptr(), b, hq, kv, m, n, d, dv or 0, float(scaling), None if table is None else table.data_ptr(),
         0 if table is None else table.numel(), None if offsets is None else offsets.data_ptr(),
-        int(reduce == "max"), int(rows == "max"), max(1, rows_per_block // g), None if out is None else out.data_ptr(),
-        None if stats is None else stats.data_ptr(), threads or torch.get_num_threads())
+        int(reduce == "max"), int(rows == "max"), max(1, rows_per_block // g), None if mask is None else mask.data_ptr(),
+        lo, hi, None if out is None else out.data_ptr(), None if stats is None else stats.data_ptr(),
+        threads or torch.get_num_threads())
+    if code == 4:  # the scored keys' exponentials lost precision (only with `scored`)
+        return None, None
     if code == 3:
         raise MemoryError(f"the CPU scoring kernel could not allocate its buffers for {n} keys")
     if code:

@@ -18,7 +18,15 @@
 // p_ij f_ij / sum_j' p_ij' f_ij' with f_ij = table[offsets[h, i] + j] (Keyformer's exp(zeta)); reduced over the
 // query heads of the group by their mean (group_max = 0) or maximum, then over the queries by their sum
 // (rows_max = 0) or maximum.
+//
+// Given a mask of scored keys (KVzip's reconstruction, arXiv 2505.23416: its score's softmax runs over some keys
+// while its output attends to all), p_ij is normalised over the scored keys only, exp(l_ij) / sum_{j' scored}
+// exp(l_ij'), and the statistic is reduced only over the tiles of keys stat_lo .. stat_hi - 1 (scored keys). The
+// running sum of the scored keys' exponentials is relative to each row's maximum over all keys; where it ends below
+// UNDERFLOW, the scored keys lie so far below that maximum that their exponentials have lost precision (float32
+// turns subnormal near 87 below), and the call returns 4 so the caller scores them in a sweep of their own.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,14 +39,20 @@ namespace {
 
 using namespace attnkit;
 
+constexpr float UNDERFLOW = 1e-25f;  // the least sum of the scored keys' exponentials trusted (about e^-57.6)
+
 struct Problem {
     const float *q, *v, *table, *kt;  // kt: the keys transposed, [B, KV, D, NKP], zero past NK
+    const float* scored;              // [NKP]: 1 for a scored key, 0 otherwise (null: every key is scored)
+    const uint8_t* tile_kind;         // per key tile: 0 no scored key, 1 all scored, 2 some
     const int64_t* offsets;
+    int64_t t_lo, t_hi;               // the tiles whose statistic is reduced
     int64_t qs[3], vs[3];
     int64_t B, HQ, KV, G, NQ, NK, NKP, D, DV, BQ;
     float scale;
     bool group_max, rows_max;
     float *out, *stats;
+    std::atomic<bool>* lost;  // set where a row's scored keys lost precision
 };
 
 struct Scratch : RowBuffers {  // one worker's buffers, sized for the longest block
@@ -104,6 +118,19 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
                 }
                 Z[row] = Z[row] * AL[row] + hsum(sum);
             }
+        } else if (a.scored) {  // the running sum of the scored keys' exponentials
+            const uint8_t kind = a.tile_kind[t];
+            for (int64_t row = 0; row < R; ++row) {
+                float add = 0.0f;
+                if (kind) {
+                    const float* pr = P + row * ldp + j0;
+                    v16 sum = splat(0.0f);
+                    for (int c = 0; c < 4; ++c)
+                        sum += kind == 1 ? ld(pr + 16 * c) : ld(pr + 16 * c) * ld(a.scored + j0 + 16 * c);
+                    add = hsum(sum);
+                }
+                Z[row] = Z[row] * AL[row] + add;
+            }
         }
     }
     // the rows are done: the output, and the factor that turns row r's stored exponentials of tile t into
@@ -117,12 +144,13 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
             for (int64_t c = 0; c < DV; ++c) dst[c] = O[row * DV + c] * inv;
         }
         if (!a.stats) continue;
-        const float denom = (a.table ? Z[row] : L[row]) * (a.group_max ? 1.0f : static_cast<float>(G));
+        if (a.scored && Z[row] < UNDERFLOW) a.lost->store(true, std::memory_order_relaxed);
+        const float denom = (a.table || a.scored ? Z[row] : L[row]) * (a.group_max ? 1.0f : static_cast<float>(G));
         for (int64_t t = 0; t < T; ++t) C[row * T + t] = std::exp(TM[row * T + t] - M[row]) / denom;
     }
     if (!a.stats) return;
     float* stats = s.stats.data() + (b * a.KV + kh) * a.NKP;
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = a.t_lo; t < std::min(T, a.t_hi); ++t) {
         const int64_t j0 = t * BK;
         v16 acc[4];
         for (int c = 0; c < 4; ++c) acc[c] = splat(0.0f);
@@ -156,15 +184,16 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
 }  // namespace
 
 // Returns 0, or 1 for shapes the kernel does not take, 2 for a factor table too short for its offsets, 3 when its
-// buffers cannot be allocated.
+// buffers cannot be allocated, 4 when the scored keys' exponentials lost precision (the statistic is then unusable).
 extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, const float* k, const int64_t* ks,
                                          const float* v, const int64_t* vs, int64_t B, int64_t HQ, int64_t KV,
                                          int64_t NQ, int64_t NK, int64_t D, int64_t DV, float scale,
                                          const float* table, int64_t table_len, const int64_t* offsets, int group_max,
-                                         int rows_max, int64_t block_queries, float* out, float* stats,
-                                         int threads) {
+                                         int rows_max, int64_t block_queries, const uint8_t* scored, int64_t stat_lo,
+                                         int64_t stat_hi, float* out, float* stats, int threads) {
     if (B < 1 || KV < 1 || HQ % KV || NQ < 1 || NQ > NK || D < 1 || block_queries < 1) return 1;
     if ((v == nullptr) != (out == nullptr) || (v && (DV < 16 || DV % 16)) || (!out && !stats)) return 1;
+    if (stat_lo < 0 || stat_lo > stat_hi || stat_hi > NK || (scored && table)) return 1;
     Problem a;
     a.q = q;
     a.v = v;
@@ -176,6 +205,9 @@ extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, cons
     a.scale = scale;
     a.group_max = group_max != 0, a.rows_max = rows_max != 0;
     a.out = out, a.stats = stats;
+    a.t_lo = stat_lo / BK, a.t_hi = (stat_hi + BK - 1) / BK;
+    std::atomic<bool> lost(false);
+    a.lost = &lost;
     if (table) {  // every row reads table[offset .. offset + NKP - 1] (the last tile's padding included)
         for (int64_t r = 0; r < HQ * NQ; ++r)
             if (offsets[r] < 0 || offsets[r] + a.NKP > table_len) return 2;
@@ -184,10 +216,15 @@ extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, cons
     const int64_t RP = (a.G * a.BQ + PAD - 1) / PAD * PAD, T = a.NKP / BK;
     const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, work)));
     // every buffer is allocated here, before any worker starts, so a failed allocation is a return code
-    std::vector<float> kt;
+    std::vector<float> kt, mask;
+    std::vector<uint8_t> kinds;
     std::vector<Scratch> scratch(workers);
     try {
         kt.assign(static_cast<size_t>(B * KV * D * a.NKP), 0.0f);
+        if (scored) {
+            mask.assign(a.NKP, 0.0f);
+            kinds.assign(T, 0);
+        }
         for (Scratch& s : scratch) {
             s.assign(RP, D, a.NKP, DV);
             s.tile_max.assign(RP * T, 0.0f);
@@ -200,6 +237,17 @@ extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, cons
     }
     transpose_keys(k, ks, B, KV, NK, D, a.NKP, kt.data());
     a.kt = kt.data();
+    a.scored = nullptr, a.tile_kind = nullptr;
+    if (scored) {
+        for (int64_t j = 0; j < NK; ++j) mask[j] = scored[j] ? 1.0f : 0.0f;
+        for (int64_t t = 0; t < T; ++t) {
+            int64_t count = 0;
+            for (int64_t j = t * BK; j < (t + 1) * BK; ++j) count += mask[j] != 0.0f;
+            kinds[t] = count == 0 ? 0 : count == BK ? 1 : 2;
+        }
+        a.scored = mask.data();
+        a.tile_kind = kinds.data();
+    }
     // block n of the list, longest rows first, goes to worker n % workers: a fixed split, so the sums (each worker's
     // in its own order, then the workers' in theirs) depend on the thread count only, never on timing
     auto run = [&](int w) {
@@ -218,5 +266,5 @@ extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, cons
             }
             stats[bh * NK + j] = acc;
         }
-    return 0;
+    return lost.load() ? 4 : 0;
 }
