@@ -85,6 +85,22 @@ def projection_hooks(model, calls):
     return hooks
 
 
+def recorded_prefill(model, method, ids):
+    """Prefill `ids` with `method` (a :class:`ScoreRecorder`: SCORES is refilled) in a fresh session, with the
+    projection hooks on; the session and the queries and keys of every forward."""
+    SCORES.clear()
+    calls = {}
+    hooks = projection_hooks(model, calls)
+    try:
+        session = new_session(model, method, ids.shape[-1], 4)
+        with torch.inference_mode():
+            prefill(model, session, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return session, calls
+
+
 def rope(x, positions, inv_freq):
     """RoPE in float64 at `positions` (the half-split form of the Llama family), ``x`` ``[heads, tokens, d]``."""
     angles = positions.double()[:, None] * inv_freq.double()
@@ -181,16 +197,7 @@ def test_scores_and_kept_positions_equal_the_formula(models, arch, spec, path):
     model, n = models[arch], 130
     ids = random_ids(n, seed=21)
     method = ScoreRecorder(**parse_method_spec("kvzip:" + spec).params())
-    calls = {}
-    SCORES.clear()
-    hooks = projection_hooks(model, calls)
-    try:
-        session = new_session(model, method, n, 4)
-        with torch.inference_mode():
-            prefill(model, session, ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    session, calls = recorded_prefill(model, method, ids)
     g, inv_freq = model.geometry, model.hf.model.rotary_emb.inv_freq
     scaling, window = g.head_dim ** -0.5, g.sliding_window
     chunks = [(s, min(n, s + method.chunk_size)) for s in range(0, n, method.chunk_size)]
@@ -313,16 +320,7 @@ def test_the_reconstruction_stops_at_the_last_layer_that_scores(models, monkeypa
     method = ScoreRecorder(budget_tokens=[40] * (layers - 1) + [40 if last_scores else 1000], chunk_size=48)
 
     def run():
-        SCORES.clear()
-        calls = {}
-        hooks = projection_hooks(model, calls)
-        try:
-            session = new_session(model, method, n, 4)
-            with torch.inference_mode():
-                prefill(model, session, ids)
-        finally:
-            for h in hooks:
-                h.remove()
+        session, calls = recorded_prefill(model, method, ids)
         out = attnkit.generate(model, ids, method, max_new_tokens=6, stop_at_eos=False, keep_logits=True)
         forwards = [len(calls[(i, "q")]) for i in range(layers)]
         return dict(SCORES), [held(session, i) for i in range(layers)], out, forwards
