@@ -21,15 +21,23 @@ inline v16 ld(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void st(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+// horizontal maximum and sum by halving (a tree of four steps, where a loop over the lanes chains fifteen); the
+// halves are built lane by lane, which compilers turn into register extracts
 inline float hmax(v16 x) {
-    float m = x[0];
-    for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
-    return m;
+    const v8 lo = {x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]};
+    const v8 hi = {x[8], x[9], x[10], x[11], x[12], x[13], x[14], x[15]};
+    const v8 a = lo > hi ? lo : hi;
+    const v4 c = {a[0], a[1], a[2], a[3]}, d = {a[4], a[5], a[6], a[7]};
+    const v4 e = c > d ? c : d;
+    return std::max(std::max(e[0], e[1]), std::max(e[2], e[3]));
 }
 inline float hsum(v16 x) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; ++i) s += x[i];
-    return s;
+    const v8 a = v8{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]} +
+                 v8{x[8], x[9], x[10], x[11], x[12], x[13], x[14], x[15]};
+    const v4 c = v4{a[0], a[1], a[2], a[3]} + v4{a[4], a[5], a[6], a[7]};
+    return (c[0] + c[1]) + (c[2] + c[3]);
 }
 
 // exp of every lane, for arguments <= 0 (logits minus their running maximum): Cephes' expf (a reduction by ln 2 and
@@ -122,7 +130,7 @@ inline float softmax_tile(v16 acc[4], float& M, float& L, float* p) {
         for (int c = 0; c < 4; ++c) st(p + 16 * c, splat(0.0f));
         return 1.0f;
     }
-    const float alpha = std::exp(M - m);
+    const float alpha = m == M ? 1.0f : std::exp(M - m);  // once the row's maximum settles, no exponential
     M = m;
     v16 sum = splat(0.0f);
     for (int c = 0; c < 4; ++c) {
