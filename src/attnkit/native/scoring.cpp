@@ -64,9 +64,13 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
     const int64_t G = a.G, D = a.D, DV = a.DV, nq = std::min(a.NQ, i0 + a.BQ) - i0;
     const int64_t R = G * nq, RP = (R + PAD - 1) / PAD * PAD;
     const int64_t first = a.NK - a.NQ + i0;  // position of the block's first query
-    const int64_t seen = first + nq, T = (seen + BK - 1) / BK, ldp = T * BK;
+    const int64_t seen = first + nq, T = (seen + BK - 1) / BK;
+    // P holds the exponentials tile by tile, each tile's rows contiguous (RP x BK floats): the statistic reads every
+    // tile once the rows are done, the output only the current one, which then sits in one stretch of memory
+    const bool keep = a.stats != nullptr;
     float *Q = s.q.data(), *P = s.p.data(), *TM = s.tile_max.data(), *O = s.o.data(), *L = s.l.data();
     float *M = s.m.data(), *Z = s.z.data(), *AL = s.alpha.data();
+    auto tile = [&](int64_t t) { return P + (keep ? t : 0) * RP * BK; };
     for (int64_t r = 0; r < RP; ++r) {  // row r: query head kh * G + r / nq, query i0 + r % nq; scaled here
         float* dst = Q + r * D;
         if (r < R) {
@@ -87,6 +91,7 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
     for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
     for (int64_t t = 0; t < T; ++t) {
         const int64_t j0 = t * BK;
+        float* Pt = tile(t);
         // logits of QK_ROWS rows x BK keys in registers; their online softmax; the exponentials to P
         for (int64_t r = 0; r < RP; r += QK_ROWS) {
             v16 acc[QK_ROWS][4];
@@ -97,17 +102,17 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
                     for (int c = 0; c < 4; ++c)
                         acc[rr][c] = lane + static_cast<float>(j0 + 16 * c) > static_cast<float>(pos)
                                          ? splat(-INFINITY) : acc[rr][c];
-                AL[row] = softmax_tile(acc[rr], M[row], L[row], P + row * ldp + j0);  // every query sees key 0
+                AL[row] = softmax_tile(acc[rr], M[row], L[row], Pt + row * BK);  // every query sees key 0
                 TM[row * T + t] = M[row];
             }
         }
         const int64_t keys = std::min(BK, seen - j0);
         for (int64_t r = 0; a.out && r < RP; r += PAD)
-            pv_rows(P + r * ldp + j0, ldp, V + j0 * a.vs[2], a.vs[2], keys, O + r * DV, DV, AL + r);
+            pv_rows(Pt + r * BK, BK, V + j0 * a.vs[2], a.vs[2], keys, O + r * DV, DV, AL + r);
         if (a.table) {  // Keyformer: the exponentials times exp(zeta), and their running sum
             for (int64_t row = 0; row < R; ++row) {
                 const float* f = a.table + a.offsets[(kh * G + row / nq) * a.NQ + i0 + row % nq] + j0;
-                float* pr = P + row * ldp + j0;
+                float* pr = Pt + row * BK;
                 if (t + 2 < T)  // each row reads its own stretch of the table: too many streams for the prefetcher
                     for (int c = 0; c < 4; ++c) __builtin_prefetch(f + 2 * BK + 16 * c);
                 v16 sum = splat(0.0f);
@@ -123,7 +128,7 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
             for (int64_t row = 0; row < R; ++row) {
                 float add = 0.0f;
                 if (kind) {
-                    const float* pr = P + row * ldp + j0;
+                    const float* pr = Pt + row * BK;
                     v16 sum = splat(0.0f);
                     for (int c = 0; c < 4; ++c)
                         sum += kind == 1 ? ld(pr + 16 * c) : ld(pr + 16 * c) * ld(a.scored + j0 + 16 * c);
@@ -152,12 +157,13 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
     float* stats = s.stats.data() + (b * a.KV + kh) * a.NKP;
     for (int64_t t = a.t_lo; t < std::min(T, a.t_hi); ++t) {
         const int64_t j0 = t * BK;
+        const float* Pt = tile(t);
         v16 acc[4];
         for (int c = 0; c < 4; ++c) acc[c] = splat(0.0f);
         if (!a.group_max && !a.rows_max) {  // a sum over every row
             for (int64_t row = 0; row < R; ++row) {
                 const v16 cf = splat(C[row * T + t]);
-                for (int c = 0; c < 4; ++c) acc[c] += cf * ld(P + row * ldp + j0 + 16 * c);
+                for (int c = 0; c < 4; ++c) acc[c] += cf * ld(Pt + row * BK + 16 * c);
             }
         } else {
             for (int64_t i = 0; i < nq; ++i) {  // per query: its group's heads, then into the column
@@ -167,7 +173,7 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
                     const int64_t row = h * nq + i;
                     const v16 cf = splat(C[row * T + t]);
                     for (int c = 0; c < 4; ++c) {
-                        const v16 w = cf * ld(P + row * ldp + j0 + 16 * c);
+                        const v16 w = cf * ld(Pt + row * BK + 16 * c);
                         g[c] = a.group_max ? vmax(g[c], w) : g[c] + w;
                     }
                 }
