@@ -310,7 +310,7 @@ def test_chunked_prefill_keeps_the_same_positions_and_tokens(models):
 @pytest.mark.parametrize("kernel", [True, False])
 def test_the_reconstruction_stops_at_the_last_layer_that_scores(models, monkeypatch, last_scores, kernel):
     """Its hidden states are dropped, so the reconstruction runs the layers up to the last one that scores, and that
-    layer computes its score but no output: the scores, kept positions, tokens and logits of a reconstruction that
+    layer runs its attention alone, which computes its score but no output: the scores, kept positions, tokens and logits of a reconstruction that
     runs every layer in full (with the CPU kernel where it is built, and with torch operations)."""
     if not kernel:
         monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
@@ -336,6 +336,7 @@ def test_the_reconstruction_stops_at_the_last_layer_that_scores(models, monkeypa
         return original(model, hidden, positions, step, layers)
 
     monkeypatch.setattr(kvzip_module, "run_decoder_layers", every_layer)
+    monkeypatch.setattr(kvzip_module, "run_layer_attention", lambda *a: None)  # every layer ran in full
     all_scores, all_kept, all_out, all_forwards = run()
     assert all_forwards == [1 + chunks] * layers
     assert scores.keys() == all_scores.keys() == set(range(layers if last_scores else layers - 1))

@@ -64,6 +64,23 @@ def run_decoder_layers(model: LoadedModel, hidden: torch.Tensor, positions: torc
     return hidden
 
 
+def run_layer_attention(model: LoadedModel, hidden: torch.Tensor, positions: torch.Tensor, step: Step,
+                        index: int) -> None:
+    """Run only the attention of decoder layer `index` on `hidden` (its input norm, then its attention module, through
+    `step`), for a caller that needs what the attention does (a method's scores) and not the layer's output: the
+    residual, the second norm and the MLP are skipped. Llama, Mistral and Qwen2/3 layers share these modules. A layer
+    placed by accelerate runs whole: its hook moves the weights and inputs for the layer, not for its modules."""
+    base = model.hf.model
+    layer = base.layers[index]
+    if getattr(layer, "_hf_hook", None) is not None:
+        run_decoder_layers(model, hidden, positions, step, layers=[index])
+        return
+    position_ids = positions[None] if positions.dim() == 1 else positions
+    layer.self_attn(hidden_states=layer.input_layernorm(hidden), attention_mask=None, position_ids=position_ids,
+                    past_key_values=None, use_cache=False,
+                    position_embeddings=base.rotary_emb(hidden, position_ids), attnkit_step=step)
+
+
 def logits_of(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     """LM-head logits (float32) of final hidden states ``[n, hidden]``."""
     return model.hf.lm_head(hidden).float()

@@ -35,7 +35,7 @@ are kept beside the cache until the reconstruction (``rows x n x hidden``), then
 model-level method (:meth:`run_layers`): it runs the prompt's chunks through the decoder as usual (storing,
 nothing evicted), then one forward per reconstruction chunk (a :class:`ReconstructionStep`), each layer scoring
 its cached entries; the last chunk compresses each layer as soon as its attention is done. Since the hidden states
-are dropped, a forward stops at the last layer that scores, and that layer computes its score but no output. A
+are dropped, a forward stops at the last layer that scores, whose attention computes its score alone. A
 model's own sliding window applies to the reconstruction as to any attention, so an entry outside every
 reconstruction query's window scores 0 (kvpress scores without the window). Decoding appends generated tokens
 (``decode_every`` is refused: the score exists only for the prompt). ``AttnkitCache`` (inside ``model.generate``)
@@ -51,7 +51,7 @@ import torch
 
 from attnkit.attention import attend
 from attnkit.errors import AttnkitError
-from attnkit.forward import run_decoder_layers
+from attnkit.forward import run_decoder_layers, run_layer_attention
 from attnkit.methods import scoring_native, scoring_triton
 from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
 from attnkit.methods.scoring import MIN_BLOCK_QUERIES, block_elements_for, visible
@@ -273,8 +273,8 @@ class KVzip(PromptScorer):
     def reconstruct(self, model, session: Session, embeddings: torch.Tensor) -> None:
         """Run the reconstruction inputs of the prompt (input embeddings `embeddings` ``[rows, n, hidden]``) through
         the decoder, chunk by chunk; each layer scores its entries, and is compressed by the last chunk. The layers
-        run up to the last one that scores: the hidden states are dropped, so no later layer is needed, nor that
-        layer's attention output."""
+        run up to the last one that scores, which runs its attention alone: the hidden states are dropped, so no
+        later layer is needed, nor that layer's attention output or MLP."""
         n, rows = session.prompt_len, embeddings.shape[0]
         last = max(ctx.index for ctx in layer_contexts(session) if self.evicts(ctx))
         embed = model.hf.model.embed_tokens
@@ -292,7 +292,7 @@ class KVzip(PromptScorer):
             pos = torch.arange(n, n + x.shape[1], device=x.device)
             step = ReconstructionStep(session, "prefill", pos, i == len(starts) - 1, start=start, end=end,
                                       last_layer=last)
-            run_decoder_layers(model, x, pos, step, layers=range(last + 1))
+            run_layer_attention(model, run_decoder_layers(model, x, pos, step, layers=range(last)), pos, step, last)
 
     # ---- attention hooks ---------------------------------------------------------------------------
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
