@@ -154,7 +154,8 @@ def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     n = total - q.shape[2]
     positions = torch.arange(total, device=q.device)
     scored = torch.cat([positions[:sink], positions[start:end], positions[n:]])
-    if native and output and end > start and scoring_native.kernel_pays(q, keys, values):
+    sweeps = native and scoring_native.kernel_pays(q, keys, values)  # the kernel's sweeps with the output
+    if sweeps and output and end > start:
         mask = torch.zeros(total, dtype=torch.bool)
         mask[scored] = True
         both = scoring_native.prompt_attention_with_subset_statistics(q, keys, values, scaling, mask,
@@ -162,10 +163,9 @@ def reconstruction_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
         if both is not None:
             return both
     out = None
-    if output and native and scoring_native.kernel_pays(q, keys, values):
-        out = scoring_native.prompt_attention(q, keys, values, scaling)
-    elif output:
-        out = attend(q, keys, values, scaling, positions[n:], positions, window)
+    if output:
+        out = (scoring_native.prompt_attention(q, keys, values, scaling) if sweeps
+               else attend(q, keys, values, scaling, positions[n:], positions, window))
     if end <= start:  # nothing to score
         return out, torch.zeros(keys.shape[:2] + (0,), dtype=torch.float32, device=q.device)
     if tiled:
