@@ -39,6 +39,22 @@ class Rope:
             return None
         return cls(source=rotary)
 
+    @classmethod
+    def from_config(cls, config) -> Rope:
+        """The rotary helper of a transformers model configuration (for a host that runs the model with its own
+        code, such as vLLM): the default frequencies ``theta^(-2i/d)`` over the rotated dimensions, or those of
+        transformers' initialisation for the configuration's RoPE type (linear, llama3, yarn, ...)."""
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type != "default":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            return cls(inv_freq=ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")[0])
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return cls(inv_freq=1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)))
+
     @property
     def inv_freq(self) -> torch.Tensor:
         return self._source.inv_freq if self._source is not None else self._inv_freq

@@ -1,0 +1,108 @@
+"""The plugin's configuration: vLLM's ``additional_config["attnkit"]``, read and checked once (no vLLM import).
+
+    LLM(model, additional_config={"attnkit": {"recipe": "snapkv:budget=0.3"}})
+    python -m vllm.entrypoints.openai.api_server --model M --additional-config '{"attnkit": {"recipe": "r.yaml"}}'
+
+Keys:
+
+- ``recipe`` (required): what ``attnkit generate --method`` / ``--recipe`` take: a method spec, a recipe mapping,
+  or a recipe file (YAML or JSON, such as the ``recipe.json`` that ``attnkit tune`` writes; read once, at engine
+  start, by the process that starts the engine).
+- ``allow``: the methods a request may choose with ``SamplingParams(extra_args={"attnkit": SPEC})`` (the OpenAI
+  API's ``vllm_xargs``), by name; default: the recipe's own methods and ``full``. ``"*"`` allows every method
+  the plugin supports.
+
+The checked configuration travels to the scheduler and the workers as JSON (:meth:`EngineConfig.to_json`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import Method
+from attnkit.methods.compose import Compose
+from attnkit.recipe.core import Recipe
+from attnkit.vllm.plan import SUPPORTED, check_supported, method_of, read_recipe
+
+KEY = "attnkit"
+KEYS = ("recipe", "allow")
+REQUEST_SOURCE = "SamplingParams.extra_args['attnkit']"
+
+
+def method_names(method: Method) -> set[str]:
+    if isinstance(method, Compose):
+        return {method.prefill_method.name, method.cache_method.name}
+    return {method.name}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's default recipe (as a mapping) and the method names a request may choose."""
+
+    recipe: dict
+    allow: tuple[str, ...] | None  # None: every supported method
+
+    @classmethod
+    def parse(cls, additional_config) -> EngineConfig | None:
+        """The attnkit part of vLLM's ``additional_config`` (None when it has none), checked."""
+        if not isinstance(additional_config, dict) or KEY not in additional_config:
+            return None
+        raw = additional_config[KEY]
+        source = "additional_config['attnkit']"
+        if not isinstance(raw, dict):
+            raise AttnkitError(f"{source} must be a mapping such as {{'recipe': 'snapkv:budget=0.3'}}, "
+                               f"got {raw!r}")
+        unknown = sorted(set(raw) - set(KEYS))
+        if unknown:
+            raise AttnkitError(f"{source} has unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
+                               f"{', '.join(KEYS)}")
+        if "recipe" not in raw:
+            raise AttnkitError(f"{source} needs a 'recipe': a method spec, a recipe mapping or a recipe file")
+        recipe = read_recipe(raw["recipe"], f"{source}['recipe']")
+        method = method_of(recipe, f"{source}['recipe']")
+        allow = raw.get("allow")
+        if allow == "*":
+            names = None
+        elif allow is None:
+            names = tuple(sorted(method_names(method) | {"full"}))
+        elif isinstance(allow, list) and all(isinstance(a, str) for a in allow):
+            names = tuple(sorted(set(allow) | method_names(method)))
+        else:
+            raise AttnkitError(f"{source}['allow'] must be a list of method names or '*', got {allow!r}")
+        return cls(recipe.to_dict(), names)
+
+    def to_json(self) -> str:
+        return json.dumps({"recipe": self.recipe, "allow": self.allow}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        data = json.loads(text)
+        allow = data["allow"]
+        return cls(data["recipe"], None if allow is None else tuple(allow))
+
+    @functools.cached_property
+    def method(self) -> Method:
+        return Recipe.parse(self.recipe).method()
+
+    def request_method(self, spec) -> Method:
+        """The method of a request: its own spec (``extra_args['attnkit']``) when it gives one, else the engine's."""
+        if spec is None:
+            return self.method
+        return _request_method(spec, self.allow)
+
+
+@functools.lru_cache(maxsize=256)
+def _request_method(spec, allow: tuple[str, ...] | None) -> Method:
+    if not isinstance(spec, str):
+        raise AttnkitError(f"{REQUEST_SOURCE} must be a method spec string such as 'snapkv:budget=0.3', got {spec!r}")
+    method = method_of(spec, REQUEST_SOURCE)
+    check_supported(method, REQUEST_SOURCE)
+    refused = sorted(method_names(method) - set(allow or ()))
+    if allow is not None and refused:
+        raise AttnkitError(f"{REQUEST_SOURCE}={spec!r}: method(s) {', '.join(refused)} not allowed by this engine; "
+                           f"allowed: {', '.join(allow)} (additional_config['attnkit']['allow'] widens it; the "
+                           f"plugin supports {SUPPORTED})")
+    return method

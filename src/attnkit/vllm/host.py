@@ -1,0 +1,158 @@
+"""The attention of one request's rows in vLLM, computed by attnkit over the request's paged slots.
+
+A method decides, a host stores (DESIGN.md). For a prompt chunk that runs through the method's hooks
+(:attr:`attnkit.vllm.plan.Plan.hooks`: scoring statistics, sparse prefill, compression) the request's earlier
+keys are gathered from the paged cache into an attnkit :class:`~attnkit.cache.LayerKV` for the duration of
+one layer's call, and the method's own ``prefill_attention`` (and ``after_prefill`` on the prompt's last chunk)
+run on it exactly as in attnkit's runner; the method's per-layer state (SnapKV's window queries, say) lives in
+an attnkit :class:`~attnkit.session.Session` per request between chunks. After the prompt, the entries the
+method kept are written back into the slots just before the first generated token (the plan's layout). Every
+other query reads the slots its plan shows it (:meth:`~attnkit.vllm.plan.Plan.visible`), gathered, with dense
+attention. Nothing here knows vLLM's layout: the :class:`PagedRequest` given reads and writes slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.attention import sdpa
+from attnkit.cache import KVCache, LayerKV
+from attnkit.session import Session, Step
+from attnkit.vllm.plan import Plan
+from attnkit.vllm.requests import Row
+
+
+@dataclass
+class PagedRequest:
+    """One request's slots in one layer's paged cache: ``gather(slots) -> (keys, values)`` ``[1, kv, L, d]``,
+    ``write(slots, keys, values)`` with keys and values ``[1, kv, L, d]``."""
+
+    gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class Prefill:
+    """A request's prompt in progress: the attnkit session holding the method's state, and this forward's step."""
+
+    session: Session
+    step: Step | None = None
+    step_key: tuple | None = None
+
+
+class Prefills:
+    """The prompts in progress in this worker, by request id."""
+
+    def __init__(self):
+        self.open: dict[str, Prefill] = {}
+
+    def retain(self, request_ids) -> None:
+        """Forget prompts of requests that left the batch (finished, aborted or preempted)."""
+        for rid in [r for r in self.open if r not in request_ids]:
+            del self.open[rid]
+
+    def step(self, row: Row, n_layers: int, start: int, end: int, rope) -> Step:
+        """The step of `row`'s prompt chunk ``[start, end)`` in this forward (one per forward, shared by layers);
+        `rope` is the model's :class:`~attnkit.rope.Rope` (methods that undo or redo rotations need it)."""
+        plan = row.plan
+        entry = self.open.get(row.request_id)
+        if entry is None or start == 0 and entry.step_key != (start, end):
+            session = Session(row.method, KVCache(n_layers, 1), n_layers, plan.prompt_len, row.max_tokens, rope)
+            entry = self.open[row.request_id] = Prefill(session)
+        if entry.step_key != (start, end):
+            q_pos = torch.arange(start, end)
+            entry.step = Step(entry.session, "prefill", q_pos, last_chunk=end == plan.prompt_len)
+            entry.step_key = (start, end)
+        return entry.step
+
+    def close(self, row: Row) -> None:
+        self.open.pop(row.request_id, None)
+
+
+PREFILLS = Prefills()
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One attention layer's call in the host: its index among the model's `n_layers`, its softmax scale, and the
+    model's rotary frequencies."""
+
+    layer: int
+    n_layers: int
+    scaling: float
+    rope: object
+
+
+def row_attention(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> torch.Tensor:
+    """Outputs ``[1, heads, tokens, d]`` of one row's queries `q` (keys `k`, values `v` ``[1, kv, tokens, d]``
+    already stored in their slots), at positions ``row.start ...``."""
+    plan, start = row.plan, row.start
+    outs = []
+    if plan.hooks and start < plan.prompt_len:
+        m = min(start + q.shape[2], plan.prompt_len) - start
+        outs.append(prompt_chunk(row, call, q[:, :, :m], k[:, :, :m], v[:, :, :m], paged))
+        q, start = q[:, :, m:], start + m
+    if q.shape[2]:
+        outs.append(visible_attention(plan, start, q, paged, call.scaling))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> torch.Tensor:
+    """A prompt chunk through the method's own hooks; the prompt's last chunk writes back what the method kept."""
+    plan, start, layer = row.plan, row.start, call.layer
+    end = start + q.shape[2]
+    step = PREFILLS.step(row, call.n_layers, start, end, call.rope)
+    held = LayerKV.allocate(1, k.shape[1], plan.prompt_len, k.shape[-1], k.dtype, k.device)
+    if start:
+        keys, values = paged.gather(torch.arange(start))
+        held.append(keys, values, torch.arange(start))
+    cache = step.session.cache
+    cache.layers[layer] = held
+    try:
+        out = step.attention(layer, q, k, v, call.scaling, None)
+        if step.last_chunk and plan.kept is not None:
+            keys, values, positions = cache.layers[layer].view()
+            if keys.shape[2] != plan.kept:
+                raise RuntimeError(f"attnkit: layer {layer} kept {keys.shape[2]} entries per kv head, the plan "
+                                   f"{plan.kept}")
+            paged.write(torch.arange(plan.base, plan.prompt_len), keys, values)
+    finally:
+        cache.layers[layer] = None
+    if step.last_chunk and layer == call.n_layers - 1:
+        PREFILLS.close(row)
+    return out
+
+
+def _hull(first: list[tuple[int, int]], last: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The slots any query between two positions reads: the fixed ranges of both (sinks, compacted entries) and
+    one window from the first query's start to the last query's end."""
+    ranges = sorted(first[:-1] + last[:-1] + [(first[-1][0], last[-1][1])])
+    merged = [ranges[0]]
+    for a, b in ranges[1:]:
+        if a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _slots(ranges: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in ranges])
+
+
+def visible_attention(plan: Plan, start: int, q, paged: PagedRequest, scaling: float) -> torch.Tensor:
+    """Dense attention of queries at ``start ...`` over the slots their plan shows them, in slot order."""
+    nq = q.shape[2]
+    last = start + nq - 1
+    slots = _slots(_hull(plan.visible(start), plan.visible(last)))
+    keys, values = paged.gather(slots)
+    if nq == 1:
+        return sdpa(q, keys, values, scaling)
+    allowed = torch.zeros(nq, slots.shape[0], dtype=torch.bool)
+    for i in range(nq):
+        for a, b in plan.visible(start + i):
+            allowed[i] |= (slots >= a) & (slots < b)
+    return sdpa(q, keys, values, scaling, mask=allowed[None, None].to(q.device))

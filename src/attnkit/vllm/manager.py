@@ -1,0 +1,66 @@
+"""The scheduler's side: a KV-cache spec that carries the attnkit configuration, and its block manager.
+
+Registered with vLLM's KV-cache spec registry (:func:`register`), the spec is what attnkit's attention backend
+returns from ``customize_spec`` for every layer when the engine's ``additional_config`` names a recipe. Its
+manager is vLLM's full-attention manager plus one rule: blocks that no later query of a request reads
+(:meth:`attnkit.vllm.plan.Plan.freeable`: the prompt entries a compression dropped, the stretch between
+streaming's sinks and window, what a window left behind) go back to the pool as null blocks in the block
+table, the way vLLM's sliding-window and R-SWA managers free theirs. The plan is a function of the recipe,
+the request's prompt length and its own method (:mod:`attnkit.vllm.requests`), so the scheduler and the
+workers agree on it without talking.
+
+Prefix caching: a request whose plan changes its blocks (compaction, freed blocks) never publishes them as a
+cached prefix (:meth:`AttnkitManager.cache_blocks`), and never takes a cached prefix either
+(:meth:`AttnkitManager.find_longest_cache_hit` is asked per group, so the whole request is refused a hit
+through :func:`attnkit.vllm.requests.scheduler_allows_prefix_hit`); plain requests share prefixes as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from attnkit.vllm import requests
+from attnkit.vllm.config import EngineConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttnkitSpec(FullAttentionSpec):
+    """A full-attention layer whose blocks attnkit's plan may free (``config``: the engine's attnkit config, JSON)."""
+
+    config: str = ""
+
+    @classmethod
+    def merge(cls, specs):
+        merged = super().merge(specs)
+        return dataclasses.replace(merged, config=specs[0].config)
+
+
+class AttnkitManager(FullAttentionManager):
+    """vLLM's full-attention manager that also frees the blocks a request's plan no longer reads."""
+
+    def __init__(self, kv_cache_spec: AttnkitSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.engine = EngineConfig.from_json(kv_cache_spec.config)
+        requests.set_scheduler_engine(self.engine)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        plan = requests.scheduler_plan(self.engine, request_id, num_prompt_tokens)
+        if plan is None or plan.plain:
+            return
+        bs = self.block_size
+        for start, end in plan.freeable(processed_computed_tokens):
+            self._remove_blocks_in_range(request_id, -(-start // bs), end // bs)
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        requests.forget_request(request_id)
+
+    def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+        plan = requests.scheduler_plan(self.engine, request.request_id, request.num_prompt_tokens)
+        if plan is None or plan.plain:
+            super().cache_blocks(request, num_tokens, *args, **kwargs)

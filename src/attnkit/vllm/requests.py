@@ -1,0 +1,100 @@
+"""Which request each row of a batch is, and the plan of each, on both sides of the engine (no vLLM import).
+
+vLLM tells neither its KV-cache managers nor its attention backends which request carries which method: the
+managers see a request id and a prompt length, the attention metadata sees rows. Two small hooks
+(:mod:`attnkit.vllm.patches`) fill that in:
+
+- scheduler: when the scheduler looks a request up in the prefix cache (every request does, once per
+  admission), :func:`record_request` notes its ``extra_args['attnkit']``, and :func:`scheduler_plan` gives
+  the managers the request's plan from its id;
+- worker: while the model runner builds a step's attention metadata, :func:`batch_rows` reads the runner's
+  own table of the batch's requests (id, prompt, sampling parameters) row by row.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+from attnkit.methods.base import Method
+from attnkit.vllm.config import KEY, EngineConfig
+from attnkit.vllm.plan import Plan, plan_for
+
+# generated tokens the scheduler plans for: freeing depends on positions only, and a plan made as if a request
+# could run to any length frees exactly what one made with its real max_tokens does
+UNBOUNDED = 1 << 40
+
+_scheduled: dict[str, object] = {}  # request id -> its extra_args['attnkit'] (None: the engine's recipe)
+_engine: list[EngineConfig] = []  # the scheduler's engine config, set by its KV-cache manager
+_runner = contextvars.ContextVar("attnkit_vllm_runner", default=None)
+
+
+def request_spec(sampling_params):
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return extra.get(KEY)
+
+
+def record_request(request) -> None:
+    """Note the attnkit spec a request gives (scheduler side)."""
+    _scheduled[request.request_id] = request_spec(request.sampling_params)
+
+
+def forget_request(request_id: str) -> None:
+    _scheduled.pop(request_id, None)
+
+
+def set_scheduler_engine(engine: EngineConfig) -> None:
+    _engine[:] = [engine]
+
+
+def refuses_prefix_hit(request) -> bool:
+    """Whether a request's plan compacts or frees its blocks, so that it must not take cached ones."""
+    if not _engine:
+        return False
+    plan = scheduler_plan(_engine[0], request.request_id, request.num_prompt_tokens)
+    return plan is not None and not plan.plain
+
+
+def scheduler_plan(engine: EngineConfig, request_id: str, prompt_len: int | None) -> Plan | None:
+    """The plan the scheduler frees a request's blocks by (None: the request is unknown to attnkit)."""
+    if prompt_len is None or request_id not in _scheduled:
+        return None
+    method = engine.request_method(_scheduled[request_id])
+    return plan_for(method, prompt_len, UNBOUNDED, n_layers=1)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a step's batch: its request, method and plan, and the positions its tokens take."""
+
+    request_id: str
+    method: Method
+    plan: Plan
+    max_tokens: int
+    start: int  # position of the row's first token in this step
+    tokens: int  # tokens the row computes in this step
+
+
+def set_runner(runner):
+    return _runner.set(runner)
+
+
+def reset_runner(token) -> None:
+    _runner.reset(token)
+
+
+def batch_rows(engine: EngineConfig, n_layers: int, starts: list[int], tokens: list[int]) -> list[Row]:
+    """The rows of the step whose metadata is being built (the runner's batch order), with their plans."""
+    runner = _runner.get()
+    if runner is None:
+        raise RuntimeError("attnkit: attention metadata built outside the model runner's _build_attention_metadata")
+    ids = runner.input_batch.req_ids
+    rows = []
+    for i, (start, count) in enumerate(zip(starts, tokens)):
+        state = runner.requests[ids[i]]
+        params = state.sampling_params
+        method = engine.request_method(request_spec(params))
+        max_tokens = params.max_tokens if params is not None and params.max_tokens is not None else UNBOUNDED
+        plan = plan_for(method, state.num_prompt_tokens, max_tokens, n_layers)
+        rows.append(Row(ids[i], method, plan, max_tokens, start, count))
+    return rows
