@@ -21,6 +21,7 @@ LAYERS = [
     ("runner", "hf_cache", "continuation"),
     ("speculative",),
     ("recipe",),
+    ("vllm",),  # the vLLM host (its plugin imports vLLM; attnkit.vllm itself imports nothing)
     ("eval",),
     ("calibrate",),  # calibration prompts come from eval's task generators
     ("bench",),

@@ -22,13 +22,13 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from attnkit.rope import Rope
 from attnkit.vllm import host, paged, requests

