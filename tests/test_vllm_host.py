@@ -1,0 +1,107 @@
+"""The vLLM host's layout logic on plain tensors (no engine): plans, the layout map of the paged cache, and one
+request's attention over a paged store, against attnkit's own runner."""
+
+import pytest
+import torch
+
+from attnkit.cache import KVCache
+from attnkit.errors import AttnkitError
+from attnkit.methods.base import resolve_method
+from attnkit.session import Session, Step
+from attnkit.vllm import host, paged
+from attnkit.vllm.config import EngineConfig
+from attnkit.vllm.plan import plan_for
+from attnkit.vllm.requests import Row
+
+
+def test_plans_follow_the_method_and_the_prompt():
+    snap = plan_for(resolve_method("snapkv:budget_tokens=300"), 1000, 50, 6)
+    assert (snap.kept, snap.base, snap.plain) == (300, 700, False)
+    assert snap.visible(500) == [(0, 501)] and snap.visible(1010) == [(700, 1011)]
+    assert snap.freeable(999) == [] and snap.freeable(1000) == [(0, 700)]
+    assert plan_for(resolve_method("snapkv:budget_tokens=2000"), 1000, 50, 6).plain  # nothing to evict
+    stream = plan_for(resolve_method("streaming:budget_tokens=300,sinks=4"), 1000, 50, 6)
+    assert stream.visible(1000) == [(700, 704), (705, 1001)]  # sinks, then the last 296 positions
+    assert stream.freeable(1200) == [(0, 700), (704, 905)]
+    window = plan_for(resolve_method("window:window=100"), 1000, 50, 6)
+    assert window.visible(10) == [(0, 11)] and window.visible(500) == [(401, 501)]
+    assert window.freeable(500) == [(0, 401)]
+    assert plan_for(resolve_method("window:window=1050"), 1000, 50, 6).plain
+    sparse = plan_for(resolve_method("minference+snapkv:budget=0.5"), 1000, 50, 6)
+    assert sparse.hooks and sparse.kept == 500
+
+
+def test_engine_configs_refuse_what_vllm_cannot_run_in_one_line():
+    assert EngineConfig.parse({}) is None
+    config = EngineConfig.parse({"attnkit": {"recipe": "minference+snapkv:budget=0.3"}})
+    assert set(config.allow) == {"minference", "snapkv", "full"}
+    assert EngineConfig.from_json(config.to_json()) == config
+    for bad in ("h2o:budget=0.3", "snapkv:budget=0.3,decode_every=8", "snapkv:budget=[0.3,0.3,0.3,0.3,0.3,0.3]",
+                "streaming:budget_tokens=64,positions=reindex", "kvzip:budget=0.3", "snapkv:budget=0.3+kivi:bits=4"):
+        with pytest.raises(AttnkitError) as info:
+            EngineConfig.parse({"attnkit": {"recipe": bad}})
+        assert "\n" not in str(info.value)
+    with pytest.raises(AttnkitError, match="not allowed by this engine"):
+        config.request_method("streaming:budget_tokens=64")
+
+
+def transposed_store(key, value, key_cache, value_cache, slots, isa):
+    """A stand-in for vLLM's write op whose key blocks are stored transposed, as its "vec" path does."""
+    block = key_cache.shape[2]
+    for t, slot in enumerate(slots.tolist()):
+        b, off = divmod(slot, block)
+        kt = key_cache[b].reshape(key_cache.shape[1], -1).view(key_cache.shape[1], key_cache.shape[3], block)
+        kt[:, :, off] = key[t]
+        value_cache[b, :, off] = value[t]
+
+
+def test_the_layout_map_reads_back_what_the_write_op_stored():
+    layout = paged.learn_layout(transposed_store, "test-vec", 16, 8, 2, torch.float32)
+    cache = torch.zeros(4, 2, 16, 16)
+    keys, values = torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    block_row = torch.tensor([3, 0, 2])
+    slots = torch.arange(40)
+    k_cache, v_cache = paged.split_cache(cache)
+    blocks, offsets = paged.physical_slots(block_row, slots, 16)
+    transposed_store(keys, values, k_cache, v_cache, blocks * 16 + offsets, "test-vec")
+    got_k, got_v = paged.gather(cache, layout, block_row, torch.tensor([0, 17, 39, 5]))
+    assert torch.equal(got_k[0], keys[[0, 17, 39, 5]].transpose(0, 1))
+    assert torch.equal(got_v[0], values[[0, 17, 39, 5]].transpose(0, 1))
+
+
+class DictStore:
+    """A request's slots as plain tensors (the PagedRequest protocol)."""
+
+    def __init__(self, kv, d, size):
+        self.k, self.v = torch.zeros(1, kv, size, d), torch.zeros(1, kv, size, d)
+
+    def request(self):
+        return host.PagedRequest(lambda s: (self.k[:, :, s], self.v[:, :, s]), self.write)
+
+    def write(self, slots, keys, values):
+        self.k[:, :, slots], self.v[:, :, slots] = keys, values
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget_tokens=40", "streaming:budget_tokens=48,sinks=4", "window:window=30",
+                                  "minference+snapkv:budget_tokens=40"])
+def test_a_recomputed_request_crossing_its_prompt_end_gets_attnkit_outputs(spec):
+    """A preempted request recomputes prompt and generated tokens in one prefill: the host runs the hooks up to the
+    prompt's end, compresses into the slots before the first generated token, then attends over what was kept,
+    which is what attnkit's own session computes for the prompt and then one token at a time."""
+    torch.manual_seed(0)
+    n, new, heads, kv, d = 80, 20, 4, 2, 16
+    q, k, v = torch.randn(1, heads, n + new, d), torch.randn(1, kv, n + new, d), torch.randn(1, kv, n + new, d)
+    method = resolve_method(spec)
+    session = Session(method, KVCache(1, 1), 1, n, new)
+    expected = [Step(session, "prefill", torch.arange(n)).attention(0, q[:, :, :n], k[:, :, :n], v[:, :, :n], 0.25,
+                                                                     None)]
+    for p in range(n, n + new):
+        one = slice(p, p + 1)
+        expected.append(Step(session, "decode", torch.tensor([p])).attention(0, q[:, :, one], k[:, :, one],
+                                                                             v[:, :, one], 0.25, None))
+    store = DictStore(kv, d, n + new)
+    store.write(torch.arange(n + new), k, v)  # vLLM stores the step's keys at their slots before attention
+    row = Row("r", method, plan_for(method, n, new, 1), new, 0, n + new)
+    got = host.row_attention(row, host.LayerCall(0, 1, 0.25, None), q, k, v, store.request())
+    torch.testing.assert_close(got, torch.cat(expected, dim=2), rtol=1e-5, atol=1e-5)
+    assert "r" not in host.PREFILLS.open  # the prompt's session closed after its last layer
