@@ -7,8 +7,9 @@
 ``capacity``: 16 requests of about 3.3k tokens (passkey prompts for ``tiny``) and 256 new tokens each (``ignore_eos``)
 at a KV cache of ``--blocks`` blocks of 128 tokens (84: room for about 3 whole requests), all submitted at once.
 Plain vLLM, then ``snapkv:budget_tokens=512`` and ``streaming:budget_tokens=512`` (per request, on one engine with
-attnkit), in turn, ``--repeats`` times. Reported: wall time to the last token, the peak of vLLM's own
-``vllm:num_requests_running`` (polled after every engine step), preemptions, and each method's ratios to plain's
+attnkit), in turn, ``--repeats`` times. Reported: wall time to the last token, the peak of vLLM's own count of
+running requests (``SchedulerStats.num_running_reqs``, the number behind ``vllm:num_requests_running``, after every
+engine step: :class:`attnkit.vllm.stats.SchedulerWatch`), preemptions, and each method's ratios to plain's
 in the same repeat (medians). ``--roomy`` adds plain vLLM with room for every request (what concurrency alone buys).
 
 ``prefill``: time to first token of one prompt of each length (random token ids) on random weights in ``tiny``'s
@@ -35,6 +36,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import attnkit  # noqa: E402
 from attnkit.eval.task_registry import get_task  # noqa: E402
+from attnkit.vllm.stats import SchedulerWatch  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
 ON = {"attnkit": {"recipe": "full", "allow": "*"}}
@@ -46,26 +48,18 @@ def llm(model=TINY, **kwargs):
     return LLM(model=model, dtype="float32", enforce_eager=True, seed=0, disable_log_stats=False, **kwargs)
 
 
-def metric(engine, name):
-    return next(m.value for m in engine.get_metrics() if m.name == name)
-
-
-def run_all(engine, prompts, spec, new):
-    """All `prompts` at once; wall seconds, peak running requests, preemptions during the run."""
+def run_all(engine, watch, prompts, spec, new):
+    """All `prompts` at once; wall seconds, peak running requests (vLLM's scheduler's count after every step),
+    preemptions during the run."""
     from vllm import SamplingParams
 
     extra = {} if spec is None else {"extra_args": {"attnkit": spec}}
     sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, **extra)
-    core = engine.llm_engine
-    before = metric(engine, "vllm:num_preemptions")
+    before = watch.preemptions
+    watch.reset_peak()
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        core.add_request(f"{spec}-{start}-{i}", p, sp)
-    peak = 0
-    while core.has_unfinished_requests():
-        core.step()
-        peak = max(peak, metric(engine, "vllm:num_requests_running"))
-    return time.perf_counter() - start, peak, metric(engine, "vllm:num_preemptions") - before
+    engine.generate(prompts, [sp] * len(prompts), use_tqdm=False)
+    return time.perf_counter() - start, watch.peak_running, watch.preemptions - before
 
 
 def capacity(args):
@@ -76,6 +70,7 @@ def capacity(args):
     plain = llm(max_model_len=4096, num_gpu_blocks_override=args.blocks)
     ours = llm(max_model_len=4096, num_gpu_blocks_override=args.blocks, additional_config=ON)
     roomy = llm(max_model_len=4096, num_gpu_blocks_override=args.requests * 30) if args.roomy else None
+    watches = {id(e): SchedulerWatch.attach(e) for e in (plain, ours, roomy) if e is not None}
     runs = {k: [] for k in ("plain", "snapkv:budget_tokens=512", "streaming:budget_tokens=512")}
     if roomy is not None:
         runs["plain, room for all"] = []
@@ -83,7 +78,7 @@ def capacity(args):
         for name in runs:
             engine = plain if name == "plain" else roomy if name.startswith("plain,") else ours
             spec = None if name.startswith("plain") else name
-            wall, peak, preempted = run_all(engine, prompts, spec, args.new)
+            wall, peak, preempted = run_all(engine, watches[id(engine)], prompts, spec, args.new)
             runs[name].append((wall, peak, preempted))
             print(f"repeat {r}: {name:30s} {wall:7.2f} s  peak running {peak:3.0f}  preemptions {preempted:.0f}",
                   flush=True)

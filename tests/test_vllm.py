@@ -16,6 +16,7 @@ import attnkit
 from attnkit.calibrate.patterns import dumps_config, search_patterns
 from attnkit.errors import AttnkitError
 from attnkit.eval.task_registry import get_task
+from attnkit.vllm.stats import SchedulerWatch
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
 LENGTHS = (1024, 2048, 3000, 1500)
@@ -51,6 +52,7 @@ def vllm_engines():
     plain = LLM(**COMMON)
     ours = LLM(**COMMON, max_num_batched_tokens=1024, num_gpu_blocks_override=BLOCKS, disable_log_stats=False,
                additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
+    ours.watch = SchedulerWatch.attach(ours)  # vLLM's own scheduler statistics of this engine
     yield plain, ours
     del plain, ours
 
@@ -98,19 +100,18 @@ def assert_same_tokens(got, model, prompts, spec, max_tokens=NEW):
         assert horizon >= 8 and mine[:horizon] == ref[:horizon], (spec, i, horizon, mine, ref)
 
 
-def test_plugin_is_inert_without_its_key(plain, model, prompts):
-    """No ``attnkit`` key: vLLM's own spec and kernel (its tokens equal attnkit's full attention)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+def spec_kinds(engine) -> list[str]:
+    """The KV-cache spec classes the engine's worker gives its layers (asked in the worker process)."""
+    def kinds(worker):
+        return sorted({type(s).__name__ for s in worker.model_runner.get_kv_cache_spec().values()})
+    return engine.collective_rpc(kinds)[0]
 
-    specs = plain.llm_engine.vllm_config.additional_config
-    assert "attnkit" not in specs
+
+def test_plugin_is_inert_without_its_key(plain, engine, model, prompts):
+    """No ``attnkit`` key: vLLM's own KV-cache spec and kernel, and its tokens equal attnkit's full attention."""
+    assert spec_kinds(plain) == ["FullAttentionSpec"] and spec_kinds(engine) == ["AttnkitSpec"]
     out = tokens(plain.generate(prompts, params(), use_tqdm=False))
     assert out == reference(model, prompts, "full")
-    groups = plain.llm_engine.engine_core.engine_core if hasattr(plain.llm_engine.engine_core, "engine_core") \
-        else None
-    if groups is not None:  # in-process engine core: its KV-cache groups are vLLM's own full-attention spec
-        spec = groups.scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        assert type(spec) is FullAttentionSpec
 
 
 UNLIMITED = ["snapkv:budget=1.0", "knorm:budget_tokens=4096", "keydiff:budget=1.0", "expected_attention:budget=1.0",
@@ -173,10 +174,6 @@ def test_staggered_requests_give_attnkit_tokens(engine, model, prompts, spec):
     assert_same_tokens([done[a[0]] for a in arrivals], model, prompts, spec)
 
 
-def metric(engine, name):
-    return next(m.value for m in engine.get_metrics() if m.name == name)
-
-
 def test_compression_hands_blocks_back_to_vllm(engine, model):
     """vLLM's own KV-cache usage after a compressed request's prefill: the blocks before the kept entries freed."""
     prompt = get_task("passkey").make(model.tokenizer, 3000, seed=7).prompt
@@ -190,7 +187,7 @@ def test_compression_hands_blocks_back_to_vllm(engine, model):
             for out in core.step():
                 seen = max(seen, len(out.outputs[0].token_ids))
             if seen >= 2:  # the prefill's step is done and the scheduler has run again
-                usage.setdefault(spec, metric(engine, "vllm:kv_cache_usage_perc"))
+                usage.setdefault(spec, engine.watch.kv_cache_usage)
     freed = usage["full"] - usage["snapkv:budget_tokens=256"]
     expected = ((n - 256) // 128) / BLOCKS
     assert freed == pytest.approx(expected, abs=0.6 / BLOCKS), (usage, n)
@@ -202,9 +199,9 @@ def test_preempted_requests_recompute_to_the_same_tokens(engine, model):
     prompts = [get_task("passkey").make(model.tokenizer, 3000, seed=20 + i).prompt for i in range(6)]
     specs = ["full", "snapkv:budget_tokens=512", "streaming:budget_tokens=512", "full", "snapkv:budget=0.3",
              "full"]
-    before = metric(engine, "vllm:num_preemptions")
+    before = engine.watch.preemptions
     out = tokens(engine.generate(prompts, [params(s, max_tokens=200) for s in specs], use_tqdm=False))
-    assert metric(engine, "vllm:num_preemptions") > before
+    assert engine.watch.preemptions > before
     for got, prompt, spec in zip(out, prompts, specs):
         assert_same_tokens([got], model, [prompt], spec, max_tokens=200)
 

@@ -45,7 +45,7 @@ def test_engine_configs_refuse_what_vllm_cannot_run_in_one_line():
         config.request_method("streaming:budget_tokens=64")
 
 
-def transposed_store(key, value, key_cache, value_cache, slots, isa):
+def transposed_store(key, value, key_cache, value_cache, slots):
     """A stand-in for vLLM's write op whose key blocks are stored transposed, as its "vec" path does."""
     block = key_cache.shape[2]
     for t, slot in enumerate(slots.tolist()):
@@ -56,15 +56,15 @@ def transposed_store(key, value, key_cache, value_cache, slots, isa):
 
 
 def test_the_layout_map_reads_back_what_the_write_op_stored():
-    layout = paged.learn_layout(transposed_store, "test-vec", 16, 8, 2, torch.float32)
+    layout = paged.learn_layout(("test-vec", 16, 8), transposed_store, paged.split_cache, 16, 8, 2, torch.float32)
     cache = torch.zeros(4, 2, 16, 16)
     keys, values = torch.randn(40, 2, 8), torch.randn(40, 2, 8)
     block_row = torch.tensor([3, 0, 2])
     slots = torch.arange(40)
     k_cache, v_cache = paged.split_cache(cache)
     blocks, offsets = paged.physical_slots(block_row, slots, 16)
-    transposed_store(keys, values, k_cache, v_cache, blocks * 16 + offsets, "test-vec")
-    got_k, got_v = paged.gather(cache, layout, block_row, torch.tensor([0, 17, 39, 5]))
+    transposed_store(keys, values, k_cache, v_cache, blocks * 16 + offsets)
+    got_k, got_v = paged.gather(k_cache, v_cache, layout, block_row, torch.tensor([0, 17, 39, 5]))
     assert torch.equal(got_k[0], keys[[0, 17, 39, 5]].transpose(0, 1))
     assert torch.equal(got_v[0], values[[0, 17, 39, 5]].transpose(0, 1))
 
@@ -82,26 +82,100 @@ class DictStore:
         self.k[:, :, slots], self.v[:, :, slots] = keys, values
 
 
+N, NEW = 80, 20
+
+
+def assert_host_outputs(row, got, expected):
+    """The host's outputs are attnkit's, except the prompt's where vLLM's kernel computes them (dense attention,
+    :attr:`Row.kernel_prompt`): the host leaves zeros there, which the backend does not write."""
+    first = N if row.kernel_prompt else 0
+    torch.testing.assert_close(got[:, :, first:], expected[:, :, first:], rtol=1e-5, atol=1e-5)
+    assert row.kernel_prompt == (not bool(got[:, :, :N].any()))
+
+
+def session_reference(method, seed: int):
+    """Random q, k, v of a 100-token layer call and what attnkit's own session computes for it: the 80-token
+    prompt in one prefill step, then the 20 generated tokens one decode step each."""
+    torch.manual_seed(seed)
+    q, k, v = torch.randn(1, 4, N + NEW, 16), torch.randn(1, 2, N + NEW, 16), torch.randn(1, 2, N + NEW, 16)
+    session = Session(method, KVCache(1, 1), 1, N, NEW)
+    out = [Step(session, "prefill", torch.arange(N)).attention(0, q[:, :, :N], k[:, :, :N], v[:, :, :N], 0.25, None)]
+    for p in range(N, N + NEW):
+        one = slice(p, p + 1)
+        out.append(Step(session, "decode", torch.tensor([p])).attention(0, q[:, :, one], k[:, :, one], v[:, :, one],
+                                                                        0.25, None))
+    return q, k, v, torch.cat(out, dim=2)
+
+
 @pytest.mark.parametrize("spec", ["snapkv:budget_tokens=40", "streaming:budget_tokens=48,sinks=4", "window:window=30",
                                   "minference+snapkv:budget_tokens=40"])
 def test_a_recomputed_request_crossing_its_prompt_end_gets_attnkit_outputs(spec):
     """A preempted request recomputes prompt and generated tokens in one prefill: the host runs the hooks up to the
     prompt's end, compresses into the slots before the first generated token, then attends over what was kept,
     which is what attnkit's own session computes for the prompt and then one token at a time."""
-    torch.manual_seed(0)
-    n, new, heads, kv, d = 80, 20, 4, 2, 16
-    q, k, v = torch.randn(1, heads, n + new, d), torch.randn(1, kv, n + new, d), torch.randn(1, kv, n + new, d)
+    n, new, kv, d = N, NEW, 2, 16
     method = resolve_method(spec)
-    session = Session(method, KVCache(1, 1), 1, n, new)
-    expected = [Step(session, "prefill", torch.arange(n)).attention(0, q[:, :, :n], k[:, :, :n], v[:, :, :n], 0.25,
-                                                                     None)]
-    for p in range(n, n + new):
-        one = slice(p, p + 1)
-        expected.append(Step(session, "decode", torch.tensor([p])).attention(0, q[:, :, one], k[:, :, one],
-                                                                             v[:, :, one], 0.25, None))
+    q, k, v, expected = session_reference(method, 0)
     store = DictStore(kv, d, n + new)
     store.write(torch.arange(n + new), k, v)  # vLLM stores the step's keys at their slots before attention
     row = Row("r", method, plan_for(method, n, new, 1), new, 0, n + new)
     got = host.row_attention(row, host.LayerCall(0, 1, 0.25, None), q, k, v, store.request())
-    torch.testing.assert_close(got, torch.cat(expected, dim=2), rtol=1e-5, atol=1e-5)
+    assert_host_outputs(row, got, expected)
     assert "r" not in host.PREFILLS.open  # the prompt's session closed after its last layer
+
+
+def flash_store(key, value, key_cache, value_cache, slots):
+    """vLLM's ``reshape_and_cache_flash`` on a CPU: entry t to its slot, caches in FlashAttention's convention
+    ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    block = key_cache.shape[1]
+    key_cache[slots // block, slots % block] = key
+    value_cache[slots // block, slots % block] = value
+
+
+def flash_request(kv_cache, block_row, monkeypatch):
+    """One request's slots in a FlashAttention-layout cache, through attnkit's FlashAttention backend's own layout
+    pieces (vLLM's CUDA op replaced by :func:`flash_store`)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends import flash_attn
+
+    from attnkit.vllm.flash import AttnkitFlashImpl
+
+    monkeypatch.setattr(flash_attn, "reshape_and_cache_flash",
+                        lambda k, v, kc, vc, slots, dtype, ks, vs: flash_store(k, v, kc, vc, slots), raising=False)
+    impl = SimpleNamespace(kv_cache_dtype="auto")
+    layer = SimpleNamespace(_k_scale=1.0, _v_scale=1.0)
+    key_cache, value_cache, layout, store = AttnkitFlashImpl.cache_layout(impl, layer, kv_cache)
+    read, write = paged.request_slots(key_cache, value_cache, layout, block_row, kv_cache.shape[2], store)
+    return host.PagedRequest(read, write)
+
+
+def test_flashattention_layout_reads_back_what_vllm_writes(monkeypatch):
+    """Entries written the way vLLM's FlashAttention backend writes them (``kv_cache.transpose(1, 2).split(d, -1)``)
+    are read back by attnkit's gather, and attnkit's writes land where that backend reads."""
+    cache = torch.zeros(5, 2, 16, 16)
+    block_row = torch.tensor([4, 1, 3])
+    keys, values = torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    k_fa, v_fa = cache.transpose(1, 2).split(8, dim=-1)  # vLLM's own split
+    slots = block_row[torch.arange(40) // 16] * 16 + torch.arange(40) % 16
+    flash_store(keys, values, k_fa, v_fa, slots)
+    request = flash_request(cache, block_row, monkeypatch)
+    got_k, got_v = request.gather(torch.tensor([0, 17, 39, 5]))
+    assert torch.equal(got_k[0], keys[[0, 17, 39, 5]].transpose(0, 1))
+    assert torch.equal(got_v[0], values[[0, 17, 39, 5]].transpose(0, 1))
+    new_k, new_v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    request.write(torch.tensor([20, 21, 2]), new_k, new_v)
+    assert torch.equal(k_fa[1, 4], new_k[0, :, 0]) and torch.equal(v_fa[4, 2], new_v[0, :, 2])
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget_tokens=40", "streaming:budget_tokens=48,sinks=4"])
+def test_the_host_in_flashattention_layout_gets_attnkit_outputs(spec, monkeypatch):
+    """The recompute case again, the request's slots in a FlashAttention-layout cache of scattered blocks."""
+    n, new, kv, d = N, NEW, 2, 16
+    method = resolve_method(spec)
+    q, k, v, expected = session_reference(method, 1)
+    request = flash_request(torch.zeros(12, kv, 16, 2 * d), torch.tensor([7, 2, 9, 0, 11, 5, 3]), monkeypatch)
+    request.write(torch.arange(n + new), k, v)
+    row = Row("f", method, plan_for(method, n, new, 1), new, 0, n + new)
+    got = host.row_attention(row, host.LayerCall(0, 1, 0.25, None), q, k, v, request)
+    assert_host_outputs(row, got, expected)

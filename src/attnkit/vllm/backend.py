@@ -1,16 +1,18 @@
-"""attnkit's attention backend for vLLM's CPU platform: vLLM's own CPU attention, plus attnkit's methods.
+"""attnkit's attention backends for vLLM: vLLM's own backend, plus attnkit's methods for the rows that need them.
 
-Registered over ``CPU_ATTN`` (the CPU platform always picks that backend), it is vLLM's backend unchanged until
-the engine's ``additional_config`` has an ``attnkit`` key: every class below then defers to its vLLM parent.
-With it:
+Each backend is registered over one of vLLM's (``CPU_ATTN``, which the CPU platform always picks; ``FLASH_ATTN`` on
+CUDA) and is that backend unchanged until the engine's ``additional_config`` has an ``attnkit`` key: every class
+defers to its vLLM parent. With it:
 
 - ``customize_spec`` gives each layer an :class:`~attnkit.vllm.manager.AttnkitSpec` carrying the engine's
   configuration, so the scheduler frees blocks by each request's plan;
-- the metadata builder sorts a step's rows: requests whose plan is plain full attention
-  (:attr:`attnkit.vllm.plan.Plan.plain`) keep vLLM's kernel and metadata, built for them alone; the others
-  are listed with their rows' tokens and block tables;
-- the attention computes the plain rows with vLLM's kernel and the others with :mod:`attnkit.vllm.host`,
-  reading and writing their slots through :mod:`attnkit.vllm.paged`.
+- the metadata builder (:class:`AttnkitBuilderMixin`) sorts a step's rows: requests whose plan is plain full
+  attention (:attr:`attnkit.vllm.plan.Plan.plain`) keep vLLM's kernel and metadata, built for them alone; the
+  others are listed with their rows' tokens and block tables (``metadata.attnkit``);
+- the attention (:class:`AttnkitImplMixin`) computes the plain rows with vLLM's kernel and the others with
+  :mod:`attnkit.vllm.host`, reading and writing their slots through :mod:`attnkit.vllm.paged`. What differs
+  between backends is only the cache layout: how a layer's tensor splits into keys and values, vLLM's op that
+  writes entries, and the map from an entry to where it lies (:meth:`AttnkitImplMixin.cache_layout`).
 """
 
 from __future__ import annotations
@@ -19,15 +21,8 @@ import dataclasses
 import functools
 
 import torch
-from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadata,
-    CPUAttentionMetadataBuilder,
-)
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from attnkit.rope import Rope
@@ -52,45 +47,55 @@ def engine_config(vllm_config) -> EngineConfig | None:
 _SERVING: list[EngineConfig | None] = [None]
 
 
-class AttnkitCPUBackend(CPUAttentionBackend):
-    @staticmethod
-    def get_name() -> str:
-        return "CPU_ATTN"
+def serving() -> EngineConfig | None:
+    """The attnkit configuration of the engine this worker serves (None: attnkit is off)."""
+    return _SERVING[0]
 
-    @staticmethod
-    def get_impl_cls():
-        return AttnkitCPUImpl
 
-    @staticmethod
-    def get_builder_cls():
-        return AttnkitCPUMetadataBuilder
-
-    @classmethod
-    def customize_spec(cls, spec):
-        spec = super().customize_spec(spec)
-        engine = _SERVING[0]
-        if engine is None or type(spec) is not FullAttentionSpec:
-            return spec
-        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
-        return AttnkitSpec(**fields, config=engine.to_json())
+def attnkit_spec(spec):
+    """A layer's KV-cache spec, made attnkit's when this worker's engine has attnkit on."""
+    engine = _SERVING[0]
+    if engine is None or type(spec) is not FullAttentionSpec:
+        return spec
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+    return AttnkitSpec(**fields, config=engine.to_json())
 
 
 @dataclasses.dataclass
-class AttnkitMetadata(CPUAttentionMetadata):
-    """vLLM's metadata of the whole step, plus attnkit's rows and the metadata of the plain rows alone."""
+class StepPart:
+    """attnkit's share of a step's metadata: its rows, and vLLM's metadata for the plain rows alone."""
 
-    attnkit_rows: list | None = None  # (first token, end token, Row, block table row)
-    plain: CPUAttentionMetadata | None = None
+    rows: list  # (first token, end token, Row, block table row)
+    # rows decoding one token over their visible slots: their tokens, and their entries (paged.PaddedEntries)
+    decode: tuple | None
+    n_layers: int
+    rope: Rope | None
+    plain: object = None  # vLLM's metadata of the plain rows (None: there are none)
     plain_index: torch.Tensor | None = None  # the plain rows' tokens
-    attnkit_layers: int = 0  # the model's decoder layers (an attnkit session per request spans them)
-    attnkit_rope: object = None  # the model's rotary frequencies (attnkit.rope.Rope)
 
 
-class AttnkitCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+def attnkit_backend(base, impl, builder, name: str):
+    """vLLM's backend class `base` with attnkit's `impl` and `builder` (its mixins over base's own) and attnkit's
+    KV-cache spec; registered over base (``get_name`` stays base's)."""
+
+    def customize_spec(cls, spec):
+        return attnkit_spec(super(backend, cls).customize_spec(spec))
+
+    backend = type(name, (base,), {
+        "__doc__": f"vLLM's {base.__name__}, with attnkit's methods when the engine's additional_config names them.",
+        "get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder),
+        "customize_spec": classmethod(customize_spec)})
+    return backend
+
+
+class AttnkitBuilderMixin:
+    """Put before a vLLM metadata builder class: its metadata, plus attnkit's rows (``metadata.attnkit``)."""
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.engine = _engine_from(kv_cache_spec.config) if isinstance(kv_cache_spec, AttnkitSpec) else None
         self.n_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        self.page_block_size = kv_cache_spec.block_size
         self.rope = Rope.from_config(vllm_config.model_config.hf_text_config) if self.engine else None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
@@ -105,73 +110,87 @@ class AttnkitCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         starts = [int(positions[a]) if n else 0 for a, n in zip(qsl[:-1], tokens)]
         rows = requests.batch_rows(self.engine, self.n_layers, starts, tokens)
         host.PREFILLS.retain({r.request_id for r in rows})
-        plain = [i for i, r in enumerate(rows) if r.plan.plain]
-        out = AttnkitMetadata(**{f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)})
-        if len(plain) == num_reqs:
-            return out
-        out.attnkit_layers, out.attnkit_rope = self.n_layers, self.rope
-        out.attnkit_rows = [(qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]) for i, r in enumerate(rows)
-                            if not r.plan.plain and tokens[i]]
+        if all(r.plan.plain for r in rows):
+            meta.attnkit = None
+            return meta
+        # vLLM's kernel: the plain rows, and the prompt chunks whose outputs are dense attention (their methods
+        # observe and compress beside it)
+        plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])]
+        part = StepPart([], None, self.n_layers, self.rope)
+        decode = []
+        for i, r in enumerate(rows):
+            if r.plan.plain or not tokens[i]:
+                continue
+            if tokens[i] == 1 and not (r.plan.hooks and r.in_prompt):
+                decode.append((qsl[i], host.decode_slots(r.plan, r.start), cm.block_table_tensor[i]))
+            else:
+                part.rows.append((qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]))
+        if decode:
+            entries = paged.PaddedEntries.of([d[2] for d in decode], [d[1] for d in decode], self.page_block_size)
+            part.decode = (torch.tensor([d[0] for d in decode], device=cm.query_start_loc.device), entries)
         if plain:
             index = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in plain])
-            sub_qsl = torch.tensor([0] + list(torch.tensor([tokens[i] for i in plain]).cumsum(0)), dtype=torch.int32)
-            sel = torch.tensor(plain)
+            counts = torch.tensor([tokens[i] for i in plain])
+            sub_qsl = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)])
+            sel = torch.tensor(plain, device=cm.seq_lens.device)
             seq_lens = cm.seq_lens[sel]
             sub = dataclasses.replace(
-                cm, num_reqs=len(plain), num_actual_tokens=int(sub_qsl[-1]),
-                max_query_len=max(tokens[i] for i in plain), max_seq_len=int(seq_lens.max()),
-                query_start_loc=sub_qsl.to(cm.query_start_loc.device), query_start_loc_cpu=sub_qsl,
-                seq_lens=seq_lens, block_table_tensor=cm.block_table_tensor[sel],
+                cm, num_reqs=len(plain), num_actual_tokens=int(sub_qsl[-1]), max_query_len=int(counts.max()),
+                max_seq_len=int(seq_lens.max()), query_start_loc=sub_qsl.to(cm.query_start_loc.device),
+                query_start_loc_cpu=sub_qsl, seq_lens=seq_lens, block_table_tensor=cm.block_table_tensor[sel],
                 slot_mapping=cm.slot_mapping[index.to(cm.slot_mapping.device)])
-            out.plain, out.plain_index = super().build(0, sub, fast_build), index
-        return out
+            part.plain, part.plain_index = super().build(0, sub, fast_build), index.to(cm.slot_mapping.device)
+        meta.attnkit = part
+        return meta
 
 
-class AttnkitCPUImpl(CPUAttentionBackendImpl):
+class AttnkitImplMixin:
+    """Put before a vLLM attention implementation class: its forward for vLLM's rows, attnkit's for the others.
+    A subclass says how its backend lays out a layer's cache (:meth:`cache_layout`)."""
+
     layer_index: int | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _SERVING[0] = engine_config(get_current_vllm_config())
 
-    def _paged(self, layer, kv_cache: torch.Tensor, block_row: torch.Tensor) -> host.PagedRequest:
-        block_size = kv_cache.shape[2]
-        key_cache, value_cache = paged.split_cache(kv_cache)
-
-        def store(key, value, k_cache, v_cache, slots, isa):
-            ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa, k_scale=layer._k_scale_float,
-                                           v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
-
-        layout = paged.learn_layout(store, layer.isa, block_size, kv_cache.shape[-1] // 2, kv_cache.shape[1],
-                                    kv_cache.dtype)
-
-        def write(slots, keys, values):
-            blocks, offsets = paged.physical_slots(block_row, slots, block_size)
-            store(keys[0].transpose(0, 1).contiguous(), values[0].transpose(0, 1).contiguous(), key_cache,
-                  value_cache, blocks * block_size + offsets, layer.isa)
-
-        return host.PagedRequest(lambda slots: paged.gather(kv_cache, layout, block_row, slots), write)
+    def cache_layout(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, paged.Layout, object]:
+        """``(key cache, value cache, layout, store)``: the layer's cache split as this backend's kernels split it
+        (each ``[num_blocks, kv_heads, block_size, head_dim]``), where an entry lies inside a block
+        (:class:`~attnkit.vllm.paged.Layout`), and ``store(key, value, key_cache, value_cache, slots)``: vLLM's op
+        writing entries ``[n, kv_heads, head_dim]`` to physical slots."""
+        raise NotImplementedError
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        rows = getattr(attn_metadata, "attnkit_rows", None)
-        if not rows:
+        part = getattr(attn_metadata, "attnkit", None)
+        if part is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         if self.layer_index is None:
             self.layer_index = extract_layer_index(layer.layer_name)
-        if attn_metadata.plain is not None:
-            index = attn_metadata.plain_index
-            part = output.new_empty((index.shape[0],) + tuple(output.shape[1:]))
-            super().forward(layer, query[index], key[index], value[index], kv_cache, attn_metadata.plain, part)
-            output[index] = part
-        call = host.LayerCall(self.layer_index, attn_metadata.attnkit_layers, self.scale, attn_metadata.attnkit_rope)
-        for first, end, row, block_row in rows:
+        if part.plain is not None:
+            index = part.plain_index
+            out = output.new_empty((index.shape[0],) + tuple(output.shape[1:]))
+            super().forward(layer, query[index], key[index], value[index], kv_cache, part.plain, out)
+            output[index] = out
+        key_cache, value_cache, layout, store = self.cache_layout(layer, kv_cache)
+        block_size = key_cache.shape[2]
+        call = host.LayerCall(self.layer_index, part.n_layers, self.scale, part.rope)
+        if part.decode is not None:  # rows decoding one token over their visible slots: one gather, one attention
+            firsts, entries = part.decode
+            keys, values = entries.gather(key_cache, value_cache, layout)
+            out = host.batched_decode(query[firsts].unsqueeze(2), keys, values, entries.valid, self.scale)
+            output[firsts] = out.squeeze(2).reshape(output[firsts].shape).to(output.dtype)
+        for first, end, row, block_row in part.rows:
+            request = paged.request_slots(key_cache, value_cache, layout, block_row, block_size, store)
             q = query[first:end].transpose(0, 1).unsqueeze(0)
             k = key[first:end].transpose(0, 1).unsqueeze(0)
             v = value[first:end].transpose(0, 1).unsqueeze(0)
-            paged_row = self._paged(layer, kv_cache, block_row)
-            out = host.row_attention(row, call, q, k, v, paged_row)
-            output[first:end] = out[0].transpose(0, 1).reshape(output[first:end].shape).to(output.dtype)
+            out = host.row_attention(row, call, q, k, v, host.PagedRequest(*request))
+            if row.kernel_prompt:  # the prompt's outputs are the kernel's: keep them
+                skip = max(0, row.plan.prompt_len - row.start)
+                first, out = first + skip, out[:, :, skip:]
+            if first < end:
+                output[first:end] = out[0].transpose(0, 1).reshape(output[first:end].shape).to(output.dtype)
         return output
-

@@ -20,7 +20,9 @@ import torch
 
 from attnkit.attention import sdpa
 from attnkit.cache import KVCache, LayerKV
-from attnkit.session import Session, Step
+from attnkit.methods.base import Method
+from attnkit.methods.compose import Compose
+from attnkit.session import LayerContext, Session, Step
 from attnkit.vllm.plan import Plan
 from attnkit.vllm.requests import Row
 
@@ -32,6 +34,24 @@ class PagedRequest:
 
     gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class KernelOutput(Method):
+    """A prefill "method" for a request whose prompt outputs vLLM's own kernel computes (dense attention, the
+    same numbers): composed before the request's method, it hands the method zeros where it asks for the
+    outputs, so the method only stores, observes and compresses. Not registered: the host's own."""
+
+    name = "kernel_output"
+
+    def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
+        return torch.zeros_like(q)
+
+
+def session_method(row: Row) -> Method:
+    """What runs the hooks of `row`'s prompt: its method, or, when vLLM's kernel gives the outputs, the method
+    composed after :class:`KernelOutput`."""
+    return Compose(KernelOutput(), row.method) if row.kernel_prompt else row.method
 
 
 @dataclass
@@ -60,7 +80,8 @@ class Prefills:
         plan = row.plan
         entry = self.open.get(row.request_id)
         if entry is None or start == 0 and entry.step_key != (start, end):
-            session = Session(row.method, KVCache(n_layers, 1), n_layers, plan.prompt_len, row.max_tokens, rope)
+            session = Session(session_method(row), KVCache(n_layers, 1), n_layers, plan.prompt_len, row.max_tokens,
+                              rope)
             entry = self.open[row.request_id] = Prefill(session)
         if entry.step_key != (start, end):
             q_pos = torch.arange(start, end)
@@ -88,7 +109,8 @@ class LayerCall:
 
 def row_attention(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> torch.Tensor:
     """Outputs ``[1, heads, tokens, d]`` of one row's queries `q` (keys `k`, values `v` ``[1, kv, tokens, d]``
-    already stored in their slots), at positions ``row.start ...``."""
+    already stored in their slots), at positions ``row.start ...``; zeros for prompt tokens whose outputs vLLM's
+    kernel computes (:attr:`Row.kernel_prompt`)."""
     plan, start = row.plan, row.start
     outs = []
     if plan.hooks and start < plan.prompt_len:
@@ -108,7 +130,7 @@ def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> tor
     held = LayerKV.allocate(1, k.shape[1], plan.prompt_len, k.shape[-1], k.dtype, k.device)
     if start:
         keys, values = paged.gather(torch.arange(start))
-        held.append(keys, values, torch.arange(start))
+        held.append(keys, values, torch.arange(start, device=k.device))
     cache = step.session.cache
     cache.layers[layer] = held
     try:
@@ -141,6 +163,20 @@ def _hull(first: list[tuple[int, int]], last: list[tuple[int, int]]) -> list[tup
 
 def _slots(ranges: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([torch.arange(a, b) for a, b in ranges])
+
+
+def decode_slots(plan: Plan, position: int) -> torch.Tensor:
+    """The slots a single query at `position` reads, in slot order."""
+    return _slots(plan.visible(position))
+
+
+def batched_decode(q, keys, values, valid, scaling: float) -> torch.Tensor:
+    """One query per request ``q`` ``[requests, heads, 1, d]`` over each request's gathered entries (``keys``,
+    ``values`` ``[requests, kv, longest, d]``, ``valid`` ``[requests, longest]``): the decode step of many requests
+    in one attention call (unmasked when every request holds as many entries)."""
+    if bool(valid.all()):
+        return sdpa(q, keys, values, scaling)
+    return sdpa(q, keys, values, scaling, mask=valid[:, None, None, :])
 
 
 def visible_attention(plan: Plan, start: int, q, paged: PagedRequest, scaling: float) -> torch.Tensor:

@@ -1,13 +1,14 @@
-"""Reading and writing entries of vLLM's paged CPU KV cache, in whatever layout its kernels use.
+"""Reading and writing entries of vLLM's paged KV cache, in whatever layout its kernels use.
 
-vLLM's CPU cache of one layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``, viewed by its attention
-as a key half and a value half per block and head; inside a half, the layout depends on the instruction set
-the kernels were built for (on the "vec" path a key block is stored transposed). So nothing here assumes a
-layout. Writes go through vLLM's own op (``cpu_attn_reshape_and_cache``, the one that stores every new
-token), given the slots to write. Reads use an index map learnt once per layout from that same op
-(:func:`learn_layout`): entries whose values encode their own ``(slot, dim)`` are written into a scratch
-block, and where each one landed is read back. vLLM has no gather of its own to call; a layout the map
-cannot describe (an element written twice or never) is refused.
+A layer's cache is ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` in vLLM's CPU and FlashAttention backends,
+which split it differently into keys and values (the backend says how: each half is viewed here as
+``[num_blocks, kv_heads, block_size, head_dim]``). Inside a half, FlashAttention stores entry ``(slot, dim)`` at
+row ``slot``, column ``dim`` (:func:`identity_layout`); the CPU layout depends on the instruction set its kernels
+were built for (on the "vec" path a key block is stored transposed). So reads go through an index map: the
+identity, or one learnt once per layout from vLLM's own writing op (:func:`learn_layout`): entries whose values
+encode their own ``(slot, dim)`` are written into a scratch block, and where each one landed is read back (vLLM has
+no gather to call; a layout the map cannot describe, an element written twice or never, is refused). Writes always
+go through vLLM's op (the one that stores every new token), given the physical slots.
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return halves.chunk(2, dim=2)
 
 
+TRANSPOSED = "transposed"  # entry (slot, dim) at flat index dim * block_size + slot of its block's half
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where entry ``(slot in block, dim)`` of a key (value) lives inside a block's ``[block_size, head_dim]`` half:
-    at row ``key_row[slot, dim]``, column ``key_col[slot, dim]``."""
+    at flat index ``slot * head_dim + dim`` (None), ``dim * block_size + slot`` (:data:`TRANSPOSED`), or
+    ``key_order[slot * head_dim + dim]``."""
 
-    key_row: torch.Tensor
-    key_col: torch.Tensor
-    value_row: torch.Tensor
-    value_col: torch.Tensor
+    key_order: torch.Tensor | str | None
+    value_order: torch.Tensor | str | None
 
 
 def _digits(count: int) -> int:
@@ -56,10 +59,25 @@ def _decode(read: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-@functools.lru_cache(maxsize=8)
-def learn_layout(write, isa: str, block_size: int, head_dim: int, heads: int, dtype: torch.dtype) -> Layout:
-    """The index map of vLLM's cache layout for this instruction set, block size, head size and dtype, learnt by
-    writing coded entries with `write` (``write(key, value, key_cache, value_cache, slots, isa)``)."""
+@functools.lru_cache(maxsize=16)
+def identity_layout(block_size: int, head_dim: int) -> Layout:
+    """Entry ``(slot, dim)`` at row ``slot``, column ``dim`` of its block's half (FlashAttention's layout)."""
+    return Layout(None, None)
+
+
+_LEARNT: dict = {}
+
+
+def learn_layout(key, store, split, block_size: int, head_dim: int, heads: int, dtype: torch.dtype) -> Layout:
+    """The index map of a cache layout (one per `key`: the backend, instruction set, block size, head size, dtype),
+    learnt on the CPU by writing coded entries with ``store(key, value, key_cache, value_cache, slots)`` into a
+    scratch cache that ``split`` cuts into its halves."""
+    if key not in _LEARNT:
+        _LEARNT[key] = _learn(store, split, block_size, head_dim, heads, dtype)
+    return _LEARNT[key]
+
+
+def _learn(store, split, block_size: int, head_dim: int, heads: int, dtype: torch.dtype) -> Layout:
     slots = torch.arange(block_size)
     dims = torch.arange(head_dim)
     slot_grid, dim_grid = torch.meshgrid(slots, dims, indexing="ij")
@@ -72,34 +90,93 @@ def learn_layout(write, isa: str, block_size: int, head_dim: int, heads: int, dt
                 code = ((grid // DIGIT ** d) % DIGIT + 1).to(dtype)  # [block_size, head_dim]
                 entry = code[:, None, :].expand(block_size, heads, head_dim).contiguous()
                 scratch = torch.zeros(1, heads, block_size, 2 * head_dim, dtype=dtype)
-                key_cache, value_cache = split_cache(scratch)
+                key_cache, value_cache = split(scratch)
                 other = torch.ones_like(entry)
                 key, value = (entry, other) if half == 0 else (other, entry)
-                write(key, value, key_cache, value_cache, slots, isa)
+                store(key, value, key_cache, value_cache, slots)
                 read.append((key_cache if half == 0 else value_cache)[0, 0].float())
             found[which] = _decode(read)  # [block_size, head_dim] per stored element: the entry it holds
         flat = found["slot"] * head_dim + found["dim"]
         if not torch.equal(flat.flatten().sort().values, torch.arange(block_size * head_dim)):
-            raise AttnkitError(f"vLLM's CPU KV-cache layout for isa={isa!r} is not a permutation of each block's "
-                               f"entries; the attnkit plugin cannot read it")
+            raise AttnkitError("vLLM's KV-cache layout here is not a permutation of each block's entries; the attnkit "
+                               "plugin cannot read it")
         where = torch.empty(block_size * head_dim, dtype=torch.long)
         where[flat.flatten()] = torch.arange(block_size * head_dim)
-        where = where.view(block_size, head_dim)
-        maps += [where // head_dim, where % head_dim]
+        transposed = (torch.arange(head_dim)[None, :] * block_size + torch.arange(block_size)[:, None]).flatten()
+        maps.append(None if torch.equal(where, torch.arange(block_size * head_dim))
+                    else TRANSPOSED if torch.equal(where, transposed) else where)
     return Layout(*maps)
 
 
 def physical_slots(block_row: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(block id, offset in block)`` of a request's `slots` through its block table row."""
+    """``(block id, offset in block)`` of a request's `slots` through its block table row (on its device)."""
+    slots = slots.to(block_row.device)
     return block_row[slots // block_size].long(), slots % block_size
 
 
-def gather(kv_cache: torch.Tensor, layout: Layout, block_row: torch.Tensor,
+def _entries(half: torch.Tensor, order, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[n, kv_heads, head_dim]``: entries ``(blocks[i], offsets[i])`` of one half of the cache (copies)."""
+    if order is None:
+        return half[blocks, :, offsets]
+    nb, kv, size, dim = half.shape
+    if isinstance(order, str):  # TRANSPOSED: each block's half is [head_dim, block_size] in memory
+        stored = half.as_strided((nb, kv, dim, size), (half.stride(0), half.stride(1), size, 1))
+        return stored[blocks, :, :, offsets]
+    used, which = torch.unique(blocks, return_inverse=True)  # any other permutation: whole blocks, reordered
+    chunk = half[used].reshape(len(used), kv, size * dim)[:, :, order.to(half.device)].view(len(used), kv, size, dim)
+    return chunk[which, :, offsets]
+
+
+def gather_entries(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Layout, blocks: torch.Tensor,
+                   offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[n, kv_heads, head_dim]`` of the entries at ``(blocks[i], offsets[i])`` (copies)."""
+    return (_entries(key_cache, layout.key_order, blocks, offsets),
+            _entries(value_cache, layout.value_order, blocks, offsets))
+
+
+def gather(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Layout, block_row: torch.Tensor,
            slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[1, kv_heads, len(slots), head_dim]`` of a request's `slots` (copies)."""
-    key_cache, value_cache = split_cache(kv_cache)
-    blocks, offsets = physical_slots(block_row, slots, kv_cache.shape[2])
-    b = blocks[:, None]
-    keys = key_cache[b, :, layout.key_row[offsets], layout.key_col[offsets]]  # [L, head_dim, kv]
-    values = value_cache[b, :, layout.value_row[offsets], layout.value_col[offsets]]
-    return keys.permute(2, 0, 1).unsqueeze(0), values.permute(2, 0, 1).unsqueeze(0)
+    keys, values = gather_entries(key_cache, value_cache, layout, *physical_slots(block_row, slots, key_cache.shape[2]))
+    return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+
+
+@dataclass(frozen=True)
+class PaddedEntries:
+    """Several requests' slots as one gather, request ``r``'s entries first in row ``r`` and its first entry
+    repeated after them (``valid`` says which are entries): the physical ``blocks`` and ``offsets`` of every
+    position ``[requests * longest]``. Built once per step, used by every layer."""
+
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, block_rows: list, slots: list, block_size: int) -> PaddedEntries:
+        longest = max(len(s) for s in slots)
+        padded = [torch.cat([s, s[:1].expand(longest - len(s))]) for s in slots]
+        parts = [physical_slots(row, s, block_size) for row, s in zip(block_rows, padded)]
+        valid = torch.arange(longest)[None] < torch.tensor([len(s) for s in slots])[:, None]
+        return cls(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), valid.to(parts[0][0].device))
+
+    def gather(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[requests, kv_heads, longest, head_dim]``."""
+        keys, values = gather_entries(key_cache, value_cache, layout, self.blocks, self.offsets)
+        shape = self.valid.shape + keys.shape[1:]
+        return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+
+
+def request_slots(key_cache, value_cache, layout: Layout, block_row: torch.Tensor, block_size: int, store):
+    """``(gather(slots), write(slots, keys, values))`` of one request's slots, keys and values ``[1, kv, L, d]``
+    (:class:`attnkit.vllm.host.PagedRequest`), writing through ``store`` (vLLM's op, see :func:`learn_layout`)."""
+
+    def read(slots):
+        return gather(key_cache, value_cache, layout, block_row, slots)
+
+    def write(slots, keys, values):
+        blocks, offsets = physical_slots(block_row, slots, block_size)
+        store(keys[0].transpose(0, 1).contiguous(), values[0].transpose(0, 1).contiguous(), key_cache, value_cache,
+              blocks * block_size + offsets)
+
+    return read, write

