@@ -2,20 +2,26 @@
 
     python benchmarks/bench_vllm.py capacity --repeats 3
     python benchmarks/bench_vllm.py prefill --lengths 16384,32768 --repeats 3
+    python benchmarks/bench_vllm.py prefill --model tiny:yarn=8 --lengths 32000 --specs "minference;minference:dense_above=1"
     python benchmarks/bench_vllm.py off --repeats 3
 
 ``capacity``: 16 requests of about 3.3k tokens (passkey prompts for ``tiny``) and 256 new tokens each (``ignore_eos``)
-at a KV cache of ``--blocks`` blocks of 128 tokens (84: room for about 3 whole requests), all submitted at once.
+at a KV cache of ``--blocks`` blocks of 128 tokens (84: room for about 3 whole requests), all submitted at once,
+prefix caching off (every repeat runs the same prompts).
 Plain vLLM, then ``snapkv:budget_tokens=512`` and ``streaming:budget_tokens=512`` (per request, on one engine with
 attnkit), in turn, ``--repeats`` times. Reported: wall time to the last token, the peak of vLLM's own count of
 running requests (``SchedulerStats.num_running_reqs``, the number behind ``vllm:num_requests_running``, after every
 engine step: :class:`attnkit.vllm.stats.SchedulerWatch`), preemptions, and each method's ratios to plain's
 in the same repeat (medians). ``--roomy`` adds plain vLLM with room for every request (what concurrency alone buys).
 
-``prefill``: time to first token of one prompt of each length (random token ids) on random weights in ``tiny``'s
-geometry with positions up to 33k, prompt in one step (``max_num_batched_tokens`` above the length): plain vLLM vs
-``minference`` (default parameters) on the attnkit engine, interleaved, medians; and whether vLLM's ``minference``
-gives attnkit's own greedy tokens (``--check-new`` of them).
+``prefill``: time to first token of one prompt of each length, the prompt in one step (``max_num_batched_tokens``
+above the length): plain vLLM vs each of ``--specs`` (default ``minference``) on the attnkit engine, interleaved,
+medians; and whether vLLM gives attnkit's own greedy tokens for each (``--check-new`` of them). ``--model random``:
+random weights in ``tiny``'s geometry with positions past the longest length, random token ids; or a model spec
+such as ``tiny:yarn=8`` (the bundled model, RoPE extended to 32k positions by YaRN) with passkey prompts.
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set): on a 2-core machine the engine-core
+process's busy loop otherwise takes a core from the worker, for plain vLLM and attnkit alike.
 
 ``off``: generation throughput of plain vLLM in two child processes, one with attnkit's plugin loaded and no
 ``attnkit`` key, one with ``VLLM_PLUGINS=""`` (no plugin), alternating, ``--repeats`` times each.
@@ -33,6 +39,9 @@ import tempfile
 import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# the engine in this process: on a small machine the engine-core process's busy loop takes a core from the worker
+# (a 16k-token prefill of tiny's geometry on 2 cores: 12.3 s with it, 6.3 s without), the same for every variant
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import attnkit  # noqa: E402
 from attnkit.eval.task_registry import get_task  # noqa: E402
@@ -67,9 +76,10 @@ def capacity(args):
     prompts = [get_task("passkey").make(model.tokenizer, args.length, seed=i).prompt for i in range(args.requests)]
     print(f"{args.requests} requests of {len(model.tokenizer(prompts[0]).input_ids)} tokens + {args.new} new, "
           f"{args.blocks} blocks of 128 tokens")
-    plain = llm(max_model_len=4096, num_gpu_blocks_override=args.blocks)
-    ours = llm(max_model_len=4096, num_gpu_blocks_override=args.blocks, additional_config=ON)
-    roomy = llm(max_model_len=4096, num_gpu_blocks_override=args.requests * 30) if args.roomy else None
+    common = dict(max_model_len=4096, enable_prefix_caching=False)  # the same prompts run every repeat
+    plain = llm(**common, num_gpu_blocks_override=args.blocks)
+    ours = llm(**common, num_gpu_blocks_override=args.blocks, additional_config=ON)
+    roomy = llm(**common, num_gpu_blocks_override=args.requests * 30) if args.roomy else None
     watches = {id(e): SchedulerWatch.attach(e) for e in (plain, ours, roomy) if e is not None}
     runs = {k: [] for k in ("plain", "snapkv:budget_tokens=512", "streaming:budget_tokens=512")}
     if roomy is not None:
@@ -91,44 +101,56 @@ def capacity(args):
               f"preemptions {statistics.median(r[2] for r in rows):.0f}")
 
 
-def random_model_dir(context: int):
-    """Random weights in tiny's geometry with `context` positions, saved for vLLM (no tokenizer: ids in, ids out)."""
-    model = attnkit.load_model(f"random:llama:layers=6,hidden=256,heads=8,kv_heads=2,head_dim=32,intermediate=768,"
-                               f"context={context}")
-    path = tempfile.mkdtemp(prefix="attnkit-random-")
+def model_dir(spec: str, context: int):
+    """The model `spec` (``random:``: tiny's geometry with `context` positions) saved for vLLM; ids in, ids out."""
+    if spec == "random":
+        spec = (f"random:llama:layers=6,hidden=256,heads=8,kv_heads=2,head_dim=32,intermediate=768,"
+                f"context={context}")
+    model = attnkit.load_model(spec)
+    path = tempfile.mkdtemp(prefix="attnkit-model-")
     model.hf.save_pretrained(path)
     return path, model
 
 
+def prompt_ids(model, n: int, seed: int) -> list[int]:
+    """A passkey prompt of `n` tokens for a model with a trained tokenizer, random ids for random weights."""
+    if model.spec.startswith("random:"):
+        import torch
+
+        return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return model.tokenizer(get_task("passkey").make(model.tokenizer, n, seed=seed).prompt).input_ids
+
+
 def prefill(args):
-    import torch
     from vllm import SamplingParams
 
     lengths = [int(n) for n in args.lengths.split(",")]
-    path, model = random_model_dir(max(lengths) + 512)
-    kwargs = dict(model=path, max_model_len=max(lengths) + 512, max_num_batched_tokens=max(lengths) + 512,
-                  skip_tokenizer_init=True, enable_prefix_caching=False)
+    specs = args.specs.split(";")
+    context = max(lengths) + 512
+    path, model = model_dir(args.model, context)
+    kwargs = dict(model=path, max_model_len=context, max_num_batched_tokens=context, skip_tokenizer_init=True,
+                  enable_prefix_caching=False)
     plain, ours = llm(**kwargs), llm(**kwargs, additional_config=ON)
-    g = torch.Generator().manual_seed(0)
+    print(f"model {args.model}; time to first token, the prompt in one step")
     for n in lengths:
-        ids = (torch.randint(3, 250, (n,), generator=g)).tolist()
-        prompt = {"prompt_token_ids": ids}
-        times = {"plain": [], "minference": []}
+        prompt = {"prompt_token_ids": prompt_ids(model, n, 0)}
+        times = {name: [] for name in ["plain"] + specs}
         for r in range(args.repeats + 1):
-            for name, engine, extra in (("plain", plain, {}), ("minference", ours,
-                                                                {"extra_args": {"attnkit": "minference"}})):
+            for name in times:
+                engine, extra = (plain, {}) if name == "plain" else (ours, {"extra_args": {"attnkit": name}})
                 start = time.perf_counter()
                 engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, **extra), use_tqdm=False)
                 if r:  # the first round warms up (kernels built, caches touched)
                     times[name].append(time.perf_counter() - start)
-        ratios = [p / m for p, m in zip(times["plain"], times["minference"])]
-        got = ours.generate([prompt], SamplingParams(max_tokens=args.check_new, temperature=0,
-                                                     extra_args={"attnkit": "minference"}), use_tqdm=False)
-        want = attnkit.generate(model, ids, "minference", max_new_tokens=args.check_new).token_ids
-        print(f"{n:6d} tokens: time to first token plain {statistics.median(times['plain']):.2f} s, minference "
-              f"{statistics.median(times['minference']):.2f} s: {statistics.median(ratios):.2f}x "
-              f"(ratios {', '.join(f'{x:.2f}' for x in ratios)}); minference's {args.check_new} tokens equal "
-              f"attnkit's: {list(got[0].outputs[0].token_ids) == want}", flush=True)
+        for spec in specs:
+            ratios = [p / m for p, m in zip(times["plain"], times[spec])]
+            got = ours.generate([prompt], SamplingParams(max_tokens=args.check_new, temperature=0,
+                                                         extra_args={"attnkit": spec}), use_tqdm=False)
+            want = attnkit.generate(model, prompt["prompt_token_ids"], spec, max_new_tokens=args.check_new).token_ids
+            print(f"{n:6d} tokens, {spec}: plain {statistics.median(times['plain']):.2f} s, attnkit "
+                  f"{statistics.median(times[spec]):.2f} s: {statistics.median(ratios):.2f}x sooner (ratios "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)}); its {args.check_new} tokens equal attnkit's: "
+                  f"{list(got[0].outputs[0].token_ids) == want}", flush=True)
 
 
 def throughput_child(args):
@@ -170,6 +192,8 @@ def main():
     parser.add_argument("--blocks", type=int, default=84)
     parser.add_argument("--roomy", action="store_true")
     parser.add_argument("--lengths", default="16384,32768")
+    parser.add_argument("--model", default="random", help="random (tiny's geometry, random weights) or a model spec")
+    parser.add_argument("--specs", default="minference", help="sparse prefill specs, ';'-separated")
     parser.add_argument("--check-new", type=int, default=8)
     args = parser.parse_args()
     {"capacity": capacity, "prefill": prefill, "off": off, "throughput-child": throughput_child}[args.what](args)
