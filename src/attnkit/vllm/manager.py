@@ -1,6 +1,6 @@
 """The scheduler's side: a KV-cache spec that carries the attnkit configuration, and its block manager.
 
-Registered with vLLM's KV-cache spec registry (:func:`register`), the spec is what attnkit's attention backend
+Registered with vLLM's KV-cache spec registry (:func:`attnkit.vllm.plugin.register`), the spec is what attnkit's attention backend
 returns from ``customize_spec`` for every layer when the engine's ``additional_config`` names a recipe. Its
 manager is vLLM's full-attention manager plus one rule: blocks that no later query of a request reads
 (:meth:`attnkit.vllm.plan.Plan.freeable`: the prompt entries a compression dropped, the stretch between
@@ -10,9 +10,9 @@ the request's prompt length and its own method (:mod:`attnkit.vllm.requests`), s
 workers agree on it without talking.
 
 Prefix caching: a request whose plan changes its blocks (compaction, freed blocks) never publishes them as a
-cached prefix (:meth:`AttnkitManager.cache_blocks`), and never takes a cached prefix either
-(:meth:`AttnkitManager.find_longest_cache_hit` is asked per group, so the whole request is refused a hit
-through :func:`attnkit.vllm.requests.scheduler_allows_prefix_hit`); plain requests share prefixes as usual.
+cached prefix (:meth:`AttnkitManager.cache_blocks`), and never takes a cached prefix either (the scheduler's prefix
+lookup is refused it: :func:`attnkit.vllm.requests.refuses_prefix_hit`, through :mod:`attnkit.vllm.patches`);
+plain requests share prefixes as usual.
 """
 
 from __future__ import annotations
