@@ -239,7 +239,8 @@ def test_a_recipe_file_that_does_not_parse(tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [("h2o:budget=0.3", "not supported"), ("snapkv:budget=2", "budget"),
-                                           ("window", None)])
+                                           ("snapkv:budget=0.01", "observation window"),  # 10 slots of 1,024
+                                           ("streaming:budget=0.001,sinks=4", "sinks=4"), ("window", None)])
 def test_bad_request_specs_fail_that_request_only(engine, plain, prompts, spec, message):
     from vllm.exceptions import VLLMValidationError
 
@@ -250,6 +251,18 @@ def test_bad_request_specs_fail_that_request_only(engine, plain, prompts, spec, 
     with pytest.raises(VLLMValidationError, match=message):
         engine.generate(prompts[:1], [params(spec)], use_tqdm=False)
     assert len(tokens(engine.generate(prompts[:1], [params()], use_tqdm=False))[0]) == NEW  # the engine lives on
+
+
+def test_a_prompt_the_engine_recipe_does_not_fit_fails_alone(engine, prompts):
+    """The engine's own recipe (snapkv:budget=0.3) on a 40-token prompt leaves 12 slots for SnapKV's 32-token
+    observation window: refused when vLLM takes the request (as attnkit's runner refuses it), the batch's other
+    requests served."""
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="observation window") as info:
+        engine.generate([{"prompt_token_ids": list(range(100, 140))}], [params()], use_tqdm=False)
+    assert "\n" not in str(info.value)
+    assert len(tokens(engine.generate(prompts[:1], [params()], use_tqdm=False))[0]) == NEW
 
 
 def test_knorm_gives_attnkit_tokens_where_no_two_keys_tie(engine, model):

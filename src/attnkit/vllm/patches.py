@@ -9,9 +9,10 @@ is tested with (:data:`TESTED`), and :func:`apply` refuses others with one line.
 2. ``vllm.v1.core.kv_cache_manager.KVCacheManager.prefix_cache_lookup_enabled`` (scheduler): note each request's
    ``extra_args['attnkit']`` (:func:`attnkit.vllm.requests.record_request`), and answer False for a request whose
    plan rewrites or frees its blocks, so it never takes cached blocks it would then compact into.
-3. ``vllm.v1.engine.input_processor.InputProcessor._validate_params`` (the process that takes requests): check a
-   request's ``extra_args['attnkit']`` there, so that a bad one fails that request alone (vLLM's
-   ``VLLMValidationError``; the OpenAI server answers 400) instead of the engine.
+3. ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` (the process that takes requests): check a
+   request's ``extra_args['attnkit']`` and that its method's parameters fit its prompt (the tokenized length and
+   ``max_tokens`` are known there, not earlier), so that a bad one fails that request alone (vLLM's
+   ``VLLMValidationError``; the OpenAI server answers 400) instead of a worker in the middle of a batch.
 4. ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._build_attention_metadata`` (every worker; the CPU runner
    inherits it): make the runner's table of requests readable by the attention metadata builder while it builds
    (:func:`attnkit.vllm.requests.batch_rows`), since ``CommonAttentionMetadata`` does not say which request a
@@ -25,14 +26,17 @@ from importlib import metadata
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
+from vllm.utils import length_from_prompt_token_ids_or_embeds
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from attnkit.errors import AttnkitError
+from attnkit.rope import Rope
 from attnkit.vllm import requests
 from attnkit.vllm.config import EngineConfig
+from attnkit.vllm.plan import check_prompt
 
 TESTED = ("0.32.",)
 
@@ -94,19 +98,27 @@ def _wrap(owner, name: str, make) -> None:
     setattr(owner, name, wrapped)
 
 
-def check_request(vllm_config, params) -> None:
-    """Refuse a request whose ``extra_args['attnkit']`` the engine cannot serve, with a ValueError naming it."""
+def check_request(vllm_config, request, rope) -> None:
+    """Refuse a request (vLLM's ``EngineCoreRequest``, tokenized) whose ``extra_args['attnkit']`` the engine cannot
+    serve or whose method does not fit its prompt, with a ``VLLMValidationError`` naming it."""
+    params = request.sampling_params
+    if params is None:  # a pooling request: attention is vLLM's own
+        return
     engine = EngineConfig.parse(vllm_config.additional_config)
     spec = requests.request_spec(params)
-    if spec is None:
-        return
     if engine is None:
-        raise VLLMValidationError(f"extra_args['attnkit']={spec!r} but this engine was started without attnkit "
-                                  f"(additional_config={{'attnkit': {{'recipe': ...}}}})", parameter="extra_args")
+        if spec is not None:
+            raise VLLMValidationError(f"extra_args['attnkit']={spec!r} but this engine was started without attnkit "
+                                      f"(additional_config={{'attnkit': {{'recipe': ...}}}})", parameter="extra_args")
+        return
     try:
-        engine.request_method(spec)
+        method = engine.request_method(spec)
+        prompt_len = length_from_prompt_token_ids_or_embeds(request.prompt_token_ids, request.prompt_embeds)
+        n_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        check_prompt(method, prompt_len, params.max_tokens, n_layers, rope)
     except AttnkitError as error:
-        raise VLLMValidationError(str(error), parameter="extra_args", value=spec) from None
+        raise VLLMValidationError(f"attnkit: {error}", parameter="extra_args" if spec is not None else None,
+                                  value=spec) from None
 
 
 def apply() -> None:
@@ -127,11 +139,13 @@ def apply() -> None:
             return original(self, request)
         return run
 
-    def validate_params(original):
-        def run(self, params, *args, **kwargs):
-            out = original(self, params, *args, **kwargs)
-            check_request(self.vllm_config, params)
-            return out
+    def process_inputs(original):
+        def run(self, *args, **kwargs):
+            request = original(self, *args, **kwargs)
+            if not hasattr(self, "_attnkit_rope"):
+                self._attnkit_rope = Rope.from_config(self.vllm_config.model_config.hf_text_config)
+            check_request(self.vllm_config, request, self._attnkit_rope)
+            return request
         return run
 
     def build_attention_metadata(original):
@@ -145,6 +159,6 @@ def apply() -> None:
 
     _wrap(EngineArgs, "create_engine_config", create_engine_config)
     _wrap(KVCacheManager, "prefix_cache_lookup_enabled", prefix_cache_lookup_enabled)
-    _wrap(InputProcessor, "_validate_params", validate_params)
+    _wrap(InputProcessor, "process_inputs", process_inputs)
     _wrap(GPUModelRunner, "_build_attention_metadata", build_attention_metadata)
 

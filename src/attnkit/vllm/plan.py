@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnkit.cache import KVCache
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
 from attnkit.methods.compose import Compose
@@ -43,6 +44,7 @@ from attnkit.methods.snapkv import SnapKV
 from attnkit.methods.streaming import Streaming
 from attnkit.methods.window import Window
 from attnkit.recipe.core import Recipe, as_recipe, load_recipe_file
+from attnkit.session import Session, layer_contexts
 
 SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, expected_attention (a budget or "
              "budget_tokens, one value for every layer and kv head; the prompt compressed once), a_shape, "
@@ -176,3 +178,15 @@ def plan_for(method: Method, prompt_len: int, max_tokens: int, n_layers: int) ->
             return Plan(prompt_len, hooks=prefill_sparse)
         return Plan(prompt_len, kept, cache.sinks, budget - cache.sinks, hooks=prefill_sparse or kept is not None)
     return Plan(prompt_len, kept, hooks=prefill_sparse or kept is not None)
+
+
+def check_prompt(method: Method, prompt_len: int, max_tokens: int, n_layers: int, rope) -> None:
+    """Raise the method's own one-line AttnkitError when its parameters do not fit a prompt of `prompt_len` tokens
+    and `max_tokens` new ones (a budget whose fraction of a short prompt leaves no room for SnapKV's window or
+    StreamingLLM's sinks, say): what attnkit's runner asks of every layer before any work
+    (:meth:`~attnkit.methods.base.Method.planned_slots`), asked here when vLLM takes the request, so that the
+    request fails alone instead of a worker in the middle of a batch. `rope` is the model's
+    :class:`~attnkit.rope.Rope` (methods that undo rotations check that the model has one)."""
+    session = Session(method, KVCache(n_layers, 1), n_layers, prompt_len, max_tokens, rope)
+    for ctx in layer_contexts(session):
+        method.planned_slots(ctx)
