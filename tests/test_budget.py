@@ -6,7 +6,7 @@ import torch
 
 import attnkit
 from attnkit import AttnkitError
-from helpers import assert_equals_full, per_token_bytes, random_ids
+from helpers import SMALL, assert_equals_full, per_token_bytes, random_ids
 
 torch.set_num_threads(1)
 
@@ -35,6 +35,23 @@ def test_per_layer_budgets(small_llama):
     assert out.stats.final_kv_bytes == (40 + 20) * 2 * g.n_kv_heads * g.head_dim * 4
     with pytest.raises(AttnkitError, match="lists 3 values but the model has 2 layers"):
         attnkit.generate(small_llama, ids, "h2o", params={"budget_tokens": [40, 20, 10]}, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("param", ["budget=[0.3,0.3,0.3]", "budget=0.3,0.3,0.3", "budget=0.3/0.3/0.3"])
+def test_a_per_layer_list_of_the_wrong_length_names_the_layers(small_llama, param, capsys):
+    """However a per-layer list is written on the command line, a wrong count says how many layers the model has."""
+    from attnkit.cli import main
+    assert main(["generate", "--model", f"random:llama:{SMALL}", "--method", "snapkv", "--param", param,
+                 "--prompt", "def f(x):", "--max-new-tokens", "2"]) != 0
+    assert "budget lists 3 values but the model has 2 layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("snapkv:budget=[0.3,0.3]", r"expected key=value, got '0.3\]' \(a per-layer list is written with '/'"),
+    ("snapkv:budget=0.3/x", r"budget='0.3/x' is not a valid .*one value per layer separated by '/'")])
+def test_a_per_layer_list_written_wrong_says_how_to_write_it(spec, message):
+    with pytest.raises(AttnkitError, match=message):
+        attnkit.parse_method_spec(spec)
 
 
 def test_runtime_budget_errors(small_llama):

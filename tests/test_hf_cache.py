@@ -75,6 +75,24 @@ def test_sampling_and_reset(model):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("second", [20, 200], ids=["shorter", "longer"])
+def test_a_used_cache_asks_for_reset(model, second):
+    """A second generate on a used cache, with a prompt shorter than what it holds (generate then cuts the prompt
+    to nothing) or longer, is one line that says to reset it; after reset() it generates the new prompt's tokens."""
+    cache = AttnkitCache(model, "snapkv", params={"budget": 0.5}, max_new_tokens=5)
+    model.hf.generate(random_ids(100, seed=7)[None], past_key_values=cache, max_new_tokens=5, do_sample=False,
+                      eos_token_id=None, pad_token_id=2)
+    ids = random_ids(second, seed=8)
+    with pytest.raises(AttnkitError, match=r"cache\.reset\(\)") as info:
+        model.hf.generate(ids[None], past_key_values=cache, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                          pad_token_id=2)
+    assert "\n" not in str(info.value)
+    cache.reset()
+    tokens, _ = hf_generate(model, ids, cache, new_tokens=5)
+    assert tokens == attnkit.generate(model, ids, "snapkv", params={"budget": 0.5}, max_new_tokens=5,
+                                      stop_at_eos=False).token_ids
+
+
 def test_threads_do_not_mix(model):
     ids = random_ids(90, seed=6)
     expected = attnkit.generate(model, ids, "keyformer", params={"budget_tokens": 30}, max_new_tokens=12,

@@ -122,7 +122,10 @@ class _AttnkitLayer(CacheLayerMixin):
         return self._owner.seen_tokens(self.index)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        seen = self.get_seq_length()
+        if seen and not query_length:  # generate cut a prompt no longer than what the cache holds down to nothing
+            raise AttnkitError(self._owner.used_message())
+        return seen + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -196,7 +199,8 @@ class AttnkitCache(Cache):
             raise AttnkitError(f"layer {layer_idx} got a {n}-token prompt but layer 0 got {self._prompt_len}")
         if seen > 0 and n != 1:
             raise AttnkitError(f"AttnkitCache takes the prompt in one forward, then one token per forward; got "
-                               f"{n} tokens after {seen} (prefill_chunk_size and assisted decoding are not supported)")
+                               f"{n} tokens after {seen} (prefill_chunk_size and assisted decoding are not supported; a second "
+                               f"generate needs cache.reset() or a new AttnkitCache)")
         if seen + n > self._prompt_len + self.max_new_tokens:
             raise AttnkitError(f"this AttnkitCache was built for max_new_tokens={self.max_new_tokens}; "
                                f"generation went past it (pass the same max_new_tokens to generate)")
@@ -284,6 +288,10 @@ class AttnkitCache(Cache):
         self._order = self._inverse = None  # rows gathered by group when the groups are not contiguous
         self._step, self._step_start = None, -1
         self._checked: set = set()
+
+    def used_message(self) -> str:
+        return (f"this AttnkitCache already holds a generation ({self._seen[0]} tokens seen): call cache.reset() "
+                f"before another generate, or give each generate a new AttnkitCache")
 
     # ---- what users read -------------------------------------------------------------------------
     def seen_tokens(self, layer_idx: int = 0) -> int:

@@ -7,7 +7,10 @@ the query heads of each kv group (``gqa_reduce``), and smoothed along the sequen
 kernel (``kernel_size``, ``pooling`` avg or max; SnapKV's clustering, so that a selected token brings
 its neighbours). Each kv head keeps its ``budget - window_size`` best-voted prefix entries plus the
 observation window itself, so the prompt occupies ``budget`` slots per kv head. Only the window's
-queries are scored (a ``window_size`` x prompt product, in blocks), beside SDPA's prefill.
+queries are scored (a ``window_size`` x prompt product, in blocks), beside SDPA's prefill. A prompt no longer
+than the window is all window: every query votes, nothing is pooled or protected, and the ``budget``
+best-voted entries stay (kvpress refuses such a prompt; a window larger than the budget inside a longer prompt
+is refused here too, since the window is always kept).
 
 Decoding then appends every generated token (SnapKV does not evict during generation). With
 ``decode_budget=m`` the generated tokens are capped to a rolling window of the last ``m`` (the incoming
@@ -85,7 +88,9 @@ class SnapKV(PromptScorer):
         # the window is kept whenever the layer is compressed: after the prompt (a window of at most n queries)
         # and, with decode_every, while decoding (a full window: a compression means more than `budget` seen)
         recompresses = self.decode_every and budget + self.decode_every < n + ctx.session.max_new_tokens
-        if (budget < n and min(self.window_size, n) > budget) or (recompresses and self.window_size > budget):
+        # a prompt no longer than the window: the window is the whole prompt, every query votes and nothing is
+        # protected (compress() keeps the best-voted `budget`); kvpress refuses such a prompt
+        if (budget < n and n > self.window_size > budget) or (recompresses and self.window_size > budget):
             raise AttnkitError(f"snapkv: the observation window ({self.window_size} tokens) does not fit in the "
                                f"{budget}-slot budget of layer {ctx.index}; lower window_size or raise the budget")
 
@@ -147,7 +152,8 @@ class SnapKV(PromptScorer):
         votes = attention_statistics(st.window_q, keys, ctx.scaling, st.window_pos, k_pos,
                                      reduce=self.gqa_reduce, window=ctx.native_window)
         prefix = keys.shape[2] - st.window_q.shape[2]
-        votes[:, :, :prefix] = avg_or_max_pool(votes[:, :, :prefix], self.kernel_size, self.pooling)
+        if prefix > 0:
+            votes[:, :, :prefix] = avg_or_max_pool(votes[:, :, :prefix], self.kernel_size, self.pooling)
         return votes
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
@@ -158,6 +164,6 @@ class SnapKV(PromptScorer):
 
     def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor:
         positions = ctx.kv.view()[2]
-        if ctx.state.votes is not None:
-            return positions >= next_pos - self.window_size  # the observation window
+        if ctx.state.votes is not None:  # the observation window, unless it is the whole prompt (check_layer)
+            return positions >= (next_pos - self.window_size if next_pos > self.window_size else next_pos)
         return positions < ctx.session.prompt_len  # decoding with a decode_budget: the compressed prompt stays

@@ -62,13 +62,18 @@ def coerce(name: str, method: str, hint, raw):
                 if raw in typing.get_args(typ):
                     return raw
                 raise ValueError
-            if typing.get_origin(typ) is list and "/" in raw:
-                # a per-layer list in a spec: values separated by "/" ("512/256/256")
+            if typing.get_origin(typ) is list:
+                # a per-layer list in a spec: values separated by "/" ("512/256/256"); where commas cannot
+                # separate parameters (--param KEY=VALUE) also "[512,256,256]" or "512,256,256"
                 (item,) = typing.get_args(typ) or (str,)
-                return [item(x) for x in raw.split("/")]
+                values = raw.strip().removeprefix("[").removesuffix("]")
+                if "/" in values or "," in values:
+                    return [item(x) for x in values.replace(",", "/").split("/")]
         except ValueError:
             continue
-    raise AttnkitError(f"method {method!r}: parameter {name}={raw!r} is not a valid {hint}")
+    lists = any(typing.get_origin(t) is list for t in options)
+    raise AttnkitError(f"method {method!r}: parameter {name}={raw!r} is not a valid {hint}"
+                       + (" (a per-layer list: one value per layer separated by '/', e.g. 0.5/0.3/0.3)" if lists else ""))
 
 
 def make_method(name: str, **params: Any):
@@ -132,7 +137,8 @@ def split_method_spec(spec: str) -> list[tuple[str, dict[str, str]]]:
         for item in filter(None, rest.split(",")):
             key, eq, value = item.partition("=")
             if not eq:
-                raise AttnkitError(f"method spec {spec!r}: expected key=value, got {item!r}")
+                hint = " (a per-layer list is written with '/': budget=0.5/0.3/0.3)" if "[" in rest else ""
+                raise AttnkitError(f"method spec {spec!r}: expected key=value, got {item!r}{hint}")
             params[key.strip()] = value.strip()
         out.append((name.strip(), params))
     quantizers = [i for i, (name, _) in enumerate(out) if is_quantizer(name)]
