@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from attnkit.bench.capacity import capacity_rows, fixed_batch_rows, format_rows, scaling_rows
-from attnkit.eval.harness import run_eval
-from attnkit.eval.plots import plot_capacity
+from attnkit.eval.report.plots import plot_capacity
+from attnkit.eval.run.harness import run_eval
 from attnkit.methods.spec import split_spec_list
 from attnkit.model import load_model
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from attnkit.eval import results as results_store
-from attnkit.eval.ray_cells import CellPool
-from attnkit.eval.sweep import run_sweep, sweep_from_dict, sweep_positions
+from attnkit.eval.run import results as results_store
+from attnkit.eval.run.ray_cells import CellPool
+from attnkit.eval.run.sweep import run_sweep, sweep_from_dict, sweep_positions
 
 
 def sweep_spec(model: str, length: int, samples: int) -> dict:

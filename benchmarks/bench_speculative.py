@@ -49,7 +49,7 @@ import torch
 import attnkit
 from attnkit.bench.speculative import code_prompt, format_time_per_round, time_per_round
 from attnkit.bench.speed import check_benchmark_tokens
-from attnkit.eval.provenance import cpu_name
+from attnkit.eval.run.provenance import cpu_name
 from attnkit.speculative import make_draft, speculative_generate
 from attnkit.speculative.int8_weights import DRAFT_WEIGHTS
 

@@ -44,7 +44,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import attnkit  # noqa: E402
-from attnkit.eval.task_registry import get_task  # noqa: E402
+from attnkit.eval.data.task_registry import get_task  # noqa: E402
 from attnkit.vllm.stats import SchedulerWatch  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")

@@ -7,7 +7,7 @@ kvpress pins an older transformers, so it lives in its own virtual environment (
 default ``.venv-kvpress/bin/python``; ``pip install torch==2.13.0`` there first, then ``pip install
 kvpress``). This script (attnkit's environment) builds the model, saves it with ``save_pretrained``
 to a temporary directory, and starts two kinds of worker process on it: ``--worker attnkit`` (this
-file, in this environment) and :mod:`attnkit.eval.kvpress_worker` (kvpress's environment, run by its
+file, in this environment) and :mod:`attnkit.eval.run.kvpress_worker` (kvpress's environment, run by its
 file path; it never imports attnkit). Both read the same token-id prompts from a JSON request and write JSON results.
 
 Both workers stay alive for the whole run (one JSON request per line on stdin, one answer line on
@@ -55,14 +55,14 @@ Parameter mapping (kvpress -> attnkit), exact:
   attnkit's adaptive budget keeps ``kv_heads * n``; both append while decoding. "kvzip vs layerwise=False"
   (diagnostic): against kvpress's default, which ranks the scores of all layers together (layers keep different
   counts; attnkit's budgets are per layer, by design). KVzipPress masks evicted keys instead of removing them, so
-  its kept positions are read from ``masked_key_indices`` (see :mod:`attnkit.eval.kvpress_worker`).
+  its kept positions are read from ``masked_key_indices`` (see :mod:`attnkit.eval.run.kvpress_worker`).
 - "snapkv+pad": attnkit's SnapKV with the average pooling counting the zero padding
   (``count_include_pad=True``, as ``F.avg_pool1d`` does by default in kvpress and in the SnapKV paper's
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
 
 Kept positions: attnkit's are ``LayerKV.positions`` (split by head in a flat layer); kvpress's are recovered from
 its cache contents by forward hooks that match every kept key row to the full cache's rows, less the positions a
-press masks per head (``masked_key_indices``; see :mod:`attnkit.eval.kvpress_worker`).
+press masks per head (``masked_key_indices``; see :mod:`attnkit.eval.run.kvpress_worker`).
 "attended" compares, at every decode step, layer and kv head, the set of positions the new token
 attended to.
 """
@@ -81,7 +81,7 @@ from pathlib import Path
 
 import torch
 
-from attnkit.eval.peers import WORKER, LineWorker
+from attnkit.eval.run.peers import WORKER, LineWorker
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: .venv-kvpress and results/
 
@@ -171,7 +171,7 @@ def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: 
 
 
 def attnkit_worker(setup_json: str) -> int:
-    """The attnkit side: the same line protocol as attnkit.eval.kvpress_worker."""
+    """The attnkit side: the same line protocol as attnkit.eval.run.kvpress_worker."""
     import transformers
 
     from attnkit.model import load_model
@@ -197,7 +197,7 @@ def attnkit_worker(setup_json: str) -> int:
 def make_prompts(model, lens: list[int], kinds: list[str], seed: int) -> list[tuple[str, list[int]]]:
     """Token-id prompts of each kind and length: ``random`` ids, ``repeat`` (a random block repeated), or the prompt of any generated task of
     ``attnkit eval`` (``passkey``, ``code_completion``, ``needle_heldout``, ...): code, prose, key-value text."""
-    from attnkit.eval.task_registry import TASKS
+    from attnkit.eval.data.task_registry import TASKS
 
     vocab = model.geometry.vocab_size
     bos = list(model.tokenizer("").input_ids)

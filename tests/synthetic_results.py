@@ -12,8 +12,8 @@ import json
 import random
 from pathlib import Path
 
-from attnkit.eval.intervals import score_interval
-from attnkit.eval.results import RESULTS_FILE, SCHEMA, cell_key
+from attnkit.eval.run.results import RESULTS_FILE, SCHEMA, cell_key
+from attnkit.eval.stats.intervals import score_interval
 
 MODEL = "random:llama:synthetic"
 METHODS = ("snapkv", "pyramidkv", "h2o", "tova", "keydiff", "knorm", "expected_attention", "kvzip", "window",

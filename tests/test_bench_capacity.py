@@ -67,7 +67,7 @@ def test_script_writes_tables_plot_and_the_report_shows_them(results, tmp_path, 
     assert [(r["batch_size"], r["same_scores"]) for r in data["eval"]] == [(1, True), (2, True)]
     assert (out / "capacity.png").read_bytes()[:4] == b"\x89PNG"
     assert "### A KV cap of" in (out / "capacity.md").read_text()
-    from attnkit.eval.report import write_report
+    from attnkit.eval.report.page import write_report
     text = write_report(out).read_text()
     assert "Batches under a KV memory cap" in text and "h2o:budget_tokens=40" in text
     shutil.rmtree(out)

@@ -9,7 +9,7 @@ import pytest
 import attnkit
 import attnkit.model
 from attnkit.bench.speculative import code_prompt
-from attnkit.eval.task_registry import TASKS
+from attnkit.eval.data.task_registry import TASKS
 from attnkit.speculative import make_draft, speculative_generate
 
 # needles in the first half of a 1024-token prompt: at least 400 tokens before the question

@@ -18,7 +18,7 @@ import attnkit.cli.commands as commands_module
 import attnkit.cli.parser as parser_module
 from attnkit import AttnkitError
 from attnkit.cli import build_parser, int_list, main, name_list
-from attnkit.eval.task_registry import ALL_TASKS
+from attnkit.eval.data.task_registry import ALL_TASKS
 from attnkit.methods.spec import split_spec_list
 from helpers import SMALL
 

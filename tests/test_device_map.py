@@ -15,7 +15,7 @@ import torch
 import attnkit
 from attnkit import AttnkitError
 from attnkit.cli import main
-from attnkit.eval.peers import KvpressRunner
+from attnkit.eval.run.peers import KvpressRunner
 from attnkit.forward import prefill
 from attnkit.methods.spec import parse_method_spec
 from attnkit.session import new_session

@@ -15,7 +15,7 @@ from attnkit import masks
 from attnkit.calibrate.duo import _GateProbe, _hidden, calibrate_duo, dumps_config
 from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
-from attnkit.eval.peers import KvpressRunner
+from attnkit.eval.run.peers import KvpressRunner
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.hf_cache import AttnkitCache
 from attnkit.methods.base import Method
@@ -405,7 +405,7 @@ def test_speculative_draft_with_duo_attention_is_lossless(models):
 
 # ---- side by side with kvpress's DuoAttentionPress ------------------------------------------------------------
 def kvpress_prompts(model, n=256):
-    from attnkit.eval.task_registry import TASKS
+    from attnkit.eval.data.task_registry import TASKS
 
     prompts = {"random": [0] + random_ids(n - 1, seed=12).tolist()}
     for task in ("passkey", "code_completion", "needle_heldout"):

@@ -1,4 +1,4 @@
-"""The evaluation harness (attnkit.eval.harness), the task scorers, and the train/eval split."""
+"""The evaluation harness (attnkit.eval.run.harness), the task scorers, and the train/eval split."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import torch
 
 from attnkit import AttnkitError, load_model
 from attnkit.cli import main
-from attnkit.eval import cells, corpus, harness, task_registry, tasks
-from attnkit.eval import results as results_store
-from attnkit.eval.table import format_table
-from attnkit.eval.tasks import TASKS, Sample, edit_similarity, string_match_score
+from attnkit.eval.data import corpus, task_registry, tasks
+from attnkit.eval.data.tasks import TASKS, Sample, edit_similarity, string_match_score
+from attnkit.eval.run import cells, harness
+from attnkit.eval.run import results as results_store
+from attnkit.eval.stats.table import format_table
 
 SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 METHODS = ["full", "window:window=64"]
@@ -204,7 +205,7 @@ def test_format_table():
 
 
 # --------------------------------------------------------------------------------------------------
-# scorers and splits (attnkit.eval.tasks, attnkit.eval.corpus)
+# scorers and splits (attnkit.eval.data.tasks, attnkit.eval.data.corpus)
 
 
 def test_code_completion_scores_the_first_code_line_after_blank_and_comment_lines(model):

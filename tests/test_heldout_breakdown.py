@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from attnkit.eval.retrieval_data import EVAL_TASKS
+from attnkit.eval.data.retrieval_data import EVAL_TASKS
 from attnkit.model import bundled_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))

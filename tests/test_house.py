@@ -22,7 +22,12 @@ LAYERS = [
     ("speculative",),
     ("recipe",),
     ("vllm",),  # the vLLM host (its plugin imports vLLM; attnkit.vllm itself imports nothing)
-    ("eval",),
+    ("eval",),  # eval's own package facade; its subpackages, bottom to top:
+    ("eval.data",),
+    ("eval.stats",),
+    ("eval.run",),
+    ("eval.report",),
+    ("eval.tune",),
     ("calibrate",),  # calibration prompts come from eval's task generators
     ("bench",),
     ("cli",),
@@ -62,6 +67,8 @@ def imports(path: Path) -> list[tuple[str, bool, int]]:
 def layer(module: str) -> int | None:
     """The layer of `module` (None: the package's facade, ``attnkit`` itself, which is above everything)."""
     parts = module.split(".")
+    if len(parts) > 2 and ".".join(parts[1:3]) in RANK:  # a subpackage with layers of its own (eval's)
+        return RANK[".".join(parts[1:3])]
     return RANK.get(parts[1]) if len(parts) > 1 else None
 
 

@@ -1,5 +1,5 @@
-"""95 % intervals (attnkit.eval.intervals) against known values, and the report's use of them
-(attnkit.eval.significance, attnkit.eval.score_table): differences inside the noise are greyed, columns are
+"""95 % intervals (attnkit.eval.stats.intervals) against known values, and the report's use of them
+(attnkit.eval.stats.significance, attnkit.eval.report.score_table): differences inside the noise are greyed, columns are
 ranked only where their intervals do not overlap, a method is said to keep 95 % of full only when shown to."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import math
 import numpy as np
 import pytest
 
-from attnkit.eval import intervals, significance
-from attnkit.eval.report import write_report
-from attnkit.eval.results import RESULTS_FILE, SCHEMA
-from attnkit.eval.score_table import score_cell
-from attnkit.eval.seed_rows import merge_seeds
+from attnkit.eval.report.page import write_report
+from attnkit.eval.report.score_table import score_cell
+from attnkit.eval.run.results import RESULTS_FILE, SCHEMA
+from attnkit.eval.stats import intervals, significance
+from attnkit.eval.stats.seed_rows import merge_seeds
 
 
 def wilson_by_hand(k: int, n: int) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""One writer per results directory (attnkit.eval.lock): a second sweep or eval into a directory being written is
+"""One writer per results directory (attnkit.eval.run.lock): a second sweep or eval into a directory being written is
 refused in one line naming the directory, the holder and how to clear a stale lock; a holder that died (killed)
 leaves no lock; one process may nest its own lock."""
 
@@ -13,9 +13,9 @@ import torch
 
 from attnkit import AttnkitError
 from attnkit.cli import main
-from attnkit.eval import lock
-from attnkit.eval.lock import LOCK_FILE, results_lock
-from attnkit.eval.sweep import run_sweep, sweep_from_dict
+from attnkit.eval.run import lock
+from attnkit.eval.run.lock import LOCK_FILE, results_lock
+from attnkit.eval.run.sweep import run_sweep, sweep_from_dict
 
 SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 SWEEP = {"model": SPEC, "samples": 1, "tasks": ["passkey"], "lengths": [256], "budgets": [0.5], "recipes": ["window"]}

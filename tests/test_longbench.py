@@ -10,9 +10,10 @@ import torch
 
 from attnkit import AttnkitError, load_model
 from attnkit.cli import main
-from attnkit.eval import harness, longbench
-from attnkit.eval import results as results_store
-from attnkit.eval.longbench import LongBenchData, prompt_ids, score, truncate_middle
+from attnkit.eval.data import longbench
+from attnkit.eval.data.longbench import LongBenchData, prompt_ids, score, truncate_middle
+from attnkit.eval.run import harness
+from attnkit.eval.run import results as results_store
 from attnkit.tokenizer import build_byte_tokenizer
 
 DATA = Path(__file__).parent / "data" / "longbench_small.jsonl"

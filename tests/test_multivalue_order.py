@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from attnkit.eval import tasks
+from attnkit.eval.data import tasks
 from attnkit.model import bundled_path
 from attnkit.tokenizer import build_byte_tokenizer
 

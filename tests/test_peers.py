@@ -1,4 +1,4 @@
-"""The kvpress peer's worker ships inside the package (attnkit.eval.peers, attnkit.eval.kvpress_worker)."""
+"""The kvpress peer's worker ships inside the package (attnkit.eval.run.peers, attnkit.eval.run.kvpress_worker)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 
 import attnkit
 from attnkit import AttnkitError
-from attnkit.eval import peers
+from attnkit.eval.run import peers
 from attnkit.recipe import peer
 
 
 def test_the_worker_is_part_of_the_package():
     package = Path(attnkit.__file__).resolve().parent
-    assert peers.WORKER.is_file() and peers.WORKER.parent == package / "eval"
+    assert peers.WORKER.is_file() and peers.WORKER.parent == package / "eval" / "run"
 
 
 def test_the_worker_imports_no_attnkit():

@@ -1,4 +1,4 @@
-"""Evaluation protocols (attnkit.eval.protocols): full attention predicts the same under query-aware, query-agnostic
+"""Evaluation protocols (attnkit.eval.data.protocols): full attention predicts the same under query-aware, query-agnostic
 and multi-query; multi-query prefills each context once (counted in the rows); rows record the protocol; recipes,
 tasks and settings a protocol cannot honour are refused in one line; every generated task says where its question
 starts; a stochastic method runs over seeds."""
@@ -10,12 +10,12 @@ import torch
 
 from attnkit import AttnkitError, load_model
 from attnkit.cli import main
-from attnkit.eval import harness
-from attnkit.eval.protocols import PROTOCOLS, refusal
-from attnkit.eval.sample import split_ids
-from attnkit.eval.sweep import run_sweep, sweep_from_dict
-from attnkit.eval.table import format_table
-from attnkit.eval.task_registry import TASKS
+from attnkit.eval.data.protocols import PROTOCOLS, refusal
+from attnkit.eval.data.sample import split_ids
+from attnkit.eval.data.task_registry import TASKS
+from attnkit.eval.run import harness
+from attnkit.eval.run.sweep import run_sweep, sweep_from_dict
+from attnkit.eval.stats.table import format_table
 from attnkit.recipe import Recipe, as_recipe
 
 SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"

@@ -20,11 +20,11 @@ import yaml
 
 from attnkit import AttnkitError
 from attnkit.cli import main
-from attnkit.eval import results as results_store
-from attnkit.eval.ray_cells import CellPool
-from attnkit.eval.sweep import run_sweep, sweep_from_dict, sweep_positions
-from attnkit.eval.tune import TuneSettings, run_tune
-from attnkit.eval.tune_space import space_from_dict
+from attnkit.eval.run import results as results_store
+from attnkit.eval.run.ray_cells import CellPool
+from attnkit.eval.run.sweep import run_sweep, sweep_from_dict, sweep_positions
+from attnkit.eval.tune.search import TuneSettings, run_tune
+from attnkit.eval.tune.space import space_from_dict
 
 ray = pytest.importorskip("ray")
 

@@ -13,9 +13,9 @@ import torch
 
 from attnkit import AttnkitError
 from attnkit.cli import main
-from attnkit.eval import results as results_store
-from attnkit.eval.report import enrich, summarize, write_report
-from attnkit.eval.sweep import run_sweep, sweep_from_dict
+from attnkit.eval.report.page import enrich, summarize, write_report
+from attnkit.eval.run import results as results_store
+from attnkit.eval.run.sweep import run_sweep, sweep_from_dict
 
 SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 SWEEP = {"model": SPEC, "samples": 2, "tasks": ["passkey", "code_completion"], "lengths": [256, 320],

@@ -17,10 +17,10 @@ from matplotlib.text import Text
 from PIL import Image
 
 import synthetic_results
-from attnkit.eval.label_layout import spread
-from attnkit.eval.plot_budget import MOST_LINES
-from attnkit.eval.plot_style import FONT, facets, min_font_pt
-from attnkit.eval.report import read_report
+from attnkit.eval.report.label_layout import spread
+from attnkit.eval.report.page import read_report
+from attnkit.eval.report.plot_budget import MOST_LINES
+from attnkit.eval.report.plot_style import FONT, facets, min_font_pt
 from test_report import _chromium
 
 WINDOW = (1400, 1000)  # the browser window: the page's content is 1352 px wide

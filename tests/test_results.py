@@ -1,4 +1,4 @@
-"""The results store (attnkit.eval.results): appending rows, repairing a cut-off tail, reading any file."""
+"""The results store (attnkit.eval.run.results): appending rows, repairing a cut-off tail, reading any file."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from attnkit import AttnkitError
 from attnkit.cli import main
-from attnkit.eval import provenance
-from attnkit.eval.results import RESULTS_FILE, append_row, read_results, repair_tail
+from attnkit.eval.run import provenance
+from attnkit.eval.run.results import RESULTS_FILE, append_row, read_results, repair_tail
 from attnkit.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,14 +68,14 @@ def _repo(root: Path, files: dict[str, str], track: bool = True) -> str:
 
 
 ATTNKIT = '[project]\nname = "attnkit"\n'
-SOURCE = "src/attnkit/eval/provenance.py"
+SOURCE = "src/attnkit/eval/run/provenance.py"
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_commit_only_from_attnkit_checkout(tmp_path):
     assert provenance.versions()["attnkit"] == __version__
     # an installed wheel in a user's project that commits its virtual environment: the user's commit is not attnkit's
-    wheel = ".venv/lib/python3.11/site-packages/attnkit/eval/provenance.py"
+    wheel = ".venv/lib/python3.11/site-packages/attnkit/eval/run/provenance.py"
     _repo(tmp_path / "user", {"pyproject.toml": '[project]\nname = "mine"\n', wheel: ""})
     assert provenance.checkout_commit(tmp_path / "user" / wheel) is None
     # attnkit's sources vendored in a subfolder of a user's repository: not attnkit's own checkout either

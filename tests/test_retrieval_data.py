@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from attnkit.eval import corpus
-from attnkit.eval import retrieval_data as R
-from attnkit.eval import retrieval_templates as T
+from attnkit.eval.data import corpus
+from attnkit.eval.data import retrieval_data as R
+from attnkit.eval.data import retrieval_templates as T
 from attnkit.tokenizer import build_byte_tokenizer
 
 TOK = build_byte_tokenizer()
@@ -113,7 +113,7 @@ def test_eval_tasks_make_exact_deterministic_samples(name):
     s = task.make(TOK, 1024, 0.25, 3)
     assert s == task.make(TOK, 1024, 0.25, 3)
     assert s != task.make(TOK, 1024, 0.25, 4)
-    assert len(TOK.encode(s.prompt)) == 1024  # BOS included, as attnkit.eval.tasks counts
+    assert len(TOK.encode(s.prompt)) == 1024  # BOS included, as attnkit.eval.data.tasks counts
     assert task.score(s.target, s) == 1.0 and task.score(" nothing\n", s) == 0.0
     assert s.target.startswith(" ") and s.target.endswith("\n")
 

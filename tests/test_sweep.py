@@ -17,9 +17,9 @@ import yaml
 from attnkit import AttnkitError
 from attnkit.bench.speed import decode_weight_bytes, format_bench, measure_bandwidth, run_bench
 from attnkit.cli import main
-from attnkit.eval import cells
-from attnkit.eval import results as results_store
-from attnkit.eval.sweep import load_sweep, run_sweep, sweep_from_dict
+from attnkit.eval.run import cells
+from attnkit.eval.run import results as results_store
+from attnkit.eval.run.sweep import load_sweep, run_sweep, sweep_from_dict
 from attnkit.recipe import Recipe, as_recipe, load_recipe_file, peer
 
 ROOT = Path(__file__).resolve().parents[1]

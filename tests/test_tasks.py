@@ -1,4 +1,4 @@
-"""The evaluation tasks (attnkit.eval.tasks): prompts are the asked length in tokens, with the byte tokenizer
+"""The evaluation tasks (attnkit.eval.data.tasks): prompts are the asked length in tokens, with the byte tokenizer
 and with a subword (BPE) tokenizer, whose lines and runs of spaces do not have a fixed length. Needle tasks are
 assembled in token space and decoded, so a subword tokenizer may merge a token across a seam when the
 text is encoded again; kv_retrieval is built as text and measured, so it is exact with both."""
@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from attnkit.eval import corpus
-from attnkit.eval.tasks import TASKS
+from attnkit.eval.data import corpus
+from attnkit.eval.data.tasks import TASKS
 from attnkit.tokenizer import BOS, EOS, PAD, build_byte_tokenizer
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from attnkit.eval import corpus
-from attnkit.eval import retrieval_templates as T
+from attnkit.eval.data import corpus
+from attnkit.eval.data import retrieval_templates as T
 from attnkit.tokenizer import build_byte_tokenizer
 
 TRAINING = Path(__file__).resolve().parents[1] / "training"

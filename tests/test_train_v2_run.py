@@ -149,7 +149,7 @@ def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(chain
 def test_bundling_stores_the_chain_s_model_and_its_draft_in_float16_with_their_lineage(chain, tmp_path):
     from safetensors.torch import load_file
 
-    from attnkit.eval.tasks import TASKS
+    from attnkit.eval.data.tasks import TASKS
     from attnkit.model import load_model
 
     chain_file, runs, _ = chain

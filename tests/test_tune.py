@@ -13,12 +13,12 @@ import yaml
 
 from attnkit import AttnkitError
 from attnkit.cli import main
-from attnkit.eval import cells
-from attnkit.eval import results as results_store
-from attnkit.eval.lock import LOCK_FILE
-from attnkit.eval.tune import TuneSettings, run_tune, winner_entry
-from attnkit.eval.tune_rules import DOMINATED, FLOOR, HALVING, cell_summary, choose, eliminate, pareto, summarize
-from attnkit.eval.tune_space import TARGETS, candidates, combinations, default_space, space_from_dict
+from attnkit.eval.run import cells
+from attnkit.eval.run import results as results_store
+from attnkit.eval.run.lock import LOCK_FILE
+from attnkit.eval.tune.rules import DOMINATED, FLOOR, HALVING, cell_summary, choose, eliminate, pareto, summarize
+from attnkit.eval.tune.search import TuneSettings, run_tune, winner_entry
+from attnkit.eval.tune.space import TARGETS, candidates, combinations, default_space, space_from_dict
 from attnkit.recipe import load_recipe_file
 from helpers import SMALL
 

@@ -1,4 +1,4 @@
-"""Data users bring: RULER's and InfiniteBench's JSONL formats beside LongBench's (attnkit.eval.user_data), their
+"""Data users bring: RULER's and InfiniteBench's JSONL formats beside LongBench's (attnkit.eval.data.user_data), their
 metrics, the context/question split of every format, and items sharing a context as several questions. The small
 samples of each format are written here (no data set can be downloaded)."""
 
@@ -12,9 +12,10 @@ import torch
 
 from attnkit import AttnkitError, load_model
 from attnkit.cli import main
-from attnkit.eval import harness, infinitebench, ruler_data
-from attnkit.eval.sample import split_ids
-from attnkit.eval.user_data import load_data
+from attnkit.eval.data import infinitebench, ruler_data
+from attnkit.eval.data.sample import split_ids
+from attnkit.eval.data.user_data import load_data
+from attnkit.eval.run import harness
 
 SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 LONGBENCH = Path(__file__).parent / "data" / "longbench_small.jsonl"
@@ -189,7 +190,7 @@ def test_eval_runs_every_format_under_every_protocol(model, ruler_dir, infinite_
 def test_a_cell_beyond_the_models_positions_is_refused_in_one_line():
     from types import SimpleNamespace
 
-    from attnkit.eval.prompting import check_positions
+    from attnkit.eval.data.prompting import check_positions
     model = SimpleNamespace(geometry=SimpleNamespace(max_positions=4096), spec="tiny")
     check_positions(model, "ruler:niah_single_1", 4000, 96)  # 4096 positions: fits exactly
     with pytest.raises(AttnkitError, match=r"^task 'ruler:niah_single_1' at length 4000 needs 4000 \+ 97 positions; "

@@ -15,7 +15,7 @@ import pytest
 import attnkit
 from attnkit.calibrate.patterns import dumps_config, search_patterns
 from attnkit.errors import AttnkitError
-from attnkit.eval.task_registry import get_task
+from attnkit.eval.data.task_registry import get_task
 from attnkit.vllm.stats import SchedulerWatch
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")

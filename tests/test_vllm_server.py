@@ -12,7 +12,7 @@ import time
 import pytest
 
 import attnkit
-from attnkit.eval.task_registry import get_task
+from attnkit.eval.data.task_registry import get_task
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
 NEW = 24

@@ -15,8 +15,8 @@ import torch
 
 from attnkit.bench.speed import check_benchmark_tokens
 from attnkit.errors import AttnkitError
-from attnkit.eval import corpus
-from attnkit.eval.tasks import make_code_completion
+from attnkit.eval.data import corpus
+from attnkit.eval.data.tasks import make_code_completion
 from attnkit.generation import encode_prompt
 from attnkit.model import LoadedModel, load_model_for_length
 from attnkit.runner import generate

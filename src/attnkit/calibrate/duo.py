@@ -17,7 +17,7 @@ full attention while as few gates as possible stay open (eqs. 2-4)::
 
 (the authors' code's normalisations; ``lambda = 0.05``, Adam with learning rate 0.02 and no weight decay, the
 gates clipped to [0, 1] after every step, as there). The paper's synthetic data are passkeys hidden in long
-text, supervised on the answers; here they are attnkit's own retrieval tasks (:mod:`attnkit.eval.task_registry`,
+text, supervised on the answers; here they are attnkit's own retrieval tasks (:mod:`attnkit.eval.data.task_registry`,
 held-out seeds, :mod:`attnkit.calibrate.samples`), each prompt followed by its answer (the task's ``target``),
 the supervised tokens being the last prompt token and the answer's. One prompt per step, in turn. The learning
 rate is constant (the authors warm it up and down over 2000 steps; a small calibration runs far fewer).

@@ -5,7 +5,7 @@ Select-Attention is section 4.2 of Taniguchi, Xiao, Dong, Oyamada, Onizuka: "Att
 Llama3 では 15 層目が最も適切"). This tool does the same on attnkit's synthetic tasks: for every candidate ``L``
 it generates the calibration samples (:func:`attnkit.calibrate.patterns.calibration_samples`, never an evaluation
 sample) with ``select:filter_layer=L,p_decode=p`` and scores them with the task's own metric
-(:mod:`attnkit.eval.tasks`), beside ``full`` on the same samples. The best ``L`` has the highest mean score;
+(:mod:`attnkit.eval.data.tasks`), beside ``full`` on the same samples. The best ``L`` has the highest mean score;
 on a tie the smaller ``L`` wins, since it keeps fewer cached layers (memory per token
 ``2 (L + 1) kv_heads head_dim + hidden`` elements, reported per row) and a smaller ``L`` is what the method
 is for. The table also gives the mean fraction of the context the later layers saw while decoding.
@@ -21,7 +21,7 @@ from pathlib import Path
 from attnkit.calibrate import progress_to_stderr
 from attnkit.calibrate.samples import calibration_samples
 from attnkit.errors import AttnkitError
-from attnkit.eval.task_registry import TASKS
+from attnkit.eval.data.task_registry import TASKS
 from attnkit.methods.select import Select, check_p, kept_fraction
 from attnkit.model import LoadedModel, load_model_for_length
 from attnkit.runner import generate

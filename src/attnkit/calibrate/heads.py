@@ -26,7 +26,7 @@ layers, one per layer from a file, or a schedule ``LOW,HIGH[,A:B]`` giving HIGH 
 to the others. The default band follows Fig. 6 on Llama3's 32 layers (15-28 tolerate sharing):
 ``A = n // 2 - 1``, ``B = n - max(1, round(3 n / 32))``.
 
-Calibration prompts come from :mod:`attnkit.eval.tasks`, never an evaluation sample: split ``calibration``
+Calibration prompts come from :mod:`attnkit.eval.data.tasks`, never an evaluation sample: split ``calibration``
 uses the held-out haystack with seeds offset by :data:`attnkit.calibrate.samples.SEED_OFFSET` (as the pattern
 search does), split ``train`` the training stream (slower: its haystack is 25x larger to tokenize). The same
 arguments write the same file byte for byte; the ``date`` field is today's UTC date, or the date of

@@ -1,4 +1,4 @@
-"""Calibration prompts: seeded samples of the task generators (:mod:`attnkit.eval.tasks`) that are never
+"""Calibration prompts: seeded samples of the task generators (:mod:`attnkit.eval.data.tasks`) that are never
 evaluation samples.
 
 They use the held-out haystack (the training split's is much larger and slow to tokenize) with their seeds
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from attnkit.errors import AttnkitError
-from attnkit.eval.task_registry import TASKS
+from attnkit.eval.data.task_registry import TASKS
 from attnkit.generation import encode_prompt
 from attnkit.model import LoadedModel
 from attnkit.validate import choice, whole

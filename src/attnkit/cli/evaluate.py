@@ -18,7 +18,7 @@ from attnkit.validate import whole
 
 
 def protocol_options(args: argparse.Namespace) -> dict:
-    """``--protocol``, ``--queries`` and ``--seeds`` as :func:`attnkit.eval.harness.run_eval`'s keywords (only
+    """``--protocol``, ``--queries`` and ``--seeds`` as :func:`attnkit.eval.run.harness.run_eval`'s keywords (only
     those given; ``--queries`` defaults to 4 when multi-query runs)."""
     out = {}
     if args.protocol is not None:
@@ -36,7 +36,7 @@ DEFAULT_MULTI_QUERIES = 4
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from attnkit.eval.harness import format_table, run_eval
+    from attnkit.eval.run.harness import format_table, run_eval
 
     whole("--samples", args.samples, minimum=1)
     if args.batch_size is not None:
@@ -54,7 +54,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model = load(args.model or "tiny", args=args)
     data = None
     if args.data:
-        from attnkit.eval.user_data import load_data
+        from attnkit.eval.data.user_data import load_data
 
         data = load_data(args.data)
     if tasks is None:
@@ -77,7 +77,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cells_in(out: str) -> set:
     """The cell keys of ``OUT/results.jsonl`` (empty when there is none); read without repairing the file, which
     another run may be writing (``run_eval`` repairs it once it holds the directory's lock)."""
-    from attnkit.eval.results import RESULTS_FILE, read_results
+    from attnkit.eval.run.results import RESULTS_FILE, read_results
 
     path = Path(out) / RESULTS_FILE
     if not path.is_file():
@@ -89,8 +89,8 @@ def cells_in(out: str) -> set:
 
 def eval_sweep(args: argparse.Namespace) -> int:
     """``eval --sweep FILE``: the sweep file sets tasks, recipes and data; resumable from ``--out``."""
-    from attnkit.eval.harness import format_table
-    from attnkit.eval.sweep import load_sweep, run_sweep, sweep_positions
+    from attnkit.eval.run.harness import format_table
+    from attnkit.eval.run.sweep import load_sweep, run_sweep, sweep_positions
 
     given = [f"--{n}" for n in ("tasks", "methods", "recipe", "data", "queries", "seeds") if getattr(args, n)]
     if args.protocol != "query-aware":
@@ -133,8 +133,8 @@ def check_ray_options(args: argparse.Namespace) -> None:
 
 def ray_sweep(args: argparse.Namespace, sweep) -> list[dict]:
     """``eval --sweep FILE --ray``: the cells on Ray actors (a local Ray unless --ray-address)."""
-    from attnkit.eval.ray_cells import CellPool
-    from attnkit.eval.sweep import run_sweep, sweep_positions
+    from attnkit.eval.run.ray_cells import CellPool
+    from attnkit.eval.run.sweep import run_sweep, sweep_positions
 
     print(f"starting {'a local Ray' if args.ray_address is None else 'on Ray at ' + args.ray_address} and its "
           f"workers (each loads {sweep.model})", file=sys.stderr)
@@ -144,7 +144,7 @@ def ray_sweep(args: argparse.Namespace, sweep) -> list[dict]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from attnkit.eval.report import write_report
+    from attnkit.eval.report.page import write_report
 
     try:
         page = write_report(args.dir, out=args.out)
@@ -157,7 +157,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """A short evaluation of the bundled model: full attention vs a small sliding window."""
-    from attnkit.eval.harness import format_table, run_eval
+    from attnkit.eval.run.harness import format_table, run_eval
     from attnkit.model import BUNDLED, TRAINING_SCRIPT, bundled_path
 
     whole("--samples", args.samples, minimum=1)
@@ -175,7 +175,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     out_dir=Path(args.out) if args.out else None, progress=True)
     print(format_table(rows))
     if args.out:
-        from attnkit.eval.report import write_report
+        from attnkit.eval.report.page import write_report
 
         print(f"report: {write_report(args.out)}")
     print(f"demo finished in {time.time() - t0:.0f} s")

@@ -7,8 +7,8 @@ from attnkit.cli.evaluate import cmd_calibrate, cmd_demo, cmd_eval, cmd_report
 from attnkit.cli.options import Parser
 from attnkit.cli.speculation import add_speculation_options
 from attnkit.cli.tune import cmd_tune
-from attnkit.eval.cells import DEFAULT_BATCH_SIZE
-from attnkit.eval.task_registry import ALL_TASKS, GENERATED_TASKS
+from attnkit.eval.data.task_registry import ALL_TASKS, GENERATED_TASKS
+from attnkit.eval.run.cells import DEFAULT_BATCH_SIZE
 
 MODEL_HELP = "tiny, tiny-draft, random:<arch>[:k=v,..], a model directory or hub id, any of them with :yarn=F"
 METHOD_HELP = "method spec NAME[:k=v,...] or PREFILL+CACHE (e.g. snapkv:budget=0.3, minference+snapkv)"

@@ -1,5 +1,5 @@
 """``attnkit tune``: the recipe for a model, tasks and lengths that keeps an accuracy floor at the least cost
-(:mod:`attnkit.eval.tune`); resumable from ``--out``, on Ray with ``--ray``."""
+(:mod:`attnkit.eval.tune.search`); resumable from ``--out``, on Ray with ``--ray``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from attnkit.errors import AttnkitError
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from attnkit.eval.sweep import positions_for
-    from attnkit.eval.tune import RECIPE_FILE, TuneSettings, run_tune, summary_text
-    from attnkit.eval.tune_space import load_space
+    from attnkit.eval.run.sweep import positions_for
+    from attnkit.eval.tune.search import RECIPE_FILE, TuneSettings, run_tune, summary_text
+    from attnkit.eval.tune.space import load_space
 
     if not args.out:
         raise AttnkitError("tune needs --out DIR (where results.jsonl, recipe.json and the report are written)")
@@ -34,7 +34,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
          f"{', '.join(settings.tasks)} x {', '.join(map(str, settings.lengths))} tokens; "
          f"{settings.rounds} rounds of {' + '.join(str(n) for n, _ in settings.plan()[:-1])} samples -> {args.out}")
     if args.ray:
-        from attnkit.eval.ray_cells import CellPool
+        from attnkit.eval.run.ray_cells import CellPool
 
         with CellPool(settings.model, positions=positions_for(settings.lengths), workers=args.workers,
                       address=args.ray_address) as pool:

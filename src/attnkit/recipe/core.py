@@ -259,7 +259,7 @@ class Recipe:
     def _build(self) -> Method:
         if self.peer is not None:
             raise AttnkitError(f"recipe {self.label!r} is a kvpress press; it runs in kvpress's environment "
-                               f"(attnkit.eval.peers), not as an attnkit method")
+                               f"(attnkit.eval.run.peers), not as an attnkit method")
         parts = {role: part for role, part in self.parts.items() if role != "quantize"}
         if not parts:
             inner = {"method": "full", "params": {}}

@@ -2,7 +2,7 @@
 
 A press is named ``kvpress:PRESS[:key=value,...]`` (``kvpress:SnapKVPress:compression_ratio=0.5``) or,
 in a recipe file, ``{"kvpress": "SnapKVPress", "params": {...}}``. kvpress pins another transformers
-than attnkit, so presses run in an interpreter of their own (:mod:`attnkit.eval.peers` starts it):
+than attnkit, so presses run in an interpreter of their own (:mod:`attnkit.eval.run.peers` starts it):
 ``$ATTNKIT_KVPRESS_PYTHON``, else ``.venv-kvpress/bin/python`` of the source checkout or of the current
 directory, else this interpreter when it can import kvpress. A recipe naming a press is refused at once
 when there is no such interpreter, so a sweep never starts what it cannot finish.
