@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from attnkit.eval.tasks import TASKS
+from attnkit.eval.data.tasks import TASKS
 from attnkit.generation import encode_prompt
 from attnkit.model import load_model
 from chain_v2 import stage_done

@@ -1,5 +1,5 @@
-"""Training rows of model v2: the mixing of attnkit.eval.retrieval_data's generators, the acceptance tasks
-of attnkit.eval.tasks (training split), plain language-model windows and a copy warm-up.
+"""Training rows of model v2: the mixing of attnkit.eval.data.retrieval_data's generators, the acceptance tasks
+of attnkit.eval.data.tasks (training split), plain language-model windows and a copy warm-up.
 
 A batch is a pure function of (config seed, step, phase), so a resumed run sees exactly the batches an
 uninterrupted one would. Every row is (ids, weights, answer): seq_len + 1 ids starting with <s>, a loss
@@ -12,9 +12,9 @@ import random
 
 import torch
 
-from attnkit.eval import retrieval_data as R
-from attnkit.eval import retrieval_templates as T
-from attnkit.eval import tasks
+from attnkit.eval.data import retrieval_data as R
+from attnkit.eval.data import retrieval_templates as T
+from attnkit.eval.data import tasks
 
 BOS, PAD = 0, 2
 _FIRST_PLAIN_ID = 16  # ids below are the special tokens (0-2) and single punctuation characters
@@ -160,7 +160,7 @@ class Rows:
         `mixed_values`: digits, words and hex strings equally often (otherwise about three values in four are
         digits, the format of the acceptance tasks, and a model learns to answer with digits whatever it found).
         `open_words`: every fact and seven questions in ten worded with open text
-        (:func:`~attnkit.eval.retrieval_templates.open_needle`), so the wording varies over thousands of words."""
+        (:func:`~attnkit.eval.data.retrieval_templates.open_needle`), so the wording varies over thousands of words."""
         n_facts = rng.randint(2, 16)
         key_kind, value_kind = rng.choice((None, "name", "words", "uuid", "item", "code")), rng.choice((None, "digits"))
         keys = T.distinct(lambda r: T.make_key(r, key_kind), n_facts, rng)
@@ -236,7 +236,7 @@ class Rows:
         the start and a needle row carries one answer; this row carries dozens, each from anywhere up to the
         row's length back, which is what finding a needle far from the question needs. `open_words`: facts and
         questions worded with open text as in the drill. `stated`: half the questions worded as a fact with the
-        value left out (:func:`~attnkit.eval.retrieval_templates.stated_question`): multi-value rows teach that a
+        value left out (:func:`~attnkit.eval.data.retrieval_templates.stated_question`): multi-value rows teach that a
         key stated again gets a new value, and these that a key restated at the end asks for the one it has."""
         n_facts = rng.randint(2, 12)
         keys = T.distinct(lambda r: T.make_key(r, rng.choice((None, "name", "words", "uuid", "item", "code"))),

@@ -19,12 +19,12 @@ import re
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from attnkit.eval.harness import depth_list
-from attnkit.eval.retrieval_data import EVAL_TASKS
+from attnkit.eval.data.retrieval_data import EVAL_TASKS
+from attnkit.eval.run.harness import depth_list
 
 
 def value_kind(value: str) -> str:
-    """digits, hex or word: the value formats of attnkit.eval.retrieval_templates.make_value."""
+    """digits, hex or word: the value formats of attnkit.eval.data.retrieval_templates.make_value."""
     return "digits" if value.isdigit() else "hex" if re.fullmatch(r"[0-9a-f]{4}|[0-9a-f]{6}|[0-9a-f]{8}", value) \
         else "word"
 

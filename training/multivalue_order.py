@@ -18,9 +18,9 @@ import random
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from attnkit.eval import retrieval_data as R
-from attnkit.eval import tasks
-from attnkit.eval.harness import depth_list
+from attnkit.eval.data import retrieval_data as R
+from attnkit.eval.data import tasks
+from attnkit.eval.run.harness import depth_list
 
 
 def spaced(tok, gap: int, seed: int, length: int = 1024) -> tuple[list[int], list[str]]:

@@ -25,9 +25,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from attnkit.eval import corpus
-from attnkit.eval import retrieval_data as R
-from attnkit.eval import retrieval_templates as T
+from attnkit.eval.data import corpus
+from attnkit.eval.data import retrieval_data as R
+from attnkit.eval.data import retrieval_templates as T
 from attnkit.tokenizer import BOS, EOS, PAD, build_byte_tokenizer
 
 

@@ -51,8 +51,8 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from attnkit.eval import retrieval_data as R  # noqa: E402
-from attnkit.eval.tasks import TASKS  # noqa: E402
+from attnkit.eval.data import retrieval_data as R  # noqa: E402
+from attnkit.eval.data.tasks import TASKS  # noqa: E402
 from data_v2 import BOS, PAD, Rows  # noqa: E402
 from prefetch_v2 import Prefetcher  # noqa: E402
 from tokenizer_v2 import load_tokenizer  # noqa: E402
