@@ -16,9 +16,11 @@ from attnkit.tokenizer import build_byte_tokenizer
 TRAINING = Path(__file__).resolve().parents[1] / "training"
 sys.path.insert(0, str(TRAINING))
 import data_v2  # noqa: E402
+import train_v2  # noqa: E402
 
 TOK = build_byte_tokenizer()
-CONFIG = json.loads((TRAINING / "config_v2.json").read_text())
+STAGES = {entry["config"]["name"]: entry for entry in train_v2.curriculum()}
+CONFIG = STAGES["model_v2"]["config"]
 
 
 def test_config_phases_are_well_formed():
@@ -117,7 +119,7 @@ def test_drill_rows_answer_each_question_with_the_value_of_its_key():
 
 
 def test_the_drill_config_goes_from_short_dense_rows_to_the_longest_evaluated_length():
-    drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
+    drill = STAGES["model_v2_drill"]["config"]
     assert drill["model"] == CONFIG["model"] and drill["tokenizer"] == CONFIG["tokenizer"]  # v2's weights go on
     assert drill["name"] != CONFIG["name"]  # so --init-from starts the drill's own schedule
     lengths = [p["seq_len"] for p in drill["phases"]]
@@ -194,20 +196,10 @@ def test_far_drill_rows_answer_each_question_with_the_value_of_its_key(kind):
         assert early >= 3
 
 
-@pytest.mark.parametrize("name", ["config_v2_nl.json", "config_v2_drill_more.json", "config_v2_reach.json",
-                                  "config_v2_reach_more.json", "config_v2_kv_short.json",
-                                  "config_v2_kv_reach.json", "config_v2_ladder.json",
-                                  "config_v2_ladder_theta.json", "config_v2_theta_more.json",
-                                  "config_v2_theta_code.json", "config_v2_mv_short.json", "config_v2_open.json",
-                                  "config_v2_multi.json", "config_v2_all.json",
-                                  "config_v2_mv_once.json", "config_v2_mv_more.json",
-                                  "config_v2_mv_list.json", "config_v2_mv_far.json", "config_v2_mv_wide.json",
-                                  "config_v2_mv_wide_kv.json", "config_v2_mv_open.json",
-                                  "config_v2_words.json", "config_v2_stated.json",
-                                  "config_v2_stated_long.json", "config_v2_stated_more.json"])
+@pytest.mark.parametrize("name", [name for name in STAGES if name not in ("model_v2", "model_v2_drill", "model_v2_draft")])
 def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
-    config = json.loads((TRAINING / name).read_text())
-    drill = json.loads((TRAINING / "config_v2_drill.json").read_text())
+    config = STAGES[name]["config"]
+    drill = STAGES["model_v2_drill"]["config"]
     # the same weights' shapes; a continuation may raise the RoPE base (the weights carry, the rotations change)
     geometry = {k: v for k, v in config["model"].items() if k != "rope_theta"}
     assert geometry == {k: v for k, v in drill["model"].items() if k != "rope_theta"}
@@ -218,12 +210,12 @@ def test_the_configs_continuing_the_drilled_weights_are_well_formed(name):
     for phase in config["phases"]:
         for kind in rows.mix(phase):
             assert rows.row(kind, 512, 1.0, random.Random(kind))[3] == kind
-    assert config["tokenizer"].get("isolated_newlines", False) == (name != "config_v2_drill_more.json")
+    assert config["tokenizer"].get("isolated_newlines", False) == (name != "model_v2_drill_more")
 
 
 def test_the_chain_lists_a_lineage_that_can_carry_its_weights_from_stage_to_stage():
-    chain = json.loads((TRAINING / "chain_v2.json").read_text())["stages"]
-    configs = [json.loads((TRAINING / s["config"]).read_text()) for s in chain]
+    chain = [entry for entry in STAGES.values() if entry["chain"]]
+    configs = [entry["config"] for entry in chain]
     assert configs[0]["name"] == "model_v2" and configs[-1]["name"] == "model_v2_stated_long"  # the best weights
     assert len({c["name"] for c in configs}) == len(configs)  # one run directory per stage
     assert [bool(s.get("fp32")) for s in chain] == [True] + [False] * (len(chain) - 1)  # copying forms in float32
@@ -235,7 +227,8 @@ def test_the_chain_lists_a_lineage_that_can_carry_its_weights_from_stage_to_stag
     for stage, config in zip(chain, configs):
         if "max_steps" in stage:  # a stage stopped early stops inside its schedule
             assert 0 < stage["max_steps"] < sum(p["steps"] for p in config["phases"]), config["name"]
-    draft = json.loads((TRAINING / "config_v2_draft.json").read_text())
+    draft = STAGES["model_v2_draft"]["config"]
+    assert STAGES["model_v2_draft"].get("draft") and not STAGES["model_v2_draft"]["chain"]
     assert draft["tokenizer"] == configs[-1]["tokenizer"]  # the draft takes the final model's tokenizer
 
 
@@ -349,3 +342,14 @@ def test_mv_list_far_spreads_a_list_over_the_row_where_mv_list_keeps_it_close(ki
             closest = min(closest, min(b - a for a, b in zip(starts, starts[1:])))
     assert closest > 160 if kind == "mv_list_wide" else closest < 40
     assert widest <= 160 + 80 if kind == "mv_list" else widest > 300, widest  # filler + a fact line at most
+
+
+def test_a_stage_is_read_by_name_and_an_unknown_one_is_one_line(tmp_path):
+    assert train_v2.load_config(train_v2.CURRICULUM, "model_v2_drill") == STAGES["model_v2_drill"]["config"]
+    with pytest.raises(SystemExit, match=r"--stage model_v3: not a stage of .*; the stages are model_v2, "):
+        train_v2.load_config(train_v2.CURRICULUM, "model_v3")
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(CONFIG))
+    assert train_v2.load_config(one, None) == CONFIG
+    with pytest.raises(SystemExit, match=r"holds one config \(model_v2\), not a curriculum"):
+        train_v2.load_config(one, "model_v2")

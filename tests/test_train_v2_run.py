@@ -1,7 +1,7 @@
 """training/train_v2.py end to end on a toy geometry (the byte tokenizer, one layer of width 32): a run stopped
 and resumed from its checkpoint ends with the same weights as one that was never stopped, and --init-from
-carries weights into another config, also one with a raised RoPE base; training/chain_v2.py runs stages in
-order, each from the last one's export, and goes on where it stopped; training/bundle_v2.py stores the chain's
+carries weights into another config, also one with a raised RoPE base; training/chain_v2.py runs a curriculum's
+chain stages in order, each from the last one's export, and goes on where it stopped; training/bundle_v2.py stores the chain's
 model and its draft as float16 with their lineage, and refuses an unfinished draft; batches written ahead in
 worker processes are the batches written in line."""
 
@@ -113,17 +113,18 @@ def chain(tmp_path_factory) -> tuple[Path, Path, list[str]]:
     """A two-stage toy chain, stopped at once, its first stage's checkpoint then lost, run on to its end:
     (the chain file, the runs directory, what each of the two calls printed)."""
     tmp = tmp_path_factory.mktemp("chain")
-    for config in (_config("toy"), _config("toy_theta", base=500000.0)):
-        (tmp / f"{config['name']}.json").write_text(json.dumps(config))
-    chain = tmp / "chain.json"
-    chain.write_text(json.dumps({"stages": [{"config": "toy.json", "max_steps": 4, "fp32": True},
-                                            {"config": "toy_theta.json"}]}))
+    chain = tmp / "curriculum.json"
+    chain.write_text(json.dumps({"stages": [
+        {"chain": True, "max_steps": 4, "fp32": True, "config": _config("toy")},
+        {"chain": False, "config": _config("toy_unkept")},  # not in the chain: never trained by it
+        {"chain": True, "config": _config("toy_theta", base=500000.0)},
+        {"chain": False, "draft": True, "fp32": True, "config": _config("toy_draft")}]}))
     runs = tmp / "runs"
     build_byte_tokenizer().save_pretrained(runs / "toy" / "tokenizer")
-    first = _script("chain_v2.py", "--chain", str(chain), "--runs-dir", str(runs), "--max-minutes", "0.00001")
+    first = _script("chain_v2.py", "--curriculum", str(chain), "--runs-dir", str(runs), "--max-minutes", "0.00001")
     first += f"\n(toy_theta begun: {(runs / 'toy_theta').exists()})"
     (runs / "toy" / "ckpt.pt").unlink()  # only the export is left: its weights go on with the schedule
-    return chain, runs, [first, _script("chain_v2.py", "--chain", str(chain), "--runs-dir", str(runs))]
+    return chain, runs, [first, _script("chain_v2.py", "--curriculum", str(chain), "--runs-dir", str(runs))]
 
 
 def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(chain):
@@ -134,7 +135,8 @@ def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(chain
     assert f"initialised from {runs / 'toy' / 'export'} (toy, step 4), at step 0 of toy_theta" in out
     assert "RoPE base 10000 -> 500000" in out and "done: step 6" in out
     assert out.rstrip().endswith(f"chain: done; the model is {runs / 'toy_theta' / 'export'}")
-    again = _script("chain_v2.py", "--chain", str(chain), "--runs-dir", str(runs))
+    assert not (runs / "toy_unkept").exists()
+    again = _script("chain_v2.py", "--curriculum", str(chain), "--runs-dir", str(runs))
     assert "chain: starts at toy_theta, stage 2 of 2" in again and "chain: toy_theta is done" in again
     assert "initialised" not in again
     # the stage marked fp32 trains in float32; the next one in bf16 autocast where this CPU runs it fast
@@ -153,16 +155,14 @@ def test_bundling_stores_the_chain_s_model_and_its_draft_in_float16_with_their_l
     from attnkit.model import load_model
 
     chain_file, runs, _ = chain
-    draft_config = tmp_path / "toy_draft.json"
-    draft_config.write_text(json.dumps(_config("toy_draft")))
-    argv = ["--runs-dir", str(runs), "--chain", str(chain_file), "--draft", "toy_draft",
-            "--draft-config", str(draft_config), "--dest", str(tmp_path / "assets"), "--log-out", str(tmp_path / "log")]
-    _script("train_v2.py", "--config", str(draft_config), "--run-dir", str(runs / "toy_draft"), "--tokenizer-from",
-            str(runs / "toy_theta" / "export"), "--max-steps", "2")
+    argv = ["--runs-dir", str(runs), "--curriculum", str(chain_file), "--draft", "toy_draft",
+            "--dest", str(tmp_path / "assets"), "--log-out", str(tmp_path / "log")]
+    draft = ["--config", str(chain_file), "--stage", "toy_draft", "--run-dir", str(runs / "toy_draft")]
+    _script("train_v2.py", *draft, "--tokenizer-from", str(runs / "toy_theta" / "export"), "--max-steps", "2")
     unfinished = _run("bundle_v2.py", *argv)  # the draft stopped before its schedule's end: nothing is written
     assert unfinished.returncode == 1 and "the draft has not finished its schedule" in unfinished.stderr
     assert not (tmp_path / "assets").exists()
-    _script("train_v2.py", "--config", str(draft_config), "--run-dir", str(runs / "toy_draft"))
+    _script("train_v2.py", *draft)
     done = _run("bundle_v2.py", *argv, "--check", "512")
     assert done.returncode == 0, done.stderr[-2000:]
     effect = done.stdout.splitlines()[1:]  # one line per eval task: float16 rounding moves the logits a little

@@ -1,7 +1,7 @@
 """Make model v2 attnkit's bundled `tiny`, and its draft `tiny-draft` (issue #29), from the chain's exports.
 
     PYTHONPATH=src:training python training/chain_v2.py --runs-dir runs        # the model (hours on a CPU)
-    PYTHONPATH=src:training python training/train_v2.py --config training/config_v2_draft.json \
+    PYTHONPATH=src:training python training/train_v2.py --stage model_v2_draft \
         --run-dir runs/model_v2_draft --tokenizer-from runs/model_v2/export --fp32   # its draft
     PYTHONPATH=src:training python training/bundle_v2.py --runs-dir runs        # into src/attnkit/assets
 
@@ -10,7 +10,7 @@ Each bundled directory gets its export's config, generation config and tokenizer
 rounded once to float16: docs/benchmarks.md measures what that rounding changes) and training.json, which
 records how the weights were made: every stage of the chain with its steps, tokens, minutes, device and
 precision, and the commands that rebuild them. --log-out writes the stages' logs as one file (each record gains
-its stage's name) for training/plot_curves.py and docs/results/.
+its stage's name) for docs/results/.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+import train_v2
 from attnkit.eval.data.tasks import TASKS
 from attnkit.generation import encode_prompt
 from attnkit.model import load_model
@@ -33,15 +34,15 @@ ASSETS = HERE.parent / "src" / "attnkit" / "assets"
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 REBUILD = ["PYTHONPATH=src:training python training/chain_v2.py --runs-dir runs",
-           "PYTHONPATH=src:training python training/train_v2.py --config training/config_v2_draft.json "
+           "PYTHONPATH=src:training python training/train_v2.py --stage model_v2_draft "
            "--run-dir runs/model_v2_draft --tokenizer-from runs/model_v2/export --fp32",
            "PYTHONPATH=src:training python training/bundle_v2.py --runs-dir runs"]
 
 
-def stage_record(run_dir: Path, config_file: str) -> dict:
+def stage_record(run_dir: Path, stage: str) -> dict:
     """What a stage's export says about its run, or where only its log came back (gpu_chain.sh returns the
     newest stage's export and every stage's log), what the log says."""
-    record = {"name": run_dir.name, "config": f"training/{config_file}"}
+    record = {"name": run_dir.name, "config": f"training/curriculum_v2.json, stage {stage}"}
     meta_file, log_file = run_dir / "export" / "training.json", run_dir / "log.jsonl"
     if meta_file.is_file():
         meta = json.loads(meta_file.read_text())
@@ -70,15 +71,14 @@ def bundle(export: Path, dest: Path, meta: dict, dtype: torch.dtype) -> None:
     (dest / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def lineage(runs: Path, chain: Path) -> list[dict]:
+def lineage(runs: Path, curriculum: Path) -> list[dict]:
     """The chain's stages as they ran; the last one (the model) must have finished."""
-    stages = json.loads(chain.read_text())["stages"]
-    configs = [json.loads((chain.parent / stage["config"]).read_text()) for stage in stages]
-    names = [config["name"] for config in configs]
-    if not stage_done(runs / names[-1], configs[-1], stages[-1].get("max_steps")):
+    stages = [entry for entry in train_v2.curriculum(curriculum) if entry["chain"]]
+    names = [entry["config"]["name"] for entry in stages]
+    if not stage_done(runs / names[-1], stages[-1]["config"], stages[-1].get("max_steps")):
         raise SystemExit(f"{runs / names[-1]}: the chain's last stage has not finished; run training/chain_v2.py "
                          f"--runs-dir {runs} to the end first")
-    return [stage_record(runs / name, stage["config"]) for name, stage in zip(names, stages)]
+    return [stage_record(runs / name, name) for name in names]
 
 
 def rounding_effect(export: Path, bundled: Path, length: int) -> list[str]:
@@ -108,25 +108,25 @@ def write_log(runs: Path, names: list[str], out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs-dir", type=Path, required=True)
-    ap.add_argument("--chain", type=Path, default=HERE / "chain_v2.json")
-    ap.add_argument("--draft", default="model_v2_draft", help="the draft's run directory under --runs-dir")
-    ap.add_argument("--draft-config", type=Path, default=HERE / "config_v2_draft.json")
+    ap.add_argument("--curriculum", type=Path, default=train_v2.CURRICULUM)
+    ap.add_argument("--draft", default="model_v2_draft", help="the draft's stage (and run directory under --runs-dir)")
     ap.add_argument("--dest", type=Path, default=ASSETS, help="where `tiny` and `tiny-draft` go")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="how the weights are stored")
     ap.add_argument("--check", type=int, default=None, metavar="LENGTH",
                     help="print what storing the weights changed in tiny's logits on LENGTH-token eval prompts")
     ap.add_argument("--log-out", type=Path, default=None, help="write the stages' logs here as one file")
     args = ap.parse_args()
-    stages = lineage(args.runs_dir, args.chain)
+    stages = lineage(args.runs_dir, args.curriculum)
+    draft_config = train_v2.load_config(args.curriculum, args.draft)
     final = args.runs_dir / stages[-1]["name"] / "export"
     draft_dir = args.runs_dir / args.draft
-    if not stage_done(draft_dir, json.loads(args.draft_config.read_text()), None):
+    if not stage_done(draft_dir, draft_config, None):
         raise SystemExit(f"{draft_dir}: the draft has not finished its schedule (training/train_v2.py goes on)")
     if (final / "tokenizer.json").read_text() != (draft_dir / "export" / "tokenizer.json").read_text():
         raise SystemExit(f"{draft_dir}: the draft's tokenizer is not the model's (train it with --tokenizer-from)")
     common = {"stored_dtype": args.dtype, "rebuild": REBUILD}
     for name, export, records in (("tiny", final, stages),
-                                  ("tiny-draft", draft_dir / "export", [stage_record(draft_dir, args.draft_config.name)])):
+                                  ("tiny-draft", draft_dir / "export", [stage_record(draft_dir, args.draft)])):
         parameters = json.loads((export / "training.json").read_text())["parameters"]
         bundle(export, args.dest / name, {"model": name, "parameters": parameters, "stages": records, **common},
                DTYPES[args.dtype])

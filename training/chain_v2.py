@@ -1,11 +1,12 @@
 """Rebuild model v2's weights from nothing: the stages of a chain file, in order, each from the last one's export.
 
-    PYTHONPATH=src:training python training/chain_v2.py --runs-dir runs                 # all of chain_v2.json
+    PYTHONPATH=src:training python training/chain_v2.py --runs-dir runs                 # every chain stage
     PYTHONPATH=src:training python training/chain_v2.py --runs-dir runs --max-minutes 50 # stop (saved) past 50 min
     PYTHONPATH=src:training python training/chain_v2.py --runs-dir runs --until model_v2_reach
 
 The best weights came from a lineage of runs, each a config trained from the previous run's weights
-(docs/benchmarks.md tells why each was added); `training/chain_v2.json` lists it, so one command rebuilds them on
+(docs/benchmarks.md tells why each was added); the stages of `training/curriculum_v2.json` marked "chain" list
+it, in order, so one command rebuilds them on
 a new machine: about 25,800 steps of 4,096 tokens, hours on a CPU, far fewer on a GPU (docs/benchmarks.md,
 "Rebuilding model v2"). A stage trains in RUNS_DIR/<its config's name>. Run again, the chain goes on from the
 last stage begun (the ones before it are done, and their directories need not be there: a new machine needs
@@ -13,7 +14,7 @@ only the last one) and resumes it: from its checkpoint, or, where only its expor
 the optimizer's moments, is three times larger and may not have been kept), from those weights with the
 schedule going on and a fresh optimizer. The last stage's export is the model (RUNS_DIR/<name>/export).
 Options not listed here (--threads, --save-every, --probe-every, --data-workers, --fp32) go to every stage; a
-stage marked "fp32" in the chain file trains in float32 anyway (the base run, whose first skill, copying, formed
+stage marked "fp32" in the curriculum trains in float32 anyway (the base run, whose first skill, copying, formed
 in float32 but not in bf16 autocast), the others in bf16 autocast where it is fast (a GPU, a CPU with native bf16;
 docs/benchmarks.md has the speeds).
 """
@@ -26,8 +27,6 @@ import time
 from pathlib import Path
 
 import train_v2
-
-HERE = Path(__file__).resolve().parent
 
 
 def stage_done(run_dir: Path, config: dict, max_steps: int | None) -> bool:
@@ -45,13 +44,13 @@ def _begun(run_dir: Path) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chain", type=Path, default=HERE / "chain_v2.json")
+    ap.add_argument("--curriculum", type=Path, default=train_v2.CURRICULUM)
     ap.add_argument("--runs-dir", type=Path, required=True)
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (after saving) past this wall time")
     ap.add_argument("--until", default=None, help="stop after the stage whose config has this name")
     args, rest = ap.parse_known_args()
-    stages = json.loads(args.chain.read_text())["stages"]
-    configs = [json.loads((args.chain.parent / s["config"]).read_text()) for s in stages]
+    stages = [entry for entry in train_v2.curriculum(args.curriculum) if entry["chain"]]
+    configs = [entry["config"] for entry in stages]
     names = [c["name"] for c in configs]
     if args.until is not None and args.until not in names:
         raise SystemExit(f"--until {args.until!r}: no stage has that name; the stages are {', '.join(names)}")
@@ -73,7 +72,7 @@ def main() -> None:
             init = None
             if not (run_dir / "ckpt.pt").exists():
                 init = run_dir / "export" if _begun(run_dir) else previous
-            argv = ["--config", str(args.chain.parent / stage["config"]), "--run-dir", str(run_dir), *rest]
+            argv = ["--config", str(args.curriculum), "--stage", config["name"], "--run-dir", str(run_dir), *rest]
             if init is not None:
                 argv += ["--init-from", str(init)]
             if max_steps is not None:

@@ -20,7 +20,7 @@ rc=$?
 final=$(sed -n 's/^chain: done; the model is //p' "$OUT/chain.log")  # the last stage's export, once done
 left=$(python3 -c "print(${1:-8} - ($(date +%s) - $start) / 60)")
 if [ $rc = 0 ] && [ -n "$final" ] && python3 -c "import sys; sys.exit($left < 0.5)"; then
-  python3 training/train_v2.py --config training/config_v2_draft.json --run-dir runs/model_v2_draft \
+  python3 training/train_v2.py --stage model_v2_draft --run-dir runs/model_v2_draft \
       --tokenizer-from "$final" --max-minutes "$left" --save-every 500 --data-workers 6 --fp32 >> "$OUT/chain.log" 2>&1
   tar czf "$OUT/draft.tgz" -C runs/model_v2_draft export log.jsonl
 fi

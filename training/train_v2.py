@@ -1,14 +1,16 @@
-"""Train model v2, a small general in-context retriever (issue #29), from a committed config.
+"""Train model v2, a small general in-context retriever (issue #29), one stage of its curriculum at a time.
 
-    nice -n 19 python training/train_v2.py --run-dir runs/model_v2          # starts, or resumes the run there
-    python training/train_v2.py --run-dir runs/model_v2 --max-minutes 60    # stop (after saving) past an hour
-    python training/train_v2.py --run-dir runs/new --init-from runs/model_v2/export   # go on from weights
-    # another config's own schedule from v2's weights (the key-recall drill):
-    python training/train_v2.py --config training/config_v2_drill.json --run-dir runs/model_v2_drill --init-from runs/model_v2/export
+    nice -n 19 python training/train_v2.py --stage model_v2 --run-dir runs/model_v2   # starts, or resumes it there
+    python training/train_v2.py --stage model_v2 --run-dir runs/model_v2 --max-minutes 60   # stop (saved) past an hour
+    # another stage's own schedule from v2's weights (the key-recall drill):
+    python training/train_v2.py --stage model_v2_drill --run-dir runs/model_v2_drill --init-from runs/model_v2/export
     # the draft model for speculative decoding: its own weights, the target's tokenizer
-    python training/train_v2.py --config training/config_v2_draft.json --run-dir runs/model_v2_draft \
+    python training/train_v2.py --stage model_v2_draft --run-dir runs/model_v2_draft \
         --tokenizer-from runs/model_v2/export   # the vocabulary every stage keeps
     # the whole lineage of the best weights, from nothing: training/chain_v2.py
+
+The stages are the entries of training/curriculum_v2.json (``--config``, the default); ``--config`` also takes a
+file holding one config of the same form (the tests' toy runs).
 
 Run from the checkout with PYTHONPATH=src:training. The run directory holds the tokenizer (trained on the
 first start from the training corpus, see tokenizer_v2.py), ckpt.pt (model, optimizer, step, phase),
@@ -58,6 +60,7 @@ from prefetch_v2 import Prefetcher  # noqa: E402
 from tokenizer_v2 import load_tokenizer  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+CURRICULUM = HERE / "curriculum_v2.json"
 PROBE_TASKS = ("needle_heldout", "needle_multikey_heldout", "needle_multivalue_heldout", "kv_listing_heldout",
                "variable_chain_heldout", "passkey", "niah_multikey", "kv_retrieval", "variable_tracking")
 
@@ -139,9 +142,30 @@ content (finding the needle comes before copying all of it)."""
     return out
 
 
+def curriculum(path: Path | None = None) -> list[dict]:
+    """The curriculum's entries, in its order: each ``{"config": {...}, "chain": bool, ...}`` (its "about" says
+    what the keys mean)."""
+    return json.loads((path or CURRICULUM).read_text())["stages"]
+
+
+def load_config(path: Path, stage: str | None) -> dict:
+    """The config of `stage` in the curriculum at `path`, or the one config a config file holds."""
+    data = json.loads(Path(path).read_text())
+    if "stages" not in data:
+        if stage is not None:
+            raise SystemExit(f"--stage {stage}: {path} holds one config ({data.get('name')}), not a curriculum")
+        return data
+    names = [entry["config"]["name"] for entry in data["stages"]]
+    if stage not in names:
+        raise SystemExit(f"--stage {stage}: not a stage of {path}; the stages are {', '.join(names)}")
+    return data["stages"][names.index(stage)]["config"]
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", type=Path, default=HERE / "config_v2.json")
+    ap.add_argument("--config", type=Path, default=CURRICULUM,
+                    help="the curriculum (default: training/curriculum_v2.json) or a file of one config")
+    ap.add_argument("--stage", default=None, help="the curriculum's stage to train (its config's name)")
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (after saving) past this wall time")
     ap.add_argument("--max-steps", type=int, default=None, help="stop (after saving) at this step")
@@ -171,7 +195,7 @@ def train(args: argparse.Namespace) -> bool:
     """Runs (or resumes) one config's schedule; True once it is done (every phase, or --max-steps reached),
     False when stopped by --max-minutes."""
 
-    config = json.loads(args.config.read_text())
+    config = load_config(args.config, args.stage)
     phases = [dict(p) for p in config["phases"]]
     phases[-1]["steps"] += args.extra_final_steps
     device = "cuda" if torch.cuda.is_available() else "cpu"
