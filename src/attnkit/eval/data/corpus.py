@@ -8,7 +8,10 @@ training script reads only the others.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import sysconfig
+from array import array
 from pathlib import Path
 
 # Held out from training, always. Chosen as ordinary, self-contained modules of varied style.
@@ -68,3 +71,36 @@ def read_text(path: Path) -> str:
 def haystack_text(split: str) -> str:
     """All files of `split` joined into one long text (the filler of the retrieval tasks)."""
     return "\n".join(read_text(p) for p in stdlib_files(split))
+
+
+def cache_dir() -> Path:
+    """Where attnkit keeps what it can recompute: ``$ATTNKIT_CACHE_DIR``, else ``~/.cache/attnkit``."""
+    return Path(os.environ.get("ATTNKIT_CACHE_DIR") or Path.home() / ".cache" / "attnkit")
+
+
+def encoded(tok, text: str) -> tuple[int, ...]:
+    """`tok`'s ids of `text` (no special tokens), kept on disk under a digest of the tokenizer and the text.
+
+    Encoding the training corpus (millions of tokens) takes seconds, and every process that builds training rows
+    does it: each training stage, each data worker, each test of the training scripts. The file is written
+    whole and then renamed, so a reader sees all of it or nothing; an unwritable cache only costs the time."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:  # no serialised form to key on: encode every time
+        return tuple(tok.encode(text, add_special_tokens=False))
+    digest = hashlib.sha256(backend.to_str().encode() + b"\0" + text.encode()).hexdigest()[:32]
+    path = cache_dir() / "encoded" / f"{digest}.int32"
+    try:
+        ids = array("i")
+        ids.frombytes(path.read_bytes())
+        return tuple(ids)
+    except (OSError, ValueError):
+        pass
+    ids = tuple(tok.encode(text, add_special_tokens=False))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(array("i", ids).tobytes())
+        tmp.replace(path)
+    except OSError:
+        pass
+    return ids

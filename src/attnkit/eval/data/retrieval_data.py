@@ -68,12 +68,12 @@ def filler_ids(tok, kind: str, split: str) -> tuple[int, ...]:
     """The token ids of one filler source ("code" or "docs") of `split`; cached per tokenizer."""
     if kind == "code":
         if split == "eval":
-            return tuple(_enc(tok, corpus.haystack_text("heldout")))
+            return corpus.encoded(tok, corpus.haystack_text("heldout"))
         root = corpus.stdlib_root()
         files = [p for p in corpus.stdlib_files("train") if p.relative_to(root).as_posix() != _TOPICS_FILE]
-        return tuple(_enc(tok, "\n".join(corpus.read_text(p) for p in files)))
+        return corpus.encoded(tok, "\n".join(corpus.read_text(p) for p in files))
     if kind == "docs":
-        return tuple(_enc(tok, T.doc_prose(split)))
+        return corpus.encoded(tok, T.doc_prose(split))
     raise ValueError(f"unknown filler kind {kind!r}; available: code, docs, grammar")
 
 

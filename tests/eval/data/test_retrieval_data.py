@@ -171,3 +171,26 @@ def test_open_phrasings_vary_over_thousands_of_words_and_carry_no_heldout_phrase
                 assert not set(zip(words, words[1:])) & banned, template
                 vocabulary |= set(words)
     assert len(vocabulary) > 500  # the wild words are 50
+
+
+def test_encoded_text_is_kept_on_disk_and_read_back(tmp_path, monkeypatch):
+    """corpus.encoded: the tokenizer's ids, written once under the cache directory and then read back (a second
+    call encodes nothing); another text or tokenizer gets its own file."""
+    from attnkit.tokenizer import build_byte_tokenizer
+
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    tok = build_byte_tokenizer()
+    text = "def f(x):\n    return x + 1\n" * 50
+    ids = corpus.encoded(tok, text)
+    assert list(ids) == tok.encode(text, add_special_tokens=False)
+    assert len(list((tmp_path / "encoded").iterdir())) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("encoded again")
+
+    monkeypatch.setattr(tok, "encode", refuse)
+    assert corpus.encoded(tok, text) == ids
+    monkeypatch.undo()
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    corpus.encoded(build_byte_tokenizer(), text + "#")
+    assert len(list((tmp_path / "encoded").iterdir())) == 2
