@@ -4,7 +4,7 @@
 # Each JOB writes its output to OUT/JOB.txt (its results directories under OUT) and OUT/JOB.done when it ends
 # well; a JOB with its .done file is skipped, so a stopped run goes on (the evaluations inside a job are resumable
 # too). Threads: OMP_NUM_THREADS (default 1); two calls with different JOBs use two cores. DRY=1 prints the
-# commands instead (tests/test_benchmark_scripts.py parses each one). Python: $PYTHON (default python). The jobs, in order
+# commands instead (tests/benchmarks/test_benchmark_scripts.py parses each one). Python: $PYTHON (default python). The jobs, in order
 # (default: all), with the section of docs/benchmarks.md each one feeds:
 #   eval        "Accuracy of the bundled model": full and a 256-token window, 50 samples per cell
 #   duo         sweeps/duo_tiny.json, DuoAttention's calibrated heads (committed; the eviction sweep reads it)

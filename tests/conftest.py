@@ -9,7 +9,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import attnkit  # noqa: E402
-from helpers import SMALL  # noqa: E402
+from helpers import REPORT_SWEEP, SMALL  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +30,14 @@ def arch_models():
 def greedy_models():
     """The speculative tests' target and a different draft model (shared by their files, never modified)."""
     return attnkit.load_model(f"random:llama:{SMALL}"), attnkit.load_model(f"random:llama:{SMALL},seed=3")
+
+
+@pytest.fixture(scope="module")
+def report_sweep(tmp_path_factory):
+    """The results file of :data:`helpers.REPORT_SWEEP` (the report's tests), run once per module that asks."""
+    from attnkit.eval.run import results as results_store
+    from attnkit.eval.run.sweep import run_sweep, sweep_from_dict
+
+    out = tmp_path_factory.mktemp("sweep")
+    run_sweep(sweep_from_dict(REPORT_SWEEP), out, progress=False)
+    return out / results_store.RESULTS_FILE

@@ -2,6 +2,10 @@
 chi-square test and prompts of the speculative decoding tests; driving an eviction method's hooks on
 hand-made tensors (one layer, no model) and the dense reference selection rules."""
 
+import shutil
+from pathlib import Path
+
+import pytest
 import torch
 
 import attnkit
@@ -10,6 +14,7 @@ from attnkit.rope import Rope
 from attnkit.sampling import SamplingConfig, next_token_distribution
 from attnkit.session import Session, Step
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 SMALL = "layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 
 
@@ -218,3 +223,28 @@ def assert_equals_full(model, ids, method, max_new_tokens: int, same_bytes: bool
         if same_bytes:
             assert (o.stats.final_kv_bytes, o.stats.peak_kv_bytes) == (f.stats.final_kv_bytes, f.stats.peak_kv_bytes)
     return out, full
+
+
+# ---- the report's tests (tests/eval/report, tests/bench): one small sweep's results ---------------------------
+REPORT_SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
+REPORT_SWEEP = {"model": REPORT_SPEC, "samples": 2, "tasks": ["passkey", "code_completion"], "lengths": [256, 320],
+                "budgets": [0.25, 0.5], "recipes": ["snapkv", "window"]}
+
+
+def fresh_dir(tmp_path: Path, results: Path) -> Path:
+    """A directory holding nothing but a copy of the results file."""
+    from attnkit.eval.run import results as results_store
+
+    d = tmp_path / "only_results"
+    d.mkdir()
+    shutil.copy(results, d / results_store.RESULTS_FILE)
+    return d
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail("chromium is not installed, so the report cannot be checked in a browser: install Debian's "
+                "package (`apt-get install -y chromium`; `./run test` does it when it runs as root or with sudo)")

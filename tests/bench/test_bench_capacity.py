@@ -13,7 +13,7 @@ import attnkit
 from attnkit.bench.capacity import batch_run, capacity_rows, fixed_batch_rows, prompts_of, scaling_rows
 from attnkit.methods.spec import parse_method_spec
 from helpers import SMALL, per_token_bytes
-from test_report import _fresh_dir, results  # noqa: F401  (the report's sweep fixture)
+from helpers import fresh_dir as _fresh_dir
 
 torch.set_num_threads(1)
 METHODS = ["full", "h2o:budget_tokens=16"]
@@ -51,8 +51,8 @@ def test_fixed_and_scaling_rows(model):
     assert [r["batch"] for r in scaling] == [1, 3] and scaling[0]["vs_first_batch"] == 1.0
 
 
-def test_script_writes_tables_plot_and_the_report_shows_them(results, tmp_path, monkeypatch):  # noqa: F811
-    out = _fresh_dir(tmp_path, results)
+def test_script_writes_tables_plot_and_the_report_shows_them(report_sweep, tmp_path, monkeypatch):
+    out = _fresh_dir(tmp_path, report_sweep)
     argv = ["bench_batch.py", "--model", f"random:llama:{SMALL}", "--context", "64", "--batch", "2",
             "--budget-tokens", "40", "--new-tokens", "3", "--short-context", "16", "--batches", "1,2",
             "--short-new-tokens", "3", "--repeats", "1", "--eval-model", f"random:llama:{SMALL}", "--eval-tasks",

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from attnkit.cli import main as cli_main
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
 
 

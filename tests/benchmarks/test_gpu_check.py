@@ -5,11 +5,12 @@ for without a device is refused in one line."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
+ROOT = ROOT
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 

@@ -39,7 +39,7 @@ def qkv(n, nq=None, hq=4, kv=2, d=16, seed=0):
 @pytest.fixture
 def flex(monkeypatch):
     """FlexAttention where the C++ kernel would run (a CPU in float32; the kernel has tests of its own,
-    tests/test_sparse_native.py): the path of a GPU, and of a CPU without a compiler."""
+    tests/sparse/test_sparse_native.py): the path of a GPU, and of a CPU without a compiler."""
     monkeypatch.setattr(sa.kernels, "native_pays", lambda *a: False)
 
 

@@ -5,15 +5,15 @@ import json
 import random
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
 from attnkit.eval.data import corpus
 from attnkit.eval.data import retrieval_templates as T
 from attnkit.tokenizer import build_byte_tokenizer
+from helpers import ROOT
 
-TRAINING = Path(__file__).resolve().parents[1] / "training"
+TRAINING = ROOT / "training"
 sys.path.insert(0, str(TRAINING))
 import data_v2  # noqa: E402
 import train_v2  # noqa: E402

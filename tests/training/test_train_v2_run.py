@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from attnkit.tokenizer import build_byte_tokenizer
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 
 
 def _config(name: str, base: float = 10000.0) -> dict:

@@ -17,7 +17,7 @@ hand because no library computes column statistics of attention (the GPU has the
 
 The kernel is ``attnkit/native/scoring.cpp``, built on first use (:mod:`attnkit.native`). Without it (no compiler,
 ``ATTNKIT_NATIVE=0``) the scorers keep the torch path; the results agree to float32 rounding
-(``tests/test_scoring_native.py``).
+(``tests/methods/test_scoring_native.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,9 @@ from attnkit.eval.data.longbench import LongBenchData, prompt_ids, score, trunca
 from attnkit.eval.run import harness
 from attnkit.eval.run import results as results_store
 from attnkit.tokenizer import build_byte_tokenizer
+from helpers import ROOT
 
-DATA = Path(__file__).parent / "data" / "longbench_small.jsonl"
+DATA = ROOT / "tests" / "data" / "longbench_small.jsonl"
 SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 
 

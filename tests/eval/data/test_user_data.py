@@ -16,9 +16,10 @@ from attnkit.eval.data import infinitebench, ruler_data
 from attnkit.eval.data.sample import split_ids
 from attnkit.eval.data.user_data import load_data
 from attnkit.eval.run import harness
+from helpers import ROOT
 
 SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
-LONGBENCH = Path(__file__).parent / "data" / "longbench_small.jsonl"
+LONGBENCH = ROOT / "tests" / "data" / "longbench_small.jsonl"
 HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 

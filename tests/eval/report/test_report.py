@@ -4,44 +4,24 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from attnkit import AttnkitError
 from attnkit.cli import main
 from attnkit.eval.report.page import enrich, summarize, write_report
 from attnkit.eval.run import results as results_store
-from attnkit.eval.run.sweep import run_sweep, sweep_from_dict
+from helpers import chromium as _chromium
+from helpers import fresh_dir as _fresh_dir
 
-SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
-SWEEP = {"model": SPEC, "samples": 2, "tasks": ["passkey", "code_completion"], "lengths": [256, 320],
-         "budgets": [0.25, 0.5], "recipes": ["snapkv", "window"]}
 PLOTS = {"score_vs_budget_passkey.png", "score_vs_budget_code_completion.png", "needle_passkey.png",
          "speed_memory.png", "pareto.png"}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("sweep")
-    run_sweep(sweep_from_dict(SWEEP), out, progress=False)
-    return out / results_store.RESULTS_FILE
-
-
-def _fresh_dir(tmp_path: Path, results: Path) -> Path:
-    """A directory holding nothing but a copy of the results file."""
-    d = tmp_path / "only_results"
-    d.mkdir()
-    shutil.copy(results, d / results_store.RESULTS_FILE)
-    return d
-
-
-def test_report_from_results_alone(results, tmp_path):
-    d = _fresh_dir(tmp_path, results)
+def test_report_from_results_alone(report_sweep, tmp_path):
+    d = _fresh_dir(tmp_path, report_sweep)
     page = write_report(d)
     assert page == d / "report.html"
     assert {p.name for p in (d / "report").iterdir()} == PLOTS
@@ -59,8 +39,8 @@ def test_report_from_results_alone(results, tmp_path):
     assert page.read_bytes() == first
 
 
-def test_summary_numbers(results):
-    rows, _ = enrich(results_store.read_results(results))
+def test_summary_numbers(report_sweep):
+    rows, _ = enrich(results_store.read_results(report_sweep))
     summary = {s["label"]: s for s in summarize(rows)}
     full = summary["full"]
     assert full["decode_speedup"] == 1.0 and full["final_kv_ratio"] == 1.0 and full["cells"] == 4
@@ -68,8 +48,8 @@ def test_summary_numbers(results):
     assert any(s["pareto"] for s in summary.values())
 
 
-def test_other_schema_versions(results, tmp_path):
-    rows = [json.loads(line) for line in results.read_text().splitlines()]
+def test_other_schema_versions(report_sweep, tmp_path):
+    rows = [json.loads(line) for line in report_sweep.read_text().splitlines()]
     old = tmp_path / "old"
     old.mkdir()
     with open(old / results_store.RESULTS_FILE, "w") as fh:  # schema 1: before recipes, budgets and depth scores
@@ -94,8 +74,8 @@ def test_other_schema_versions(results, tmp_path):
         write_report(new)
 
 
-def test_report_cli(results, tmp_path, capsys):
-    d = _fresh_dir(tmp_path, results)
+def test_report_cli(report_sweep, tmp_path, capsys):
+    d = _fresh_dir(tmp_path, report_sweep)
     assert main(["report", str(d), "--out", str(tmp_path / "page" / "r.html")]) == 0
     assert (tmp_path / "page" / "r.html").is_file() and (tmp_path / "page" / "report" / "pareto.png").is_file()
     assert main(["report", str(tmp_path / "nothing")]) == 2
@@ -112,15 +92,6 @@ window.addEventListener("load", function () {
 </script></body>"""
 
 
-def _chromium() -> str:
-    for name in ("chromium", "chromium-browser"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail("chromium is not installed, so the report cannot be checked in a browser: install Debian's "
-                "package (`apt-get install -y chromium`; `./run test` does it when it runs as root or with sudo)")
-
-
 def _render(page: Path, tmp_path: Path) -> tuple[int, int]:
     probe = page.with_name("probe.html")
     probe.write_text(page.read_text().replace("</body>", CHECK_IMAGES))
@@ -132,8 +103,8 @@ def _render(page: Path, tmp_path: Path) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-def test_page_renders_in_chromium(results, tmp_path):
-    page = write_report(_fresh_dir(tmp_path, results))
+def test_page_renders_in_chromium(report_sweep, tmp_path):
+    page = write_report(_fresh_dir(tmp_path, report_sweep))
     images, loaded = _render(page, tmp_path)
     assert images == len(PLOTS) and loaded == images
     # the check sees a broken image: a page whose first picture is not a PNG loads one fewer

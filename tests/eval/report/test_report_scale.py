@@ -21,7 +21,7 @@ from attnkit.eval.report.label_layout import spread
 from attnkit.eval.report.page import read_report
 from attnkit.eval.report.plot_budget import MOST_LINES
 from attnkit.eval.report.plot_style import FONT, facets, min_font_pt
-from test_report import _chromium
+from helpers import chromium as _chromium
 
 WINDOW = (1400, 1000)  # the browser window: the page's content is 1352 px wide
 MIN_PX = 11.0  # the smallest text any figure may show on screen at that width

@@ -13,8 +13,9 @@ from attnkit.cli import main
 from attnkit.eval.run import provenance
 from attnkit.eval.run.results import RESULTS_FILE, append_row, read_results, repair_tail
 from attnkit.version import __version__
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 
 
 def test_append_repair_and_read(tmp_path):

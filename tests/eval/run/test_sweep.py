@@ -21,8 +21,9 @@ from attnkit.eval.run import cells
 from attnkit.eval.run import results as results_store
 from attnkit.eval.run.sweep import load_sweep, run_sweep, sweep_from_dict
 from attnkit.recipe import Recipe, as_recipe, load_recipe_file, peer
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 SPEC = "random:llama:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 SWEEP = {
     "model": SPEC, "samples": 2, "seed": 5, "tasks": ["passkey", "code_completion"], "lengths": [256],
