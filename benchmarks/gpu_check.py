@@ -153,12 +153,16 @@ def fused_statistics_rows(device: str, dtype: torch.dtype, lengths: list[int]) -
     return rows
 
 
+INTERPRETED_LENGTH = 128  # Triton's interpreter runs a kernel program by program in Python: slow past this
+
+
 def kernel_statistics_rows(device: str, dtype: torch.dtype, lengths: list[int]) -> list[dict]:
     """The Triton kernels of the prompt statistics (:mod:`attnkit.methods.scoring_triton`) against the blocked passes
     in float32, on random tensors in `tiny`'s head layout: H2O (mean and max over the group), Keyformer's Gumbel
     score and one KVzip reconstruction chunk (up to 2,048 queries over the prompt and themselves), with the largest
     relative difference of a key's statistic and the times of both. Runs where the kernels do (CUDA with Triton,
-    or Triton's interpreter: ``TRITON_INTERPRET=1``, at the shortest length only)."""
+    or Triton's interpreter: ``TRITON_INTERPRET=1``, once, at :data:`INTERPRETED_LENGTH` tokens at most: there it
+    only keeps this part working; ``tests/methods/test_scoring_triton.py`` checks the kernels)."""
     import os
 
     from attnkit.methods import scoring_triton
@@ -166,7 +170,7 @@ def kernel_statistics_rows(device: str, dtype: torch.dtype, lengths: list[int]) 
     if not scoring_triton.kernels_pay(torch.zeros(1, device=device)):
         if os.environ.get("TRITON_INTERPRET") != "1" or scoring_triton.triton is None:
             return [{"skipped": "the kernels run on CUDA with Triton installed (or under TRITON_INTERPRET=1)"}]
-        lengths = lengths[:1]
+        lengths = [min(lengths[0], INTERPRETED_LENGTH)]
     g = torch.Generator(device=device).manual_seed(1)
     rows = []
     for n in lengths:
