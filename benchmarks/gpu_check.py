@@ -55,8 +55,9 @@ TINY_GEOMETRY = "random:llama:layers=6,hidden=256,heads=8,kv_heads=2,head_dim=32
 NOT_UNLIMITED = {"minference_static": "indices fixed at calibration (sparse whatever the length): for the record"}
 
 
-def unlimited_specs(total: int, static_config: str) -> dict[str, str]:
-    """One spec per registered method that keeps every one of `total` tokens (prompt + generated)."""
+def unlimited_specs(total: int, static_config: str, kvzap_config: str = "") -> dict[str, str]:
+    """One spec per registered method that keeps every one of `total` tokens (prompt + generated); `kvzap_config` is
+    a kvzap surrogate trained for the model (:func:`kvzap_surrogate`)."""
     b = f"budget_tokens={total}"
     specs = {
         "full": "full", "window": f"window:window={total}", "streaming": f"streaming:{b}", "h2o": f"h2o:{b}",
@@ -67,7 +68,7 @@ def unlimited_specs(total: int, static_config: str) -> dict[str, str]:
         "select": "select:filter_layer=1,p_decode=1.0", "gemfilter": f"gemfilter:filter_layer=1,k={total}",
         "compose": f"minference:k_v=0,k_s={total}+h2o:{b}", "duo_attention": f"duo_attention:retrieval_ratio=0,recent={total}",
         "kivi": f"kivi:residual={total}",  # a residual holding every token: nothing is quantized
-        "kvzip": f"kvzip:{b}",
+        "kvzip": f"kvzip:{b}", "kvzap": f"kvzap:config={kvzap_config},{b}",
     }
     missing = sorted(set(METHODS) - set(specs))
     if missing:
@@ -85,13 +86,24 @@ def static_patterns(model_spec: str, length: int, path: Path) -> str:
     return str(path)
 
 
+def kvzap_surrogate(model_spec: str, path: Path) -> str:
+    """A small kvzap surrogate for the model (``attnkit calibrate kvzap``, two windows of 128 tokens)."""
+    from attnkit.cli import main as cli_main
+    rc = cli_main(["calibrate", "kvzap", "--model", model_spec, "--samples", "2", "--length", "128", "--heldout", "1",
+                   "--out", str(path)])
+    if rc != 0:
+        raise SystemExit("gpu_check: training the kvzap surrogate failed")
+    return str(path)
+
+
 def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, compile_kernels: bool,
                    tmp: Path) -> list[dict]:
     """Every method at an unlimited budget on one batch of prompts of `lengths`, against full's batch."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.geometry.vocab_size, (n,), generator=g).tolist() for n in lengths]
     total = max(lengths) + new_tokens
-    specs = unlimited_specs(total, static_patterns(model_spec, max(256, max(lengths)), tmp / "static.json"))
+    specs = unlimited_specs(total, static_patterns(model_spec, max(256, max(lengths)), tmp / "static.json"),
+                            kvzap_surrogate(model_spec, tmp / "kvzap.safetensors"))
     if not compile_kernels:
         specs = {k: (v + ",compile=false" if k in ("minference", "minference_static", "a_shape") else v)
                  for k, v in specs.items()}

@@ -35,6 +35,21 @@ def test_slot_order_mask_equals_reference_with_per_head_positions():
     assert torch.allclose(folded_attention(q, k, v, 0.25, bias), ref, atol=1e-5)
 
 
+def test_rows_whose_heads_agree_but_differ_from_each_other_get_their_own_mask():
+    """A decode query over a compressed batch where each row's kv heads hold the same positions but the rows hold
+    different ones (a sliding window masks some): each row is attended with its own positions, as alone."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k, v = torch.randn(2, 2, 12, 16, generator=g), torch.randn(2, 2, 12, 16, generator=g)
+    rows = [torch.randperm(60, generator=g)[:12].sort().values for _ in range(2)]
+    k_pos = torch.stack([r.expand(2, 12) for r in rows])  # [2 rows, 2 heads, 12]
+    q_pos = torch.tensor([70])
+    batch = attend(q, k, v, 0.25, q_pos, k_pos, window=40)
+    for r in range(2):
+        alone = attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], 0.25, q_pos, k_pos[r:r + 1], window=40)
+        assert torch.allclose(batch[r:r + 1], alone, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])  # bf16: its own rounding
 def test_a_chunk_after_its_prefix_takes_two_flash_calls(monkeypatch, dtype, atol):
     """A prompt chunk after the chunks before it (queries = the last positions of a contiguous run of keys): two

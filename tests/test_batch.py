@@ -7,9 +7,11 @@ import torch
 
 import attnkit
 from attnkit import AttnkitError, generation
+from attnkit.calibrate.kvzap import calibrate_kvzap
 from attnkit.cli import main
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.methods.budget import resolve_budget
+from attnkit.methods.kvzap_predictor import save_predictor
 from attnkit.methods.spec import METHODS, parse_method_spec
 from attnkit.session import Step, new_session
 from helpers import SMALL, per_token_bytes, random_ids
@@ -105,7 +107,7 @@ def test_unlimited_budget_batch_equals_alone_and_full(models, spec):
 
 def test_every_registered_method_is_covered():
     named = {part.split(":")[0] for spec in UNLIMITED + SMALL_BUDGET for part in spec.split("+")}
-    assert set(METHODS) - {"compose", "minference_static"} <= named  # compose: "A+B"; static: below
+    assert set(METHODS) - {"compose", "minference_static", "kvzap"} <= named  # compose: "A+B"; static, kvzap: below
 
 
 def test_static_patterns_from_a_file(models, tmp_path):
@@ -115,6 +117,19 @@ def test_static_patterns_from_a_file(models, tmp_path):
                  "0.5", "--block-size", "16", "--tasks", "passkey", "--samples", "1", "--static",
                  "--out", str(path)]) == 0
     assert_batch_equals_alone(models["llama"], f"minference_static:config={path},compile=false")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
+def test_kvzap_from_a_trained_surrogate(models, arch, tmp_path):
+    """kvzap reads a surrogate trained for the model (`attnkit calibrate kvzap`'s training, a few hundred tokens)."""
+    layers, meta = calibrate_kvzap(models[arch], samples=2, length=96, heldout=1)
+    path = save_predictor(tmp_path / "kvzap.safetensors", "linear", layers, meta)
+    for params in ("budget_tokens=400", "threshold=-inf", "budget_tokens=32,window=8",
+                   "budget=0.3,window=4,decode_every=3", "threshold=-3,window=16"):
+        batch = assert_batch_equals_alone(models[arch], f"kvzap:config={path},{params}")
+        if "400" in params or "inf" in params:
+            full = attnkit.generate(models[arch], prompts(), "full", max_new_tokens=NEW, stop_at_eos=False)
+            assert [b.token_ids for b in batch] == [f.token_ids for f in full]
 
 
 @pytest.mark.parametrize("spec", SMALL_BUDGET)

@@ -16,6 +16,7 @@ A third route serves ``model.generate`` with an :class:`attnkit.hf_cache.Attnkit
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +133,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, q_
     """
     q_len, k_len = q.shape[2], k.shape[2]
     shared_pos = k_pos if k_pos.dim() == 1 else None
-    if k_pos.dim() == 3 and bool((k_pos == k_pos[:, :1]).all()):
+    if k_pos.dim() == 3 and bool((k_pos == k_pos[:1, :1]).all()):  # every row and head alike
         shared_pos = k_pos[0, 0]
     if shared_pos is not None:
         lo, hi = int(shared_pos.min()), int(shared_pos.max())
@@ -220,6 +221,39 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         scaling = query.shape[-1] ** -0.5
     out = step.attention(module.layer_idx, query, key, value, scaling, kwargs.get("sliding_window"))
     return out.transpose(1, 2).contiguous(), None
+
+
+# ---- the layers' attention inputs, for a method that reads them ----------------------------------------------
+# The attention function receives q, k, v, never the hidden states they were projected from. A method that scores
+# those (kvzap) gets them from its host: a forward pre-hook on each attention module (PyTorch's hook API, registered
+# on a model when a method first needs it, never at import) hands the module's input to whoever hosts the call, the
+# runner's step (the ``attnkit_step`` keyword) or a cache that asks for it (``past_key_values``), as
+# ``note_layer_input(layer_idx, hidden_states, module)``.
+_WATCHED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _hand_layer_input(module, args, kwargs) -> None:
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    for host in (kwargs.get("attnkit_step"), kwargs.get("past_key_values")):
+        note = getattr(host, "note_layer_input", None)
+        if note is not None:
+            note(module.layer_idx, hidden, module)
+            return
+
+
+def watch_layer_inputs(model) -> None:
+    """Hand each attention module's input hidden states (after the decoder layer's input norm) to the host of the
+    call before the attention runs (see above); `model` is a transformers causal LM. Registered once per module."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise AttnkitError(f"{type(model).__name__} has no decoder layers (model.model.layers) whose attention "
+                           f"inputs attnkit can read")
+    for layer in layers:
+        attn = layer.self_attn
+        if attn not in _WATCHED:
+            attn.register_forward_pre_hook(_hand_layer_input, with_kwargs=True)
+            _WATCHED.add(attn)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attnkit_attention)

@@ -51,7 +51,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from attnkit import masks, validate
-from attnkit.attention import ATTN_IMPLEMENTATION, defer_attention
+from attnkit.attention import ATTN_IMPLEMENTATION, defer_attention, watch_layer_inputs
 from attnkit.cache import KVCache
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method, resolve_method
@@ -179,6 +179,8 @@ class AttnkitCache(Cache):
             raise AttnkitError(f"method {self.method.name!r} runs the decoder layers itself (a model-level hook: it "
                                f"changes which tokens the layers see, or runs a forward of its own after the prompt), "
                                f"which model.generate cannot do; use attnkit.generate instead")
+        if getattr(self.method, "needs_layer_inputs", False):
+            watch_layer_inputs(hf)  # the layers' attention inputs reach note_layer_input
         self.max_new_tokens = max_new_tokens
         self.n_layers = config.get_text_config(decoder=True).num_hidden_layers
         self.rope = Rope.from_model(hf)
@@ -208,6 +210,11 @@ class AttnkitCache(Cache):
         self._seen[layer_idx] = seen + n
         return key_states, value_states
 
+    def note_layer_input(self, layer_idx: int, hidden: torch.Tensor, module=None) -> None:
+        """The layer's attention input (:func:`attnkit.attention.watch_layer_inputs`), handed to this forward's step
+        with the layer's attention call."""
+        self._layer_input = (layer_idx, hidden, module)
+
     def layer_attention(self, layer_idx: int, query, key, value, scaling: float, sliding_window,
                         attention_mask=None, position_ids=None) -> torch.Tensor:
         """The deferred attention call of `layer_idx`: run the method on this forward's step.
@@ -227,6 +234,11 @@ class AttnkitCache(Cache):
         if position_ids is not None and id(position_ids) not in self._checked:
             self._check_positions(position_ids, start, n)
             self._checked.add(id(position_ids))
+        if self._layer_input is not None and self._layer_input[0] == layer_idx:
+            _, hidden, module = self._layer_input
+            self._layer_input = None
+            rows = None if self._order is None else self._order.to(hidden.device)
+            self._step.note_layer_input(layer_idx, hidden if rows is None else hidden[rows], module)
         if self._order is None:
             return self._step.attention(layer_idx, query, key, value, scaling, sliding_window)
         order = self._order.to(query.device)
@@ -288,6 +300,7 @@ class AttnkitCache(Cache):
         self._order = self._inverse = None  # rows gathered by group when the groups are not contiguous
         self._step, self._step_start = None, -1
         self._checked: set = set()
+        self._layer_input = None  # (layer, hidden, module) until the layer's attention call takes it
 
     def used_message(self) -> str:
         return (f"this AttnkitCache already holds a generation ({self._seen[0]} tokens seen): call cache.reset() "

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from attnkit.attention import watch_layer_inputs
 from attnkit.cache import KVCache, LayerKV
+from attnkit.errors import AttnkitError
 from attnkit.model import LoadedModel
 from attnkit.rope import Rope
 
@@ -80,6 +82,13 @@ class Step:
     last_chunk: bool = True
     # what the layers of this forward can share (e.g. a mask built on the first layer), by key
     memo: dict = field(default_factory=dict, repr=False)
+    # (layer, its attention's input hidden states, its attention module) of the layer running now, handed over by
+    # the host (:func:`attnkit.attention.watch_layer_inputs`) for a method that reads them; the last layer's only
+    layer_input: tuple | None = field(default=None, repr=False)
+
+    def note_layer_input(self, layer: int, hidden: torch.Tensor, module=None) -> None:
+        """Keep layer `layer`'s attention input `hidden` ``[rows, n, hidden]`` (after its input norm) for its hooks."""
+        self.layer_input = (layer, hidden, module)
 
     def shared_value(self, key, build):
         """The value the layers of this forward share under `key`, built by ``build()`` on first use. A tensor
@@ -127,6 +136,12 @@ class RowsStep:
     parts, so no sequence's attention, cache or eviction touches another's."""
 
     parts: list  # (start, end, tokens, Step), rows in order, covering the batch
+
+    def note_layer_input(self, layer: int, hidden: torch.Tensor, module=None) -> None:
+        """Each session's rows and columns of the layer's attention input (see :meth:`Step.note_layer_input`)."""
+        n = hidden.shape[1]
+        for start, end, tokens, step in self.parts:
+            step.note_layer_input(layer, hidden[start:end, n - tokens:], module)
 
     def attention(self, layer: int, q, k, v, scaling: float, native_window: int | None) -> torch.Tensor:
         n = q.shape[2]
@@ -179,6 +194,22 @@ class LayerContext:
     def session(self) -> Session:
         return self.step.session
 
+    def layer_input(self) -> torch.Tensor:
+        """This layer's attention input for the step's tokens, ``[rows, n, hidden]`` (the hidden states after the
+        layer's input norm, what its q, k, v projections read), for a method that scores them
+        (``needs_layer_inputs``); refused in one line where the host did not hand them over."""
+        noted = self.step.layer_input
+        if noted is None or noted[0] != self.index:
+            raise AttnkitError(f"method {self.session.method.name!r} reads each layer's input hidden states, which "
+                               f"this host did not hand over for layer {self.index} (attnkit.generate and "
+                               f"AttnkitCache do; speculative decoding and vLLM do not)")
+        return noted[1]
+
+    def layer_module(self):
+        """The attention module of this layer as the host handed it over with :meth:`layer_input` (None if not)."""
+        noted = self.step.layer_input
+        return noted[2] if noted is not None and noted[0] == self.index else None
+
     def scoped(self, state_of, session_state_of) -> LayerContext:
         """The same layer and step, its hooks seeing ``state_of(layer state)`` and
         ``session_state_of(session state)`` (of the session's own states) as theirs."""
@@ -190,6 +221,8 @@ def new_session(model: LoadedModel, method, prompt_len: int, max_new_tokens: int
     """A fresh session of `method` for `rows` generations side by side on `model` (prompts of the same
     length `prompt_len`; an empty cache per layer)."""
     n_layers = model.geometry.n_layers
+    if getattr(method, "needs_layer_inputs", False):
+        watch_layer_inputs(model.hf)
     return Session(method, KVCache(n_layers, rows), n_layers, prompt_len, max_new_tokens, rope=Rope.from_model(model))
 
 

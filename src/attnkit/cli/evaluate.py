@@ -183,9 +183,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """``attnkit calibrate patterns|heads|filter-layer|duo``: the list arguments parsed here, then the tool's
+    """``attnkit calibrate patterns|heads|filter-layer|duo|kvzap``: the list arguments parsed here, then the tool's
     ``main`` (module ``attnkit.calibrate.<args.calibration>``)."""
-    args.tasks = name_list(args.tasks, "--tasks")
+    if getattr(args, "tasks", None) is not None:
+        args.tasks = name_list(args.tasks, "--tasks")
     if getattr(args, "layers", None) is not None:
         args.layers = int_list(args.layers, "--layers")
     return importlib.import_module(f"attnkit.calibrate.{args.calibration}").main(args)

@@ -16,6 +16,7 @@ from attnkit.methods.keydiff import KeyDiff
 from attnkit.methods.keyformer import Keyformer
 from attnkit.methods.kivi import Kivi
 from attnkit.methods.knorm import KNorm
+from attnkit.methods.kvzap import KVzap
 from attnkit.methods.kvzip import KVzip
 from attnkit.methods.minference import MInference, MInferenceStatic
 from attnkit.methods.select import Select
@@ -27,5 +28,5 @@ from attnkit.methods.tova import TOVA
 from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention",
-           "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzip",
+           "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip",
            "MInference", "MInferenceStatic", "Select", "Share", "SnapKV", "Streaming", "TOVA", "Window"]

@@ -63,6 +63,9 @@ class Method:
     # a method whose prefill or token choice is per sequence (sparse prefill indexes, Select's chosen
     # tokens) says False and the runner gives each sequence its own session
     batches: ClassVar[bool] = True
+    # whether the hooks read each layer's attention input hidden states (``ctx.layer_input()``, kvzap's predictor):
+    # the hosts then hand them over (:func:`attnkit.attention.watch_layer_inputs`)
+    needs_layer_inputs: ClassVar[bool] = False
 
     # ---- state ---------------------------------------------------------------------------------
     def new_layer_state(self):

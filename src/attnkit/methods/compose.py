@@ -148,6 +148,10 @@ class Compose(Method):
     def batches(self) -> bool:
         return self._cache.batches and self._prefill.batches
 
+    @property
+    def needs_layer_inputs(self) -> bool:
+        return self._cache.needs_layer_inputs or self._prefill.needs_layer_inputs
+
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         own = ctx.session.layer_state[ctx.index]
         own.routed = False

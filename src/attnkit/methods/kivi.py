@@ -91,6 +91,10 @@ class Kivi(Method):
     def batches(self) -> bool:
         return self._cache.batches
 
+    @property
+    def needs_layer_inputs(self) -> bool:
+        return self._cache.needs_layer_inputs
+
     def describe(self) -> str:
         own = f"kivi(bits={self.bits}, residual={self.residual}, group={self.group})"
         return own if self._cache.name == "full" else f"{self._cache.describe()}+{own}"

@@ -96,6 +96,9 @@ def check_supported(method: Method, source: str) -> None:
             raise _unsupported(cache, source, " (keys are stored at their original positions; use positions=original)")
     elif not isinstance(cache, PromptScorer) or type(cache).run_layers is not None:
         raise _unsupported(cache, source)
+    elif cache.needs_layer_inputs:
+        raise _unsupported(cache, source, " (it reads the layers' input hidden states, which vLLM's attention does "
+                                          "not see)")
     else:
         if cache.decode_every or cache.head_budgets != "uniform":
             raise _unsupported(cache, source, " (decode_every and head_budgets=adaptive change the cache while "
