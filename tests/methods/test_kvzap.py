@@ -211,3 +211,10 @@ def test_what_cannot_run_is_refused_in_one_line(models, configs):
     from attnkit.vllm.plan import check_supported
     with pytest.raises(AttnkitError, match="not supported inside vLLM.*input hidden states"):
         check_supported(make_method("kvzap", config=configs["llama"], budget=0.3), "vllm")
+
+
+def test_a_sweep_budget_applies_unless_a_threshold_sizes_the_cache(configs):
+    from attnkit.recipe.core import as_recipe
+    assert as_recipe(f"kvzap:config={configs['llama']}", "test").takes_budget()
+    assert not as_recipe(f"kvzap:config={configs['llama']},threshold=-3", "test").takes_budget()
+    assert as_recipe(f"kvzap:config={configs['llama']}", "test").with_budget(0.3).method().budget == 0.3

@@ -80,6 +80,7 @@ class KVzap(PromptScorer):
     summary = "kvzip's scores predicted from hidden states, threshold or budget (KVzap, Jégou & Jeblick 2026)"
     layer_state_type = KVzapState
     needs_layer_inputs = True
+    size_params = ("threshold",)  # sizes the cache instead of a budget: a sweep's budget does not apply to it
 
     def __post_init__(self):
         if not isinstance(self.config, str) or not self.config:

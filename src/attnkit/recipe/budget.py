@@ -70,6 +70,7 @@ def has_own_budget(recipe) -> bool:
         return "compression_ratio" in recipe.peer[1]
     name, params = recipe.parts[role]
     keys = ("budget", "budget_tokens") if budget_style(name, recipe.source) == "eviction" else ("window",)
+    keys += tuple(getattr(method_class(name, recipe.source), "size_params", ()))  # kvzap's threshold sizes it too
     return any(params.get(k) is not None for k in keys)
 
 
