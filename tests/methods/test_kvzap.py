@@ -218,3 +218,26 @@ def test_a_sweep_budget_applies_unless_a_threshold_sizes_the_cache(configs):
     assert as_recipe(f"kvzap:config={configs['llama']}", "test").takes_budget()
     assert not as_recipe(f"kvzap:config={configs['llama']},threshold=-3", "test").takes_budget()
     assert as_recipe(f"kvzap:config={configs['llama']}", "test").with_budget(0.3).method().budget == 0.3
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_the_file_loads_into_modules_laid_out_as_kvpress_kvzap_model(models, tmp_path, kind):
+    """kvpress's KVzapModel holds ``layers`` = one ``nn.Linear(D, H)``, or ``nn.Sequential(nn.Linear(D, M), nn.GELU(),
+    nn.Linear(M, H))``, per layer, and KVzapPress scores ``module(hidden).transpose(1, 2)``: the same modules take
+    this file's tensors strictly and score as kvzap does."""
+    from safetensors.torch import load_file
+    from torch import nn
+
+    from attnkit.calibrate.kvzap import fit_mlp
+    model = models["llama"]
+    xs, ys = collect(model, text_windows(model, "train", 2, 64, seed=0), lambda _: None)
+    layers = [fit_linear(x, y, 1.0) for x, y in zip(xs, ys)] if kind == "linear" else \
+        fit_mlp(xs, ys, 8, 1, 1e-3, 64, 0, lambda _: None)
+    path = save_predictor(tmp_path / "p.safetensors", kind, layers, {"model": "m"})
+    d, h = xs[0].shape[1], ys[0].shape[1]
+    modules = nn.ModuleList(nn.Linear(d, h) if kind == "linear" else
+                            nn.Sequential(nn.Linear(d, 8), nn.GELU(), nn.Linear(8, h)) for _ in layers)
+    modules.load_state_dict({k.removeprefix("layers."): v for k, v in load_file(str(path)).items()}, strict=True)
+    predictor, hidden = load_predictor(path), torch.randn(2, 5, d)
+    for i, module in enumerate(modules):
+        assert torch.allclose(module(hidden).transpose(1, 2), predictor.scores(i, hidden), atol=1e-5)
