@@ -31,7 +31,7 @@ from attnkit.generation import (
 from attnkit.methods.base import Method, resolve_method
 from attnkit.model import LoadedModel, check_loaded_model
 from attnkit.sampling import choose_token
-from attnkit.session import RowsStep, Session, Step, layer_contexts, new_session
+from attnkit.session import RowsStep, Session, Step, new_session, planned_slots
 
 
 @dataclass
@@ -119,9 +119,8 @@ def check_batch(model: LoadedModel, groups: list[RunGroup], batched: bool) -> No
     for group in groups:
         session = group.session
         try:
-            for ctx in layer_contexts(session):
-                slots = session.method.planned_slots(ctx)
-                need[devices[ctx.index]] = need.get(devices[ctx.index], 0) + slots * slot_bytes * session.rows
+            for layer, slots in enumerate(planned_slots(session)):
+                need[devices[layer]] = need.get(devices[layer], 0) + slots * slot_bytes * session.rows
         except AttnkitError as err:
             if not batched:
                 raise

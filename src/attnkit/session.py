@@ -233,6 +233,13 @@ def layer_contexts(session: Session) -> list[LayerContext]:
     return [LayerContext(step, i, 1.0, None) for i in range(session.n_layers)]
 
 
+def planned_slots(session: Session) -> list[int]:
+    """Slots per kv head each layer of `session` will hold once its prompt is processed, asked of the method before
+    any work (:meth:`attnkit.methods.base.Method.planned_slots`): raises the method's one-line AttnkitError when
+    its parameters do not fit the prompt. Every host asks it before it starts (the runner, vLLM's request check)."""
+    return [session.method.planned_slots(ctx) for ctx in layer_contexts(session)]
+
+
 def copy_state(obj):
     """Deep copy of the tensors inside a method's state dataclasses and the dicts/lists/tuples they hold; any
     other object is kept by reference (e.g. the Step a method remembers, whose identity is what it compares,

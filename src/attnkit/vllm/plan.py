@@ -44,7 +44,7 @@ from attnkit.methods.snapkv import SnapKV
 from attnkit.methods.streaming import Streaming
 from attnkit.methods.window import Window
 from attnkit.recipe.core import Recipe, as_recipe, load_recipe_file
-from attnkit.session import Session, layer_contexts
+from attnkit.session import Session, planned_slots
 
 SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, expected_attention (a budget or "
              "budget_tokens, one value for every layer and kv head; the prompt compressed once), a_shape, "
@@ -190,6 +190,4 @@ def check_prompt(method: Method, prompt_len: int, max_tokens: int, n_layers: int
     (:meth:`~attnkit.methods.base.Method.planned_slots`), asked here when vLLM takes the request, so that the
     request fails alone instead of a worker in the middle of a batch. `rope` is the model's
     :class:`~attnkit.rope.Rope` (methods that undo rotations check that the model has one)."""
-    session = Session(method, KVCache(n_layers, 1), n_layers, prompt_len, max_tokens, rope)
-    for ctx in layer_contexts(session):
-        method.planned_slots(ctx)
+    planned_slots(Session(method, KVCache(n_layers, 1), n_layers, prompt_len, max_tokens, rope))
