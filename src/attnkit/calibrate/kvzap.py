@@ -21,7 +21,7 @@ Fast, Adaptive, and Faithful KV Cache Pruning", arXiv 2601.07891; kvpress's ``kv
 
 The file (:mod:`attnkit.methods.kvzap_predictor`) records the model, its geometry and a fingerprint of each layer's
 key projection, so ``kvzap:config=FILE`` refuses another model. Everything is seeded; the linear fit is exact, so
-the same arguments write the same weights (``tiny``, defaults: a few minutes on a laptop CPU).
+the same arguments write the same weights (its time on `tiny`: docs/benchmarks.md).
 """
 
 from __future__ import annotations
