@@ -37,6 +37,7 @@ UNLIMITED = [
     "kivi:residual=1000", "snapkv:budget_tokens=400+kivi:bits=2,residual=1000",
     "minference:k_v=0,k_s=400+h2o:budget_tokens=400+kivi:residual=1000",
     "kvzip:budget_tokens=400", "kvzip:budget_tokens=400,head_budgets=adaptive",
+    "quest:token_budget=400,dense_layers=0", "quest:budget=1.0,dense_layers=1,per_query_head=true",
 ]
 SMALL_BUDGET = [
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
@@ -59,6 +60,7 @@ SMALL_BUDGET = [
     "a_shape:n_init=16,n_local=32,block_size=16+snapkv:budget_tokens=40,window_size=8+kivi:bits=2,residual=8,group=8",
     "kvzip:budget_tokens=32", "kvzip:budget=0.3,chunk_size=48",
     "kvzip:budget_tokens=32,chunk_size=64,head_budgets=adaptive,alpha_safeguard=0",
+    "quest:token_budget=32,dense_layers=0", "quest:budget=0.3,page_size=8,dense_layers=1,per_query_head=true",
 ]
 
 

@@ -19,6 +19,7 @@ from attnkit.methods.knorm import KNorm
 from attnkit.methods.kvzap import KVzap
 from attnkit.methods.kvzip import KVzip
 from attnkit.methods.minference import MInference, MInferenceStatic
+from attnkit.methods.quest import Quest
 from attnkit.methods.select import Select
 from attnkit.methods.share import Share
 from attnkit.methods.snapkv import SnapKV
@@ -29,4 +30,4 @@ from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention",
            "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip",
-           "MInference", "MInferenceStatic", "Select", "Share", "SnapKV", "Streaming", "TOVA", "Window"]
+           "MInference", "MInferenceStatic", "Quest", "Select", "Share", "SnapKV", "Streaming", "TOVA", "Window"]
