@@ -20,6 +20,7 @@ from attnkit.methods.kvzap import KVzap
 from attnkit.methods.kvzip import KVzip
 from attnkit.methods.minference import MInference, MInferenceStatic
 from attnkit.methods.quest import Quest
+from attnkit.methods.rkv import RKV
 from attnkit.methods.select import Select
 from attnkit.methods.share import Share
 from attnkit.methods.snapkv import SnapKV
@@ -30,4 +31,4 @@ from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention",
            "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip",
-           "MInference", "MInferenceStatic", "Quest", "Select", "Share", "SnapKV", "Streaming", "TOVA", "Window"]
+           "MInference", "MInferenceStatic", "Quest", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA", "Window"]
