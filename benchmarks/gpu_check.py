@@ -62,7 +62,7 @@ def unlimited_specs(total: int, static_config: str, kvzap_config: str = "") -> d
     specs = {
         "full": "full", "window": f"window:window={total}", "streaming": f"streaming:{b}", "h2o": f"h2o:{b}",
         "keyformer": f"keyformer:{b}", "snapkv": f"snapkv:{b}", "knorm": f"knorm:{b}", "keydiff": f"keydiff:{b}",
-        "tova": f"tova:{b}", "expected_attention": f"expected_attention:{b}",
+        "rkv": f"rkv:{b}", "tova": f"tova:{b}", "expected_attention": f"expected_attention:{b}",
         "minference": f"minference:k_v=0,k_s={total}", "minference_static": f"minference_static:config={static_config}",
         "a_shape": f"a_shape:n_init={total},n_local={total}", "share": "share:config=none",
         "select": "select:filter_layer=1,p_decode=1.0", "gemfilter": f"gemfilter:filter_layer=1,k={total}",

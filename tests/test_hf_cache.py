@@ -24,6 +24,7 @@ CASES = [
     ("keyformer", {"budget_tokens": 40, "score": "shared", "noise": "gaussian"}),
     ("keyformer", {"budget": 0.3, "positions": "new"}),
     ("snapkv", {"budget_tokens": 40, "window_size": 8, "decode_budget": 10}),
+    ("rkv", {"budget_tokens": 40, "decode_every": 5}),
     ("duo_attention", {"retrieval_ratio": 0.0, "sinks": 4, "recent": 16}),
 ]
 
@@ -157,6 +158,8 @@ BATCH_CASES = [  # (method, params, whether the rows' caches end holding fewer t
     ("keyformer", {"budget_tokens": 100, "positions": "new"}, False),
     ("snapkv", {"budget_tokens": 12, "window_size": 4, "decode_budget": 4}, True),
     ("snapkv", {"budget": 1.0, "window_size": 4}, False),
+    ("rkv", {"budget_tokens": 12, "window_size": 4, "decode_every": 3}, True),
+    ("rkv", {"budget_tokens": 100}, False),
     ("a_shape", {"n_init": 4, "n_local": 8, "block_size": 16, "compile": False}, False),
     ("minference", SPARSE, False),
     ("compose", {"prefill": "minference:k_v=4,k_s=8,block_size=16,compile=false",

@@ -86,7 +86,8 @@ def test_rollback_refuses_what_it_cannot_undo(greedy_models):
 
 @pytest.mark.parametrize("spec", ["streaming:budget_tokens=12,sinks=2", "h2o:budget_tokens=12,recent_tokens=4",
                                   "keyformer:budget_tokens=12,score=shared", "full",
-                                  "snapkv:budget_tokens=12,window_size=4"])
+                                  "snapkv:budget_tokens=12,window_size=4",
+                                  "rkv:budget_tokens=12,window_size=4,decode_every=3"])
 def test_draft_rollback_equals_feeding_only_accepted_tokens(greedy_models, spec):
     """After propose(gamma) + feedback(n), the draft's session (slots, positions, score buffers, layer
     and shared state) is what feeding only the accepted tokens produces, for every n."""

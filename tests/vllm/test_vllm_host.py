@@ -37,7 +37,8 @@ def test_engine_configs_refuse_what_vllm_cannot_run_in_one_line():
     assert set(config.allow) == {"minference", "snapkv", "full"}
     assert EngineConfig.from_json(config.to_json()) == config
     for bad in ("h2o:budget=0.3", "snapkv:budget=0.3,decode_every=8", "snapkv:budget=[0.3,0.3,0.3,0.3,0.3,0.3]",
-                "streaming:budget_tokens=64,positions=reindex", "kvzip:budget=0.3", "snapkv:budget=0.3+kivi:bits=4"):
+                "streaming:budget_tokens=64,positions=reindex", "kvzip:budget=0.3", "snapkv:budget=0.3+kivi:bits=4",
+                "rkv:budget=0.3"):
         with pytest.raises(AttnkitError) as info:
             EngineConfig.parse({"attnkit": {"recipe": bad}})
         assert "\n" not in str(info.value)
