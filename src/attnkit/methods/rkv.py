@@ -8,7 +8,7 @@ entry ``i`` of a kv head by
 
     ``Z_i = lambda * I_i - (1 - lambda) * R_i``
 
-and keeps the best ``B - window_size`` plus the observation window (the paper's section 3, "joint selection"):
+and keeps the best ``B - window_size`` plus the observation window (the paper's joint selection):
 
 - **Importance** ``I``: the attention of the last ``window_size`` queries (the observation window, alpha = 8 in the
   paper) to the held entries before the window, softmaxed over those entries only, averaged over the window's
