@@ -69,6 +69,7 @@ def unlimited_specs(total: int, static_config: str, kvzap_config: str = "") -> d
         "compose": f"minference:k_v=0,k_s={total}+h2o:{b}", "duo_attention": f"duo_attention:retrieval_ratio=0,recent={total}",
         "kivi": f"kivi:residual={total}",  # a residual holding every token: nothing is quantized
         "kvzip": f"kvzip:{b}", "kvzap": f"kvzap:config={kvzap_config},{b}",
+        "quest": f"quest:token_budget={total},dense_layers=0",
     }
     missing = sorted(set(METHODS) - set(specs))
     if missing:

@@ -214,3 +214,17 @@ def test_a_quest_draft_speculates_losslessly(models):
     out = speculative_generate(models["llama"], prompt, "self", draft="quest:token_budget=32,dense_layers=0", gamma=3,
                                max_new_tokens=NEW, stop_at_eos=False)
     assert out.token_ids == run(models["llama"], prompt, "full").token_ids
+
+
+def test_after_a_sparse_prefill_and_refused_where_it_cannot_run(models):
+    """a_shape's prefill then Quest's decoding (its stats reported through compose); a prompt compression before it
+    (compose's first part supplies prefill outputs only, so snapkv's policy would be dropped) and a quantized cache
+    (Quest keeps its own storage) are refused in one line."""
+    prompt = random_ids(200, seed=2).tolist()
+    out = run(models["llama"], prompt, "a_shape:n_init=16,n_local=64,block_size=16+quest:token_budget=32,dense_layers=0")
+    assert 0 < out.stats.method_stats["quest_read_fraction"] < 0.5
+    for spec, message in (("snapkv:budget=0.5+quest:token_budget=64", "cache policy would be dropped"),
+                          ("quest:token_budget=64+kivi", "keeps its own cache storage")):
+        with pytest.raises(AttnkitError, match=message) as caught:
+            parse_method_spec(spec)
+        assert "\n" not in str(caught.value)

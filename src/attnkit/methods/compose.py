@@ -21,6 +21,7 @@ method's (each part sees its own ``ctx.state`` and ``ctx.session_state``), and i
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,10 @@ def _as_method(value, role: str) -> Method:
     if method.run_layers is not None:
         raise AttnkitError(f"{method.name!r} runs the decoder layers itself (a model-level hook) and cannot be "
                          f"composed; use its own parameters (select takes share_config=FILE)")
+    if role == "prefill" and method.name != "full" and method.dense_prefill_output():
+        raise AttnkitError(f"{method.name!r} as the prefill part of PREFILL+CACHE supplies only dense prompt outputs "
+                           f"and its cache policy would be dropped; put a sparse prefill method (minference, a_shape) "
+                           f"first and one cache method after it")
     if role == "prefill" and not _supplies_prefill_output(method):
         raise AttnkitError(f"prefill method {method.name!r} computes its prefill outputs inside prefill_attention, "
                          f"not in prefill_output, so compose cannot take them from it")
@@ -139,6 +144,16 @@ class Compose(Method):
 
     def rewrites_stored_keys(self) -> bool:
         return self._cache.rewrites_stored_keys()
+
+    def run_stats(self, session) -> dict:
+        """Each part's statistics, each part seeing its own states (the session's otherwise as they are)."""
+        stats = {}
+        for method, part in ((self._prefill, "prefill"), (self._cache, "cache")):
+            view = copy.copy(session)
+            view.layer_state = [getattr(s, part) for s in session.layer_state]
+            view.state = getattr(session.state, part)
+            stats.update(method.run_stats(view))
+        return stats
 
     def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
         self._cache.keep_rows([s.cache for s in layer_states], session_state.cache, rows)

@@ -53,6 +53,10 @@ def _wrapped(value) -> Method:
     if method.run_layers is not None:
         raise AttnkitError(f"{method.name!r} runs the decoder layers itself (a model-level hook) and cannot be "
                            f"quantized")
+    inner = getattr(method, "cache_method", method)  # a composition's cache part holds the cache
+    if type(inner).allocate_layer is not Method.allocate_layer:
+        raise AttnkitError(f"{inner.name!r} keeps its own cache storage, which a quantized cache cannot hold; use it "
+                           f"without kivi")
     if method.rewrites_stored_keys():
         raise AttnkitError(f"{method.describe()} re-rotates keys it already stored, which a quantized cache "
                            f"cannot do without quantizing them again; use positions=original")
