@@ -228,3 +228,10 @@ def test_after_a_sparse_prefill_and_refused_where_it_cannot_run(models):
         with pytest.raises(AttnkitError, match=message) as caught:
             parse_method_spec(spec)
         assert "\n" not in str(caught.value)
+
+
+def test_a_sweep_budget_is_the_fraction_or_the_tokens_a_step_reads():
+    from attnkit.recipe.core import as_recipe
+    assert as_recipe("quest", "test").takes_budget() and not as_recipe("quest:token_budget=64", "test").takes_budget()
+    fraction, tokens = (as_recipe("quest:dense_layers=0", "test").with_budget(b).method() for b in (0.25, 128))
+    assert (fraction.budget, fraction.token_budget, tokens.budget, tokens.token_budget) == (0.25, None, None, 128)

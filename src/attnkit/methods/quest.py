@@ -76,6 +76,8 @@ class Quest(Method):
     name = "quest"
     summary = "decode-time page selection by key min/max bounds, nothing evicted (Quest, Tang et al. 2024)"
     layer_state_type: ClassVar[type] = QuestState
+    # a sweep's budget: a fraction of the context, or the tokens a step reads (attnkit.recipe.budget)
+    budget_params: ClassVar[tuple[str, str]] = ("budget", "token_budget")
 
     def __post_init__(self):
         whole("page_size", self.page_size, 1, what=" (tokens per page)")

@@ -41,10 +41,17 @@ def check_budget_value(budget, source: str = "budget"):
     return budget
 
 
+def budget_params(name: str, source: str) -> tuple[str, str]:
+    """A method's (fraction, token count) budget parameters: ``budget`` and ``budget_tokens`` unless its class names
+    others (``quest``: the tokens a step reads, ``token_budget``)."""
+    return getattr(method_class(name, source), "budget_params", ("budget", "budget_tokens"))
+
+
 def budget_style(name: str, source: str) -> str | None:
-    """How a method takes a budget: "eviction" (budget / budget_tokens), "window", or None."""
+    """How a method takes a budget: "eviction" (a fraction or a token count, :func:`budget_params`), "window", or
+    None."""
     fields = {f.name for f in method_class(name, source).parameters()}
-    if {"budget", "budget_tokens"} <= fields:
+    if set(budget_params(name, source)) <= fields:
         return "eviction"
     if name == "window":
         return "window"
@@ -69,7 +76,7 @@ def has_own_budget(recipe) -> bool:
     if role == "kvpress":
         return "compression_ratio" in recipe.peer[1]
     name, params = recipe.parts[role]
-    keys = ("budget", "budget_tokens") if budget_style(name, recipe.source) == "eviction" else ("window",)
+    keys = budget_params(name, recipe.source) if budget_style(name, recipe.source) == "eviction" else ("window",)
     keys += tuple(getattr(method_class(name, recipe.source), "size_params", ()))  # kvzap's threshold sizes it too
     return any(params.get(k) is not None for k in keys)
 
@@ -90,9 +97,10 @@ def with_budget(recipe, budget, length: int | None = None):
         return out
     name, params = out.parts[role]
     if budget_style(name, recipe.source) == "eviction":
-        params.pop("budget", None)
-        params.pop("budget_tokens", None)
-        params["budget" if is_fraction(budget) else "budget_tokens"] = budget
+        fraction, tokens = budget_params(name, recipe.source)
+        params.pop(fraction, None)
+        params.pop(tokens, None)
+        params[fraction if is_fraction(budget) else tokens] = budget
     else:
         if is_fraction(budget):
             if length is None:
