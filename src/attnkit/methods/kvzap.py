@@ -97,7 +97,8 @@ class KVzap(PromptScorer):
             budget_only = {"budget": (self.budget, None), "budget_tokens": (self.budget_tokens, None),
                            "decode_every": (self.decode_every, 0), "head_budgets": (self.head_budgets, "uniform"),
                            "layer_budgets": (self.layer_budgets, "uniform"),
-                           "alpha_safeguard": (self.alpha_safeguard, ALPHA_SAFEGUARD)}
+                           "alpha_safeguard": (self.alpha_safeguard, ALPHA_SAFEGUARD),
+                           "chunk_length": (self.chunk_length, 0)}
             for key, (value, default) in budget_only.items():
                 if value != default:
                     raise AttnkitError(f"kvzap: {key}={value!r} applies to a budget; with threshold={self.threshold} "

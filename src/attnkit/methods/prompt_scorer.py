@@ -32,6 +32,13 @@ same for all of them, so it lives here, written once:
   over the flat layer with the slots of other kv heads masked (:func:`~attnkit.methods.scoring.flat_attention`).
   Decoding one token per step and only appending, it is refused with ``decode_every`` (and SnapKV's
   ``decode_budget``), and a speculative verification (several tokens per step) is refused.
+
+``chunk_length=c`` (default 0: off) keeps whole chunks of ``c`` consecutive tokens instead of single entries
+(ChunkKV: Liu et al., 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM
+Inference", arXiv 2502.00299; kvpress's ``ChunkKVPress``): at every compression, the prompt's and each
+``decode_every`` one, each kv head keeps its protected entries, then whole chunks by the mean of their members'
+scores, the chunk that does not fit whole cut to its best members, exactly ``B`` entries in all
+(:mod:`attnkit.methods.chunks`). A flat layer's counts per head (``head_budgets=adaptive``) are refused with it.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch
 
 from attnkit import masks
 from attnkit.errors import AttnkitError
+from attnkit.methods.chunks import keep_chunks
 from attnkit.methods.eviction import EvictionMethod, EvictionState
 from attnkit.methods.scoring import adaptive_keep, flat_attention
 from attnkit.session import LayerContext
@@ -61,11 +69,13 @@ class PromptScorerState(EvictionState):
 @dataclass(frozen=True)
 class PromptScorer(EvictionMethod):
     """Base of the prompt-time scorers: the prompt is compressed to ``B`` by :meth:`rank`; ``decode_every``
-    (``N``) re-compresses the layer to ``B`` every ``N`` generated tokens (0: generated tokens are appended)."""
+    (``N``) re-compresses the layer to ``B`` every ``N`` generated tokens (0: generated tokens are appended);
+    ``chunk_length`` (``c``) keeps whole chunks of ``c`` tokens (ChunkKV; 0: single entries)."""
 
     decode_every: int = 0
     head_budgets: str = "uniform"
     alpha_safeguard: float = ALPHA_SAFEGUARD
+    chunk_length: int = 0
 
     layer_state_type = PromptScorerState
 
@@ -81,6 +91,11 @@ class PromptScorer(EvictionMethod):
         if self.adaptive and self.decode_every:
             raise AttnkitError(f"head_budgets=adaptive compresses the prompt only; decode_every={self.decode_every} "
                                f"is not supported with it (use head_budgets=uniform or decode_every=0)")
+        whole("chunk_length", self.chunk_length, 0,
+              what=" (tokens per chunk kept or dropped whole, ChunkKV; 0 = single entries)")
+        if self.adaptive and self.chunk_length:
+            raise AttnkitError(f"chunk_length={self.chunk_length} keeps whole chunks per kv head at one budget for "
+                               f"every head; head_budgets=adaptive is not supported with it (use head_budgets=uniform)")
 
     @property
     def adaptive(self) -> bool:
@@ -96,6 +111,11 @@ class PromptScorer(EvictionMethod):
         return self.layer_budget(ctx) + self.decode_every
 
     def compact(self, ctx: LayerContext, count: int, spare: int, next_pos) -> None:
+        if self.chunk_length:
+            ctx.kv.keep(keep_chunks(self.rank(ctx), self.protect(ctx, next_pos), ctx.kv.view()[2], count,
+                                    self.chunk_length), spare=spare)
+            self._mark_evicting(ctx)
+            return
         if not self.adaptive:
             return super().compact(ctx, count, spare, next_pos)
         heads, slots = adaptive_keep(self.rank(ctx), self.protect(ctx, next_pos), count, self.alpha_safeguard)
