@@ -95,13 +95,12 @@ def kept_after_prompt(model, method, ids):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", sorted(SCORERS))
 def test_small_budget_keeps_whole_chunks(models, configs, arch, name):
-    """Every kv head of every layer holds exactly its budget: the protected entries, whole chunks, and at most one
-    chunk cut short; a budget of whole chunks over a prompt the chunk divides, with the protected entries on chunk
-    boundaries, holds whole chunks only."""
+    """Every kv head of every layer holds exactly its budget: the protected entries, the chunks holding them and
+    other whole chunks, and at most one chunk cut short; a budget of whole chunks over a prompt the chunk divides
+    holds whole chunks only."""
     n, c = 96, 8
     ids = random_ids(n, seed=7)
     protected = set(PROTECTED.get(name, lambda n: ())(n))
-    on_boundaries = name in ("snapkv", "kvzap", "knorm", "keydiff")  # no protected entry shares a chunk
     for params in ("budget_tokens=40", "budget_tokens=37", "budget=0.3"):
         method = parse_method_spec(spec(name, f"{params},chunk_length={c}", configs, arch))
         kept, budgets = kept_after_prompt(models[arch], method, ids)
@@ -111,19 +110,22 @@ def test_small_budget_keeps_whole_chunks(models, configs, arch, name):
             for held in layer:
                 assert len(held) == budget and protected <= set(held)
                 members = {}
-                for p in set(held) - protected:
+                for p in held:
                     members.setdefault(p // c, set()).add(p)
-                cut = [j for j, m in members.items() if not set(range(j * c, (j + 1) * c)) <= m | protected]
-                assert len(cut) <= (0 if budget % c == 0 and on_boundaries else 1), (params, held)
+                cut = [j for j, m in members.items() if not set(range(j * c, (j + 1) * c)) <= m]
+                assert len(cut) <= (0 if budget % c == 0 else 1), (params, held)
+                assert all(set(range(j * c, min(n, (j + 1) * c))) <= set(held) for j in {p // c for p in protected})
 
 
 def chunk_reference(scores: dict, protected: set, budget: int, c: int) -> list[int]:
-    """The kept positions: `protected`, then chunks (positions // c) by the mean of their held members' `scores`
-    (ties: the earlier chunk), each chunk's members by score, until `budget`."""
+    """The kept positions: `protected`, then chunks (positions // c), those holding a protected position first, by
+    the mean of their held members' `scores` (ties: the earlier chunk), each chunk's members by score, until
+    `budget`."""
     chunks = {}
     for p in scores:
         chunks.setdefault(p // c, []).append(p)
-    order = sorted(chunks, key=lambda j: (-sum(scores[p] for p in chunks[j]) / len(chunks[j]), j))
+    order = sorted(chunks, key=lambda j: (not protected & set(chunks[j]),
+                                          -sum(scores[p] for p in chunks[j]) / len(chunks[j]), j))
     kept = list(protected)
     for j in order:
         for p in sorted(chunks[j], key=lambda p: -scores[p]):
@@ -160,9 +162,11 @@ def test_snapkv_window_stays_and_the_rest_is_chunks():
     for kept in held[0]:
         rest = [p for p in kept if p < prompt - 6]
         assert len(kept) == budget and set(range(prompt - 6, prompt)) <= set(kept)
-        # 18 slots besides the window: the window's own chunk (2 entries before it), then two whole chunks
+        # the window (54-59) and the rest of its chunks (48-53; 56-59 is the prompt's last, partial chunk), then 12
+        # slots: one whole chunk and one cut to its best 4
+        assert set(range(48, prompt)) <= set(kept)
         chunks = sorted({p // c for p in rest})
-        assert sum(1 for j in chunks if not set(range(j * c, (j + 1) * c)) <= set(kept)) <= 1
+        assert len(chunks) == 3 and sum(1 for j in chunks if not set(range(j * c, (j + 1) * c)) <= set(kept)) == 1
 
 
 @pytest.mark.parametrize("name", sorted(SCORERS))

@@ -36,8 +36,8 @@ same for all of them, so it lives here, written once:
 ``chunk_length=c`` (default 0: off) keeps whole chunks of ``c`` consecutive tokens instead of single entries
 (ChunkKV: Liu et al., 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM
 Inference", arXiv 2502.00299; kvpress's ``ChunkKVPress``): at every compression, the prompt's and each
-``decode_every`` one, each kv head keeps its protected entries, then whole chunks by the mean of their members'
-scores, the chunk that does not fit whole cut to its best members, exactly ``B`` entries in all
+``decode_every`` one, each kv head keeps its protected entries, then whole chunks (those holding a protected entry
+first) by the mean of their members' scores, the chunk that does not fit whole cut to its best members, exactly ``B`` entries in all
 (:mod:`attnkit.methods.chunks`). A flat layer's counts per head (``head_budgets=adaptive``) are refused with it.
 """
 
