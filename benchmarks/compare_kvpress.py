@@ -56,6 +56,14 @@ Parameter mapping (kvpress -> attnkit), exact:
   (diagnostic): against kvpress's default, which ranks the scores of all layers together (layers keep different
   counts; attnkit's budgets are per layer, by design). KVzipPress masks evicted keys instead of removing them, so
   its kept positions are read from ``masked_key_indices`` (see :mod:`attnkit.eval.run.kvpress_worker`).
+- ``ChunkKVPress(press=P, chunk_length=c)`` (ChunkKV, arXiv 2502.00299; ``--chunk-length``) with ``P`` one of
+  ``SnapKVPress`` (the first ``--snapkv`` set), ``KnormPress``, ``KeyDiffPress``, ``ExpectedAttentionPress`` ->
+  the same method with ``chunk_length=c, budget_tokens=k*c``, ``k = max(1, int(ceil(L / c) * (1 -
+  compression_ratio)))`` the whole chunks kvpress keeps. kvpress sums the chunk scores over the kv heads (every
+  head keeps the same chunks); attnkit ranks chunks per kv head, so the kept positions agree on a model with one
+  kv head (``--model random:llama:...,kv_heads=1``), where both rules are the same, and differ by design with more.
+  A prompt that ``c`` does not divide ends in a partial chunk, which kvpress keeps as a whole (fewer than ``k*c``
+  entries) and attnkit fills to ``k*c``: use prompt lengths ``c`` divides.
 - "snapkv+pad": attnkit's SnapKV with the average pooling counting the zero padding
   (``count_include_pad=True``, as ``F.avg_pool1d`` does by default in kvpress and in the SnapKV paper's
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
@@ -279,8 +287,37 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
                      f"{name}/snapkv-w{w}-k{k}", k_case, "diagnostic: attnkit pooling with count_include_pad=True",
                      )
         scorer_cases(pair, name, n, keep, args)
+        chunkkv_cases(pair, name, n, args, snap_sets[:1])
         duo_cases(pair, name, args)
     return rows, list(ours.values()), list(theirs.values())
+
+
+CHUNKKV_SCORERS = ("snapkv", "knorm", "keydiff", "expected_attention")
+
+
+def chunkkv_cases(pair, name: str, n: int, args, snap_sets) -> None:
+    """ChunkKV's rows (``--chunk-length``): ``ChunkKVPress`` around a scorer press against that scorer with
+    ``chunk_length``, at the budget of the whole chunks kvpress keeps (see the module docstring)."""
+    for c in (int(x) for x in args.chunk_length.split(",") if x):
+        chunks = math.ceil(n / c)
+        keep = max(1, int(chunks * (1 - args.compression_ratio))) * c
+        for method in CHUNKKV_SCORERS:
+            if method == "snapkv":
+                if not snap_sets:
+                    continue
+                w, k = snap_sets[0]
+                inner = {"name": "SnapKVPress", "params": {"compression_ratio": args.compression_ratio,
+                                                           "window_size": w, "kernel_size": k}}
+                params = {"window_size": w, "kernel_size": k, "pooling": "avg", "gqa_reduce": "mean"}
+                label = f"chunkkv snapkv w{w} k{k} c{c}"
+            else:
+                inner = {"name": PRESSES[method], "params": {"compression_ratio": args.compression_ratio}}
+                params, label = {}, f"chunkkv {method} c{c}"
+            a_case = {"method": method, "params": dict(params, budget_tokens=keep, chunk_length=c)}
+            k_case = {"press": {"kind": "class", "name": "ChunkKVPress", "compression_ratio": args.compression_ratio,
+                                "params": {"press": inner, "chunk_length": c}}}
+            pair(label, f"{name}/{method}-chunk{c}", a_case, f"{name}/{method}-chunk{c}", k_case,
+                 f"ChunkKVPress({inner['name']}); kept = {keep // c} chunks", keep=keep)
 
 
 def duo_cases(pair, name: str, args) -> None:
@@ -542,6 +579,10 @@ def main(argv=None) -> int:
     p.add_argument("--duo", default="RS/SR:16:64",
                    help="duo_attention's head pattern (one R or S per kv head, layers separated by /), sinks and "
                         "recent window, PATTERN:SINKS:RECENT, against DuoAttentionPress (empty: none)")
+    p.add_argument("--chunk-length", default="16", help="ChunkKV chunk lengths (comma-separated) for ChunkKVPress "
+                   f"around the presses of {', '.join(CHUNKKV_SCORERS)} (empty: none)")
+    p.add_argument("--trim", type=int, default=0, help="cut every prompt to a multiple of this many tokens (a "
+                   "prompt the chunk length divides: kvpress keeps a partial last chunk whole; 0: no cut)")
     p.add_argument("--decode-every", default="1,4", help="decode_every values for knorm and keydiff (empty: none)")
     p.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the diagnostic rows (snapkv +pad, streaming-rolling +sorted)")
@@ -569,6 +610,9 @@ def main(argv=None) -> int:
         model = load_model(args.model)
     args.kv_heads = model.geometry.n_kv_heads
     prompts = make_prompts(model, lens, kinds, args.seed)
+    if args.trim:
+        prompts = [(f"{name.rsplit('-', 1)[0]}-{len(ids) // args.trim * args.trim}",
+                    ids[:len(ids) // args.trim * args.trim]) for name, ids in prompts]
     rows, ours, theirs = build_cases(prompts, args)
     warmup = min((ids for _, ids in prompts), key=len)  # a full-size warm-up generation (4 tokens), untimed
     with tempfile.TemporaryDirectory(prefix="compare-kvpress-") as tmp_dir:
