@@ -109,6 +109,7 @@ def session_reference(method, seed: int):
 
 
 @pytest.mark.parametrize("spec", ["snapkv:budget_tokens=40", "streaming:budget_tokens=48,sinks=4", "window:window=30",
+                                  "snapkv:budget_tokens=40,chunk_length=8", "knorm:budget_tokens=36,chunk_length=5",
                                   "minference+snapkv:budget_tokens=40"])
 def test_a_recomputed_request_crossing_its_prompt_end_gets_attnkit_outputs(spec):
     """A preempted request recomputes prompt and generated tokens in one prefill: the host runs the hooks up to the

@@ -18,7 +18,8 @@ stored after RoPE at their original positions, so where an entry sits never chan
 Methods (each kv head choosing its own entries, uniform budget per kv head and layer):
 
 - prompt scorers (``snapkv``, ``knorm``, ``keydiff``, ``expected_attention``): compacted after the prompt;
-  generated tokens are appended (decode reads ``[n - B, p]``).
+  generated tokens are appended (decode reads ``[n - B, p]``). ChunkKV's ``chunk_length`` runs as is: it changes
+  which ``B`` entries each kv head keeps (the method's own ``compact``), not how many.
 - ``streaming``: sinks plus a window of ``B - sinks`` recent tokens; compacted after the prompt like a scorer
   (sinks first, so the window's entries land on slots equal to their positions), then every step reads the
   sinks and the last ``B - sinks`` positions; blocks between them are freed as the window moves.
