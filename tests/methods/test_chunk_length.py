@@ -171,8 +171,11 @@ def test_snapkv_window_stays_and_the_rest_is_chunks():
 
 @pytest.mark.parametrize("name", sorted(SCORERS))
 def test_small_budget_batch_equals_alone(models, configs, name):
-    for params in ("budget_tokens=40,chunk_length=8", "budget=0.3,chunk_length=5"):
+    every = "" if name == "kvzip" else ",decode_every=3"  # kvzip scores the prompt once
+    for params in ("budget_tokens=40,chunk_length=8", f"budget=0.3,chunk_length=5{every}"):
         assert_batch_equals_alone(models["llama"], spec(name, params, configs))
+    if name == "snapkv":  # the prompt in chunks, then a rolling window of generated tokens
+        assert_batch_equals_alone(models["llama"], spec(name, "budget_tokens=40,decode_budget=4,chunk_length=8", configs))
 
 
 def test_small_budget_through_attnkit_cache_equals_attnkit_generate(models, configs):
