@@ -23,11 +23,17 @@ Every question of a context starts from the same compressed state: the context's
 (:meth:`attnkit.session.Session.fork`: its cache rows and the method's state copied, nothing recomputed), one
 fork per question length, the questions of one length side by side as rows. A context is prefilled once, however
 many questions it has. Every method at an unlimited budget gives full attention's output here too (tested).
+
+:func:`teacher_force` feeds a reference continuation after a compressed prompt one token per decoding step, as
+generated tokens are fed, and returns each token's likelihood: the quality of a long output under a method whose
+decode-time eviction or selection acts on every step, for the same text under every method (the ``continuation``
+task of :mod:`attnkit.eval.data.long_output`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -38,15 +44,17 @@ from attnkit.methods.base import Method, resolve_method
 from attnkit.model import LoadedModel, check_loaded_model
 from attnkit.runner import (
     Generation,
+    GenerationStats,
     RunGroup,
     check_batch,
     choose_tokens,
     decode_groups,
     generations,
     group_prompts,
+    peak_rss_bytes,
     start_sequence,
 )
-from attnkit.session import Session, Step, new_session
+from attnkit.session import Session, Step, new_session, planned_slots
 
 
 def _questions_of(model: LoadedModel, questions, what: str) -> list[torch.Tensor]:
@@ -67,22 +75,26 @@ def _questions_of(model: LoadedModel, questions, what: str) -> list[torch.Tensor
     return out
 
 
-def feed(model: LoadedModel, session: Session, ids: torch.Tensor, start: int) -> torch.Tensor:
+def feed(model: LoadedModel, session: Session, ids: torch.Tensor, start: int, stepwise: bool = False) -> torch.Tensor:
     """Feed tokens ``ids`` ``[rows, n]`` at positions ``start..start+n-1`` through `session`'s cache with the
     method's decode hooks; the logits ``[rows, vocab]`` after the last one. One step when decoding only appends
-    (and the method runs no layers itself), else one token per step."""
+    (and the method runs no layers itself) unless `stepwise`, else one token per step, as generated tokens are."""
     method = session.method
     n = ids.shape[1]
 
-    def step(pos):
-        return Step(session, "decode", pos)
-
-    if method.run_layers is None and method.decode_only_appends():
-        return logits_of(model, forward(model, ids, start, step)[:, -1])
+    if not stepwise and method.run_layers is None and method.decode_only_appends():
+        return logits_of(model, forward(model, ids, start, lambda pos: Step(session, "decode", pos))[:, -1])
     hidden = None
     for t in range(n):  # a method that runs the layers itself decodes all its session's rows in one forward too
-        hidden = forward(model, ids[:, t:t + 1], start + t, step)
+        hidden = decode_step(model, session, ids[:, t:t + 1], start + t)
     return logits_of(model, hidden[:, -1])
+
+
+def decode_step(model: LoadedModel, session: Session, ids: torch.Tensor, pos: int) -> torch.Tensor:
+    """One decoding step of every row of `session`: tokens ``ids`` ``[rows, 1]`` at position `pos`, through the
+    method's decode hooks (``decode_attention``, ``after_decode``) as the runner feeds a generated token; the
+    final hidden states ``[rows, 1, hidden]``."""
+    return forward(model, ids, pos, lambda p: Step(session, "decode", p))
 
 
 def _forks(lengths: list[int], batches: bool) -> list[list[int]]:
@@ -98,7 +110,7 @@ def _forks(lengths: list[int], batches: bool) -> list[list[int]]:
 
 @torch.inference_mode()
 def generate_after(model: LoadedModel, context, questions, method: str | Method | None = "full", *,
-                   params: dict | None = None, config: GenerationConfig | None = None,
+                   params: dict | None = None, config: GenerationConfig | None = None, stepwise: bool = False,
                    **options) -> list[Generation] | list[list[Generation]]:
     """Prefill `context` once with `method` (which compresses it as a prompt), then answer every question of
     `questions` from that compressed state; see the module docstring.
@@ -108,7 +120,9 @@ def generate_after(model: LoadedModel, context, questions, method: str | Method 
     question, and the result one :class:`Generation` per question; for a batch, `questions` holds one such list
     per context and the result one list per context. Options are :func:`attnkit.generate`'s (a
     :class:`GenerationConfig` or its fields); a generation's ``prompt_tokens`` counts context and question, its
-    ``prefill_s`` is its context's prefill (shared by the context's questions).
+    ``prefill_s`` is its context's prefill (shared by the context's questions). `stepwise` feeds every question
+    one token per decoding step, as generated tokens are, whatever the method (a long stretch of text before the
+    question: :mod:`attnkit.eval.data.long_output`).
     """
     model = check_loaded_model(model)
     config = GenerationConfig.build(config, **options)
@@ -153,7 +167,8 @@ def generate_after(model: LoadedModel, context, questions, method: str | Method 
             child = session if whole else session.fork(fork_rows)
             ids = torch.stack([per_context[idx[rows[k][0]]][rows[k][1]] for k in members])
             if ids.shape[1]:
-                logits = feed(model, child, ids, session.prompt_len)
+                logits = feed(model, child, ids, session.prompt_len, stepwise=True) if stepwise else \
+                    feed(model, child, ids, session.prompt_len)
             else:  # empty questions: the answers follow the context
                 logits = logits_of(model, last[torch.tensor(fork_rows, device=last.device), -1])
             group = RunGroup(child, [seqs[(idx[rows[k][0]], rows[k][1])] for k in members], offset=ids.shape[1])
@@ -171,3 +186,72 @@ def generate_after(model: LoadedModel, context, questions, method: str | Method 
         out.append(gens[k:k + len(qs)])
         k += len(qs)
     return out
+
+
+@dataclass
+class Forced:
+    """One sequence of :func:`teacher_force`: each continuation token's negative log-likelihood (nats, float32 on
+    the CPU, ``[n]``) given the prompt and the continuation before it, and the run's statistics (``new_tokens``
+    counts the continuation's tokens, ``decode_tokens_per_s`` the tokens fed per second of decoding)."""
+
+    nll: torch.Tensor
+    stats: GenerationStats
+
+
+@torch.inference_mode()
+def teacher_force(model: LoadedModel, prompts, continuations, method: str | Method | None = "full", *,
+                  params: dict | None = None, chunk_size: int | None = None) -> list[Forced]:
+    """Prefill each prompt with `method` (compressed as any prompt), then feed its reference continuation one token
+    per decoding step through the method's decode hooks, exactly as a generated token is fed, so eviction and
+    decode-time selection act as they would while generating; the logits before each step score the token fed in
+    it (the first from the prompt's last position, as a first generated token is chosen).
+
+    `prompts` is a batch of token-id lists and `continuations` one id list per prompt, all of one length.
+    Prompts of one length are rows of one session (one per prompt where the method keeps one sequence per
+    session), so every step is one forward over them.
+    """
+    model = check_loaded_model(model)
+    method = resolve_method(method, params)
+    prompts, _ = encode_prompts(model, [list(p) for p in prompts])
+    if len(continuations) != len(prompts) or len({len(c) for c in continuations}) != 1 or not len(continuations[0]):
+        raise AttnkitError(f"teacher_force needs one non-empty continuation per prompt, all of one length "
+                           f"({len(prompts)} prompts, continuation lengths {sorted({len(c) for c in continuations})})")
+    n = len(continuations[0])
+    targets = torch.tensor([list(c) for c in continuations], dtype=torch.long, device=model.device)
+    lengths = [int(p.shape[0]) for p in prompts]
+    for i, length in enumerate(lengths):
+        check_length(model, length, n, f"prompt {i}")
+    plan = group_prompts(lengths, method)
+    sessions = [new_session(model, method, lengths[idx[0]], n, rows=len(idx)) for idx in plan]
+    for session in sessions:
+        planned_slots(session)  # the method's one-line refusal of parameters that do not fit, before any work
+    out: list[Forced | None] = [None] * len(prompts)
+    for idx, session in zip(plan, sessions, strict=True):
+        rows, start = targets[idx], lengths[idx[0]]
+        sync(model.device)
+        t0 = time.perf_counter()
+        hidden = prefill(model, session, torch.stack([prompts[i] for i in idx]), chunk_size)
+        nll = [_nll(model, hidden[:, -1], rows[:, 0])]
+        sync(model.device)
+        prefill_s = time.perf_counter() - t0
+        for t in range(n - 1):
+            hidden = decode_step(model, session, rows[:, t:t + 1], start + t)
+            nll.append(_nll(model, hidden[:, -1], rows[:, t + 1]))
+        nll = torch.stack(nll, dim=1).float().cpu()
+        sync(model.device)
+        decode_s = time.perf_counter() - t0 - prefill_s
+        cache = session.cache
+        for r, i in enumerate(idx):
+            stats = GenerationStats(
+                method=method.describe(), prompt_tokens=start, new_tokens=n, prefill_s=prefill_s, ttft_s=prefill_s,
+                decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                peak_kv_bytes=cache.peak_row_bytes, final_kv_bytes=cache.row_nbytes(), peak_rss_bytes=peak_rss_bytes(),
+                finish_reason="length", method_stats=method.run_stats(session), batch_size=len(prompts))
+            out[i] = Forced(nll[r], stats)
+    return out
+
+
+def _nll(model: LoadedModel, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """NLL (nats) of `target` ``[rows]`` under the logits of `hidden` ``[rows, hidden]``."""
+    logits = logits_of(model, hidden).float()
+    return torch.nn.functional.cross_entropy(logits, target.to(logits.device), reduction="none")

@@ -35,6 +35,17 @@ def protocol_options(args: argparse.Namespace) -> dict:
 DEFAULT_MULTI_QUERIES = 4
 
 
+def long_output_options(args: argparse.Namespace) -> dict:
+    """``--continuation-tokens`` and ``--stretch-tokens`` as :func:`attnkit.eval.run.harness.run_eval`'s keywords
+    (only those given)."""
+    out = {}
+    if args.continuation_tokens is not None:
+        out["continuation_tokens"] = whole("--continuation-tokens", args.continuation_tokens, minimum=1)
+    if args.stretch_tokens is not None:
+        out["stretch_tokens"] = whole("--stretch-tokens", args.stretch_tokens, minimum=0)
+    return out
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from attnkit.eval.run.harness import format_table, run_eval
 
@@ -63,7 +74,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     before = cells_in(args.out) if args.out else set()
     rows = run_eval(model, tasks, lengths, methods, args.samples, seed=args.seed,
                     out_dir=Path(args.out) if args.out else None, progress=not args.no_progress, data=data, **batch,
-                    **protocol)
+                    **protocol, **long_output_options(args))
     print(format_table(rows))
     if args.out:
         reused = sum(r.get("cell") in before for r in rows)
@@ -93,10 +104,13 @@ def eval_sweep(args: argparse.Namespace) -> int:
     from attnkit.eval.run.sweep import load_sweep, run_sweep, sweep_positions
 
     given = [f"--{n}" for n in ("tasks", "methods", "recipe", "data", "queries", "seeds") if getattr(args, n)]
+    given += [f"--{n.replace('_', '-')}" for n in ("continuation_tokens", "stretch_tokens")
+              if getattr(args, n) is not None]
     if args.protocol != "query-aware":
         given.append("--protocol")
     if given:
-        raise AttnkitError(f"--sweep FILE sets the tasks, recipes, data, protocols, queries and seeds; drop "
+        raise AttnkitError(f"--sweep FILE sets the tasks, recipes, data, protocols, queries, seeds and long-output "
+                           f"tokens (continuation_tokens, stretch_tokens); drop "
                            f"{', '.join(given)}")
     if not args.out:
         raise AttnkitError("--sweep needs --out DIR (where results.jsonl is written and resumed from)")

@@ -7,6 +7,7 @@ from attnkit.cli.evaluate import cmd_calibrate, cmd_demo, cmd_eval, cmd_report
 from attnkit.cli.options import Parser
 from attnkit.cli.speculation import add_speculation_options
 from attnkit.cli.tune import cmd_tune
+from attnkit.eval.data.long_output import DEFAULT_CONTINUATION_TOKENS, DEFAULT_STRETCH_TOKENS
 from attnkit.eval.data.task_registry import ALL_TASKS, GENERATED_TASKS
 from attnkit.eval.run.cells import DEFAULT_BATCH_SIZE
 
@@ -124,6 +125,12 @@ def _eval_parser(sub) -> None:
                    help="seeds of a stochastic method (keyformer's noise): it runs once per seed")
     p.add_argument("--samples", type=int, default=20, help="prompts per task and length (>= 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+    p.add_argument("--continuation-tokens", type=int, default=None, metavar="N",
+                   help=f"task continuation: reference tokens fed one per decoding step after the prompt and scored "
+                        f"in bits per byte (default: {DEFAULT_CONTINUATION_TOKENS}, or the sweep's continuation_tokens)")
+    p.add_argument("--stretch-tokens", type=int, default=None, metavar="N",
+                   help=f"task recall_after_stretch: held-out tokens fed one per decoding step between the needle "
+                        f"prompt and the question (default: {DEFAULT_STRETCH_TOKENS}, or the sweep's stretch_tokens)")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help=f"samples per generate call (default: {DEFAULT_BATCH_SIZE}, or the sweep's batch_size); the "
                         f"scores are those of one at a time; in a row, prefill_s is the prefill a sample shared with "

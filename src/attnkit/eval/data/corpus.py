@@ -104,3 +104,15 @@ def encoded(tok, text: str) -> tuple[int, ...]:
     except OSError:
         pass
     return ids
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """What the tokenizer puts before a text (BOS for Llama-style tokenizers, nothing for Qwen)."""
+    return list(tokenizer("").input_ids)
+
+
+@functools.lru_cache(maxsize=4)
+def heldout_ids(tokenizer) -> list[int]:
+    """The held-out text (never trained on) as token ids: what ``perplexity`` and the long-output tasks
+    (:mod:`attnkit.eval.data.long_output`) read."""
+    return tokenizer.encode(haystack_text("heldout"), add_special_tokens=False)

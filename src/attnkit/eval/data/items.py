@@ -4,27 +4,27 @@ The generated tasks (:mod:`attnkit.eval.data.tasks`, RULER-style: "RULER: What's
 Your Long-Context Language Models?", Hsieh et al. 2024, arXiv 2404.06654) make one seeded sample per
 needle depth; ``longbench:DATASET``, ``ruler:TASK`` and ``infinitebench:TASK`` items come from data files
 (:mod:`attnkit.eval.data.user_data`); ``perplexity`` is a set of windows of held-out standard-library text, scored in
-bits per UTF-8 byte (lower is better). With ``queries`` K > 1 every context brings up to K questions (the
+bits per UTF-8 byte (lower is better); ``continuation`` and ``recall_after_stretch`` decode a long stretch
+(:mod:`attnkit.eval.data.long_output`). With ``queries`` K > 1 every context brings up to K questions (the
 task's own first, then its follow-ups), consecutive in the list: the samples every protocol runs.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 
 from attnkit.errors import AttnkitError
-from attnkit.eval.data import corpus
+from attnkit.eval.data.corpus import heldout_ids, special_prefix
+from attnkit.eval.data.long_output import LONG_OUTPUT_TASKS, RECALL, LongOutput, long_output_items, recall_score
 from attnkit.eval.data.prompting import check_positions
 from attnkit.eval.data.sample import Sample
-from attnkit.eval.data.task_registry import TASKS
+from attnkit.eval.data.task_registry import PERPLEXITY, TASKS
 from attnkit.eval.data.user_data import PREFIXES, score_sample
 from attnkit.methods.base import Method
 from attnkit.model import LoadedModel
 from attnkit.runner import token_nll
 
-PERPLEXITY = "perplexity"
 LONGBENCH_PREFIX = "longbench:"
 
 
@@ -48,11 +48,13 @@ def make_samples(model: LoadedModel, task: str, length: int, seed: int, depths: 
 
 
 def task_items(model: LoadedModel, task: str, length: int, seed: int, samples: int, depths: list[float],
-               data=None, queries: int = 1) -> list:
+               data=None, queries: int = 1, long_output: LongOutput | None = None) -> list:
     """The samples every recipe of a (task, length) pair sees (with `queries` > 1, up to that many questions
-    per context, consecutive)."""
+    per context, consecutive); `long_output` sets how long the long-output tasks decode (None: the defaults)."""
     if task == PERPLEXITY:
         return perplexity_windows(model, length, seed, samples)
+    if task in LONG_OUTPUT_TASKS:
+        return long_output_items(model, task, length, seed, samples, depths, long_output)
     if task.startswith(PREFIXES):
         return data.samples(model, task, length, samples, queries)
     return make_samples(model, task, length, seed, depths, queries)
@@ -67,22 +69,13 @@ def score_prediction(task: str, prediction: str, item: Sample) -> float:
     """The score of one prediction: the task's own scorer, or its data format's metric."""
     if is_data_task(task):
         return score_sample(prediction, item)
+    if task == RECALL:
+        return recall_score(prediction, item)
     return float(TASKS[task].score(prediction, item))
 
 
 # --------------------------------------------------------------------------------------------------
 # perplexity
-
-
-def special_prefix(tokenizer) -> list[int]:
-    """What the tokenizer puts before a text (BOS for Llama-style tokenizers, nothing for Qwen)."""
-    return list(tokenizer("").input_ids)
-
-
-@functools.lru_cache(maxsize=4)
-def heldout_ids(tokenizer) -> list[int]:
-    """The held-out text (never trained on) as token ids."""
-    return tokenizer.encode(corpus.haystack_text("heldout"), add_special_tokens=False)
 
 
 def perplexity_windows(model: LoadedModel, length: int, seed: int, count: int) -> list[list[int]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from attnkit.continuation import generate_after
 from attnkit.errors import AttnkitError
+from attnkit.eval.data.long_output import LONG_OUTPUT_TASKS
 from attnkit.eval.data.sample import split_ids
 from attnkit.model import LoadedModel
 from attnkit.recipe import Recipe
@@ -59,6 +60,8 @@ def check_queries(queries, protocols, source: str = "queries") -> int:
 
 def refusal(recipe: Recipe, protocol: str, task: str | None = None, items=None) -> str | None:
     """Why `recipe` cannot run `protocol` on `task` (its samples `items`), or None when it can."""
+    if task in LONG_OUTPUT_TASKS:
+        return long_output_refusal(recipe, protocol, task)
     if protocol == QUERY_AWARE:
         return None
     why = None
@@ -71,6 +74,21 @@ def refusal(recipe: Recipe, protocol: str, task: str | None = None, items=None) 
     elif items is not None and any(getattr(it, "question", None) is None for it in items):
         why = f"task {task!r} does not say which part of its prompts is the question"
     return None if why is None else f"{recipe.label} cannot run the {protocol} protocol: {why}; use query-aware"
+
+
+def long_output_refusal(recipe: Recipe, protocol: str, task: str) -> str | None:
+    """Why `recipe` cannot run the long-output `task` (:mod:`attnkit.eval.data.long_output`) under `protocol`: it
+    feeds its tokens one per decoding step through attnkit's decode path, after a prompt prefilled whole."""
+    if recipe.is_peer:
+        why = "the kvpress worker cannot feed tokens one at a time through its cache"
+    elif recipe.decode is not None:
+        why = "speculative decoding feeds several tokens per step"
+    elif protocol != QUERY_AWARE:
+        why = (f"the {protocol} protocol does not apply: everything after the prompt already goes through the "
+               f"decode path; use query-aware")
+    else:
+        return None
+    return f"{recipe.label} cannot run task {task!r}: {why}"
 
 
 def check_refusals(recipes: list[Recipe], protocols: list[str], task: str | None = None, items=None) -> None:

@@ -52,7 +52,8 @@ SUMMARY_FIELDS = ["label", "recipe", "budget", "cells", "score_rel_full", "prefi
 
 SUMMARY_NOTE = (
     "<p class='note'>score / full: mean over the method's cells of its score relative to full on the same task, "
-    "length and protocol (below 1 is worse; for perplexity, full's bits per byte over the method's), with its 95 % "
+    "length and protocol (below 1 is worse; for the bits-per-byte tasks, perplexity and continuation, full's bits per "
+    "byte over the method's), with its 95 % "
     "bootstrap interval (every cell's samples resampled; grey: the interval holds 1, the method is not "
     "distinguishable from full). rank: 1 + the columns whose interval lies wholly above this one's (=: shared). The "
     "picks above count a method only where the interval's lower end reaches the level. Speed-ups and KV ratios: "

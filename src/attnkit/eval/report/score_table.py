@@ -109,7 +109,8 @@ def score_tables(rows: list[dict], order: list[str] | None = None) -> str:
                 else "")
             parts.append(_table(names, cells, group, caption))
     parts.append("<p class='note'>A row per method@budget (in the summary table's order), a column per task and "
-                 "prompt length. Scores: % (higher is better), or bits per byte for perplexity (lower is better); (x): "
+                 "prompt length. Scores: % (higher is better), or bits per byte for perplexity and continuation (lower is "
+                 "better); (x): "
                  "relative to full on the same samples; [a-b] n=: the 95 % interval over n samples (Wilson for "
                  "accuracies, bootstrap otherwise; several questions about one context are not independent, so their "
                  "intervals are somewhat too narrow). Grey: the difference from full is inside the noise (the paired "

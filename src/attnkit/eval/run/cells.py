@@ -22,8 +22,10 @@ from tqdm.auto import tqdm
 
 from attnkit.eval.data.items import PERPLEXITY, bits_per_byte, score_prediction
 from attnkit.eval.data.protocols import QUERY_AWARE, generate_protocol
-from attnkit.eval.data.task_registry import NEEDLE_TASKS
+from attnkit.eval.data.task_registry import BITS_PER_BYTE_TASKS, NEEDLE_TASKS, higher_is_better
 from attnkit.eval.run import provenance
+from attnkit.eval.run.long_output_cells import RUNS as LONG_OUTPUT_RUNS
+from attnkit.eval.run.long_output_cells import Scored
 from attnkit.eval.run.peers import KvpressRunner
 from attnkit.eval.run.results import SCHEMA, append_row, cell_key
 from attnkit.eval.stats.intervals import score_interval
@@ -136,7 +138,8 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
     tokens of all its sequences over the decode wall time of its calls (it rises with the batch size).
     Under the query-agnostic and multi-query protocols ``batch_size`` counts contexts, and ``prefill_s`` is the
     prefill of a sample's context (shared by a context's questions); ``context_prefills`` and ``prefill_tokens``
-    count the prompt or context prefills the cell ran."""
+    count the prompt or context prefills the cell ran. The long-output tasks run through their own runs
+    (:mod:`attnkit.eval.run.long_output_cells`), `batch_size` samples as rows."""
     n = len(items)
     scores, predictions, prefill, decode_tps = [None] * n, [None] * n, [None] * n, [None] * n
     peak_kv, final_kv, method_stats = [], [], []
@@ -151,13 +154,15 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
             if progress_bar is not None:
                 progress_bar.update(1)
         work = {"context_prefills": len(items), "prefill_tokens": sum(len(item) for item in items)}
+    elif task in LONG_OUTPUT_RUNS:  # under the query-aware protocol only (refused otherwise)
+        calls, work = LONG_OUTPUT_RUNS[task](model, recipe, items, batch_size, progress_bar)
     elif protocol == QUERY_AWARE:
         calls = _generate(model, recipe, items, batch_size, progress_bar, peers)
     else:
         calls, work = generate_protocol(model, recipe, items, protocol, batch_size, stop_of, progress_bar)
     for call in calls:
         for i, gen in call:
-            scores[i] = score_prediction(task, gen.text, items[i])
+            scores[i] = gen.score if isinstance(gen, Scored) else score_prediction(task, gen.text, items[i])
             predictions[i] = gen.text
             st = gen.stats
             prefill[i] = st.prefill_s
@@ -182,7 +187,7 @@ def run_cell(model: LoadedModel, task: str, recipe: Recipe, items, progress_bar,
         "throughput_tokens_per_s": steps / decode_wall if steps and decode_wall > 0 else None,
         "batch_size": max((len(call) for call in calls), default=1),
         "peak_kv_bytes": max(peak_kv, default=None), "final_kv_bytes": max(final_kv, default=None),
-        "predictions": None if task == PERPLEXITY else predictions,
+        "predictions": None if task in BITS_PER_BYTE_TASKS else predictions,
         "kept_fraction": kept_fraction(*method_stats),
     }
 
@@ -198,6 +203,8 @@ class Group:
     recipes: list[Recipe] = field(default_factory=list)
     protocol: str = QUERY_AWARE
     queries: int = 1  # questions asked per context (each context's first ones)
+    # what the cells depend on beyond task and length (a long-output task's tokens): in their key and their rows
+    options: dict = field(default_factory=dict)
 
 
 def method_of(recipe: Recipe) -> tuple[str, dict]:
@@ -213,26 +220,27 @@ def cell_row(model_spec: str, group: Group, recipe: Recipe, result: dict, wall: 
     """The results row of one finished cell (:func:`run_cell`'s `result`, `wall` seconds), without its score
     relative to full (:func:`finish_row` adds it once full's score is known); `run` is :func:`run_provenance`'s."""
     method_name, method_params = method_of(recipe)
-    items, perplexity = group.items, group.task == PERPLEXITY
+    items, no_question = group.items, group.task in BITS_PER_BYTE_TASKS
     return {
         "schema": SCHEMA, "run_id": run["run_id"], "cell": key, "model": model_spec, "task": group.task,
         "length": group.length, "method": method_name, "method_params": method_params,
         "method_spec": column_label(recipe.label, recipe.budget), "recipe": recipe.to_dict(),
         "recipe_name": recipe.label, "budget": recipe.budget, "method_seed": recipe.method_seed,
         "protocol": group.protocol, "queries": group.queries,
-        "questions": None if perplexity else [s.query for s in items],
-        "contexts": None if perplexity else sum(s.query == 0 for s in items),
+        "questions": None if no_question else [s.query for s in items],
+        "contexts": None if no_question else sum(s.query == 0 for s in items),
         "context_prefills": result["context_prefills"], "prefill_tokens": result["prefill_tokens"],
-        "samples": len(items), "depths": None if perplexity else [s.depth for s in items],
+        "samples": len(items), "depths": None if no_question else [s.depth for s in items],
         "seeds": [seed + j for j in range(len(items))],
         "score": result["score"], "scores": result["scores"], "depth_scores": result["depth_scores"],
         "score_interval": result["score_interval"], "interval": result["interval"],
-        "higher_is_better": not perplexity, "score_rel_full": None,
+        "higher_is_better": higher_is_better(group.task), "score_rel_full": None,
         "prefill_s": result["prefill_s"], "decode_tokens_per_s": result["decode_tokens_per_s"],
         "throughput_tokens_per_s": result["throughput_tokens_per_s"], "batch_size": result["batch_size"],
         "peak_kv_bytes": result["peak_kv_bytes"], "final_kv_bytes": result["final_kv_bytes"],
         "kept_fraction": result["kept_fraction"], "wall_s": wall, "versions": run["versions"],
         "git_commit": run["git_commit"], "timestamp": provenance.now(), "predictions": result["predictions"],
+        **group.options,
     }
 
 
@@ -253,7 +261,7 @@ def group_key(model_spec: str, group: Group, recipe: Recipe, seed: int) -> str:
     """The :func:`attnkit.eval.run.results.cell_key` of one cell of `group` (its protocol, questions per context and
     method seed included; a query-aware cell of one question and no method seed keeps its old key)."""
     return cell_key(model_spec, group.task, group.length, recipe.label, recipe.budget, len(group.items), seed,
-                    group.protocol, group.queries, recipe.method_seed)
+                    group.protocol, group.queries, recipe.method_seed, group.options)
 
 
 def run_cells(model: LoadedModel, groups: list[Group], *, seed: int, out_path: Path | None = None,

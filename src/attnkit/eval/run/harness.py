@@ -11,7 +11,9 @@ its needle depth is ``(i + 0.5) / samples`` unless explicit depths are given (th
 ``samples`` samples). Generation is greedy and stops at the first newline (every task's answer is on
 the first line of the continuation); ``code_completion`` and LongBench-format items
 (:mod:`attnkit.eval.data.longbench`) run to their own token limit, as their scorers skip leading blank and
-comment lines. ``perplexity`` is bits per byte of held-out standard-library text (lower is better).
+comment lines. ``perplexity`` is bits per byte of held-out standard-library text (lower is better);
+``continuation`` is bits per byte of `continuation_tokens` tokens of it fed one per decoding step after the prompt, and
+``recall_after_stretch`` a pass key asked after `stretch_tokens` tokens of it (:mod:`attnkit.eval.data.long_output`).
 
 This module checks a request and plans it; the pieces live beside it: :mod:`~attnkit.eval.data.items`
 (samples and scoring), :mod:`~attnkit.eval.run.cells` (running cells), :mod:`~attnkit.eval.run.results` (the
@@ -25,8 +27,9 @@ from pathlib import Path
 
 from attnkit.errors import AttnkitError
 from attnkit.eval.data.items import LONGBENCH_PREFIX, PERPLEXITY, task_items  # noqa: F401  (LONGBENCH_PREFIX: re-exported)
+from attnkit.eval.data.long_output import DEFAULT_CONTINUATION_TOKENS, DEFAULT_STRETCH_TOKENS, LongOutput
 from attnkit.eval.data.protocols import QUERY_AWARE, check_protocols, check_queries, check_refusals
-from attnkit.eval.data.task_registry import ALL_TASKS
+from attnkit.eval.data.task_registry import ALL_TASKS, METHOD_ONLY_TASKS
 from attnkit.eval.data.user_data import load_data
 from attnkit.eval.run.cells import DEFAULT_BATCH_SIZE, Group, run_cells
 from attnkit.eval.run.lock import results_lock
@@ -92,8 +95,9 @@ def depth_list(samples: int, depths) -> list[float]:
 
 def check_peer_tasks(recipes: list[Recipe], tasks) -> None:
     peers = [r.label for r in recipes if r.is_peer]
-    if peers and PERPLEXITY in tasks:
-        raise AttnkitError(f"task 'perplexity' scores attnkit methods only; {', '.join(peers)} cannot run it")
+    own = [t for t in tasks if t in METHOD_ONLY_TASKS]
+    if peers and own:
+        raise AttnkitError(f"task {own[0]!r} scores attnkit methods only; {', '.join(peers)} cannot run it")
 
 
 def with_seeds(recipes: list[Recipe], seeds) -> list[Recipe]:
@@ -135,14 +139,17 @@ def full_first(recipes: list[Recipe]) -> list[Recipe]:
 def run_eval(model: LoadedModel, tasks: list[str], lengths: list[int], methods: list, samples: int,
              seed: int = 0, out_dir: Path | str | None = None, progress: bool = True,
              depths: list[float] | None = None, data=None, batch_size: int = DEFAULT_BATCH_SIZE,
-             protocols=QUERY_AWARE, queries: int = 1, seeds: list[int] | None = None) -> list[dict]:
+             protocols=QUERY_AWARE, queries: int = 1, seeds: list[int] | None = None,
+             continuation_tokens: int = DEFAULT_CONTINUATION_TOKENS,
+             stretch_tokens: int = DEFAULT_STRETCH_TOKENS) -> list[dict]:
     """Evaluate every (task, length, method) cell on `samples` seeded eval samples; one row per cell.
 
     `methods` are specs such as ``"full"`` or ``"window:window=512"``, recipes (:class:`attnkit.recipe.Recipe`
     or mappings) or method instances. `data` (:class:`attnkit.eval.data.longbench.LongBenchData` or a path)
     provides ``longbench:DATASET`` tasks (or any path :func:`attnkit.eval.data.user_data.load_data` reads: RULER's
     and InfiniteBench's too). `protocols` is one protocol or a list (each runs every cell), `queries` the questions
-    per context, `seeds` the seeds a stochastic method runs with (one row each). With `out_dir`, each row is
+    per context, `seeds` the seeds a stochastic method runs with (one row each); `continuation_tokens` and
+    `stretch_tokens` how long ``continuation`` and ``recall_after_stretch`` decode. With `out_dir`, each row is
     appended to ``out_dir/results.jsonl`` as its cell finishes and ``out_dir/table.txt`` is written at the end; a
     cell already in that file is not run again (its row is returned, as a resumed sweep's: run twice, the file
     holds each cell once), and the directory is locked while the cells run (another run writing into it is
@@ -155,6 +162,7 @@ def run_eval(model: LoadedModel, tasks: list[str], lengths: list[int], methods: 
         data = load_data(data)
     tasks, lengths, methods = list(tasks), list(lengths), list(methods)
     recipes, depth_values = _check_request(model, tasks, lengths, methods, samples, depths, data)
+    long_output = LongOutput(continuation_tokens, stretch_tokens)
     whole("batch_size", batch_size, minimum=1)
     protocols = check_protocols(protocols)
     queries = check_queries(queries, protocols)
@@ -164,9 +172,10 @@ def run_eval(model: LoadedModel, tasks: list[str], lengths: list[int], methods: 
     groups = []
     for task in tasks:
         for length in lengths:
-            items = task_items(model, task, length, seed, samples, depth_values, data, queries)
+            items = task_items(model, task, length, seed, samples, depth_values, data, queries, long_output)
             check_refusals(recipes, protocols, task, items)
-            groups += [Group(task, length, items, recipes, protocol, queries) for protocol in protocols]
+            groups += [Group(task, length, items, recipes, protocol, queries, long_output.options(task))
+                       for protocol in protocols]
     if out_dir is None:
         return run_cells(model, groups, seed=seed, progress=progress, batch_size=batch_size)
     out_dir = Path(out_dir)

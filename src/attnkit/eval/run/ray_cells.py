@@ -102,8 +102,8 @@ class CellWorker:
                 "device": str(self.model.device)}
 
     def items(self, task: str, length: int, seed: int, samples: int, depths: list[float], data,
-              queries: int = 1) -> list:
-        return task_items(self.model, task, length, seed, samples, depths, data, queries)
+              queries: int = 1, long_output=None) -> list:
+        return task_items(self.model, task, length, seed, samples, depths, data, queries, long_output)
 
     def run(self, index: int, job: CellJob, items: list) -> dict:
         """Job `index`'s :func:`run_cell` result, its wall time, when it started and ended (wall clock), and
@@ -206,10 +206,10 @@ class CellPool:
         return self._ray.put(value)
 
     def items(self, task: str, length: int, seed: int, samples: int, depths: list[float], data=None,
-              queries: int = 1) -> list:
+              queries: int = 1, long_output=None) -> list:
         """The samples of a (task, length) group (up to `queries` questions per context), built by an actor
         (:func:`attnkit.eval.data.items.task_items`; the driver needs no model)."""
-        return self._get(self.actors[0].items.remote(task, length, seed, samples, depths, data, queries))
+        return self._get(self.actors[0].items.remote(task, length, seed, samples, depths, data, queries, long_output))
 
     def run(self, jobs: Iterable[CellJob], follow: Callable[[CellJob, dict], Iterable[CellJob]] | None = None
             ) -> Iterator[tuple[CellJob, dict]]:

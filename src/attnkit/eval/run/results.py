@@ -37,10 +37,14 @@ VOLATILE_FIELDS = ("run_id", "timestamp", "prefill_s", "decode_tokens_per_s", "t
 
 
 def cell_key(model: str, task: str, length: int, recipe_name: str, budget, samples: int, seed: int,
-             protocol: str = "query-aware", queries: int = 1, method_seed: int | None = None) -> str:
+             protocol: str = "query-aware", queries: int = 1, method_seed: int | None = None,
+             options: dict | None = None) -> str:
     """What identifies a cell: a results row with the same key is the same measurement. A query-aware cell of
-    one question per context and no method seed has the key it had before protocols existed."""
+    one question per context and no method seed has the key it had before protocols existed; `options` (what a
+    long-output task decodes, e.g. ``{"continuation_tokens": 1024}``) come last when there are any."""
     extra = [] if (protocol, queries, method_seed) == ("query-aware", 1, None) else [protocol, queries, method_seed]
+    if options:
+        extra = [protocol, queries, method_seed, dict(sorted(options.items()))]
     return json.dumps([model, task, length, recipe_name, budget, samples, seed, *extra])
 
 

@@ -18,6 +18,8 @@ A sweep file (YAML or JSON)::
     protocols: [query-aware, query-agnostic]   # optional (or protocol: NAME): attnkit.eval.data.protocols
     queries: 1                          # optional: questions per context (>= 2 with multi-query)
     seeds: [0, 1, 2]                    # optional: a stochastic method (Keyformer) runs once per seed
+    continuation_tokens: 1024           # optional: tokens task continuation decodes after its prompt
+    stretch_tokens: 512                 # optional: tokens recall_after_stretch decodes before its question
 
 Every recipe that leaves its budget open runs once per budget; one that sets its own (or takes none)
 runs once. ``full`` runs once per (task, length, protocol) as the reference, first. The cells run in order
@@ -41,7 +43,15 @@ from pathlib import Path
 from attnkit.config_file import read_config_file
 from attnkit.errors import AttnkitError
 from attnkit.eval.data.items import task_items
+from attnkit.eval.data.long_output import (
+    CONTINUATION,
+    DEFAULT_CONTINUATION_TOKENS,
+    DEFAULT_STRETCH_TOKENS,
+    RECALL,
+    LongOutput,
+)
 from attnkit.eval.data.protocols import QUERY_AWARE, check_protocols, check_queries, check_refusals
+from attnkit.eval.data.task_registry import METHOD_ONLY_TASKS
 from attnkit.eval.data.user_data import load_data
 from attnkit.eval.run.cells import DEFAULT_BATCH_SIZE, Group, run_cells
 from attnkit.eval.run.harness import check_lengths, check_peer_tasks, check_samples, check_tasks, depth_list, with_seeds
@@ -54,7 +64,8 @@ from attnkit.recipe import Recipe, as_recipe, check_budget_value
 from attnkit.validate import is_whole, text, whole
 
 SWEEP_KEYS = ("model", "recipes", "budgets", "tasks", "lengths", "samples", "seed", "depths", "data", "name",
-              "description", "batch_size", "protocol", "protocols", "queries", "seeds")
+              "description", "batch_size", "protocol", "protocols", "queries", "seeds", "continuation_tokens",
+              "stretch_tokens")
 SWEEP_FILE = "sweep.json"
 
 
@@ -76,12 +87,20 @@ class Sweep:
     protocols: list[str] = field(default_factory=lambda: [QUERY_AWARE])
     queries: int = 1
     seeds: list[int] | None = None
+    continuation_tokens: int = DEFAULT_CONTINUATION_TOKENS
+    stretch_tokens: int = DEFAULT_STRETCH_TOKENS
+
+    @property
+    def long_output(self) -> LongOutput:
+        """How long the long-output tasks decode (:mod:`attnkit.eval.data.long_output`)."""
+        return LongOutput(self.continuation_tokens, self.stretch_tokens)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "model": self.model, "samples": self.samples,
                 "seed": self.seed, "tasks": self.tasks, "lengths": self.lengths, "budgets": self.budgets,
                 "depths": self.depths, "data": self.data, "batch_size": self.batch_size,
                 "protocols": self.protocols, "queries": self.queries, "seeds": self.seeds,
+                "continuation_tokens": self.continuation_tokens, "stretch_tokens": self.stretch_tokens,
                 "recipes": [r.to_dict() for r in self.recipes]}
 
     def entries(self, length: int) -> list[Recipe]:
@@ -187,8 +206,12 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
         with_seeds(recipes, seeds)
     check_refusals(recipes, protocols, None)
     for t in expanded:
-        if t == "perplexity":
-            check_refusals([as_recipe("full")], protocols, t)
+        if t in METHOD_ONLY_TASKS:  # no question to hold back; the long-output tasks refuse what cannot decode them
+            check_refusals([as_recipe("full"), *recipes], protocols, t)
+    long_output = LongOutput(whole(f"{source}: continuation_tokens",
+                                   data.get("continuation_tokens", DEFAULT_CONTINUATION_TOKENS), minimum=1),
+                             whole(f"{source}: stretch_tokens", data.get("stretch_tokens", DEFAULT_STRETCH_TOKENS),
+                                   minimum=0))
     depths = data.get("depths")
     if depths is not None:
         depth_list(samples, depths)
@@ -196,7 +219,8 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
         if data.get(key) is not None:
             text(f"{source}: {key}", data[key], empty=True)
     sweep = Sweep(recipes, expanded, lengths, samples, model, budgets, seed, depths, data_path, data.get("name"),
-                  data.get("description"), source, batch_size, protocols, queries, seeds)
+                  data.get("description"), source, batch_size, protocols, queries, seeds,
+                  long_output.continuation_tokens, long_output.stretch_tokens)
     for n in lengths:  # budgets that do not fit a recipe fail now, not an hour in
         sweep.entries(n)
     return sweep
@@ -237,10 +261,11 @@ def _run_locked(sweep: Sweep, out_dir: Path, model, progress: bool, pool: CellPo
     groups = []
     for task in sweep.tasks:
         for length in sweep.lengths:
-            items = (task_items(model, task, length, sweep.seed, sweep.samples, depths, data, sweep.queries)
-                     if pool is None else pool.items(task, length, sweep.seed, sweep.samples, depths, data, sweep.queries))
+            args = (task, length, sweep.seed, sweep.samples, depths, data, sweep.queries, sweep.long_output)
+            items = task_items(model, *args) if pool is None else pool.items(*args)
             check_refusals(sweep.entries(length), sweep.protocols, task, items)
-            groups += [Group(task, length, items, sweep.entries(length), p, sweep.queries) for p in sweep.protocols]
+            groups += [Group(task, length, items, sweep.entries(length), p, sweep.queries,
+                             sweep.long_output.options(task)) for p in sweep.protocols]
     (out_dir / SWEEP_FILE).write_text(json.dumps(sweep.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
     if pool is None:
         rows = run_cells(model, groups, seed=sweep.seed, out_path=results, progress=progress, done=done,
@@ -253,8 +278,11 @@ def _run_locked(sweep: Sweep, out_dir: Path, model, progress: bool, pool: CellPo
 
 
 def sweep_positions(sweep: Sweep) -> int:
-    """Positions a ``random:`` model needs for the sweep's longest prompt and its answer."""
-    return positions_for(sweep.lengths)
+    """Positions a ``random:`` model needs for the sweep's longest prompt and its answer (and what its long-output
+    tasks decode after it)."""
+    extra = max([sweep.continuation_tokens] * (CONTINUATION in sweep.tasks)
+                + [sweep.stretch_tokens + 64] * (RECALL in sweep.tasks), default=0)  # 64: the question, the answer
+    return positions_for(sweep.lengths) + extra
 
 
 def positions_for(lengths: list[int]) -> int:

@@ -27,8 +27,8 @@ def _value(score, higher: bool) -> str:
 
 
 def format_cell(row: dict, full: dict | None = None) -> str:
-    """A row's score (percent, or bits per byte for perplexity) with its 95 % interval and its ratio to full,
-    e.g. ``25.0% [8-52] (0.50x)``; ``~`` after the ratio when the difference from `full` does not hold."""
+    """A row's score (percent, or bits per byte where lower is better: perplexity, continuation) with its 95 %
+    interval and its ratio to full, e.g. ``25.0% [8-52] (0.50x)``; ``~`` after the ratio when the difference from `full` does not hold."""
     score = row.get("score")
     higher = row.get("higher_is_better", True)
     if score is None or (isinstance(score, float) and math.isnan(score)):
@@ -48,7 +48,8 @@ def format_cell(row: dict, full: dict | None = None) -> str:
 def format_table(rows: list[dict]) -> str:
     """Plain-text table: one line per (task, length), and protocol when several ran; one column per method spec.
 
-    Scores are percent for tasks where higher is better, bits per byte (3 decimals) for perplexity, each with its
+    Scores are percent for tasks where higher is better, bits per byte (3 decimals) for the lower-is-better ones
+    (``perplexity``, ``continuation``: the rows' ``higher_is_better``), each with its
     95 % interval in brackets; ``(0.96x)`` is the score relative to full (below 1 is worse than full for every
     task), ``~`` marks a ratio whose difference from full is inside the noise.
     """
@@ -88,7 +89,8 @@ def format_table(rows: list[dict]) -> str:
     seeds = sorted({len(r["method_seeds"]) for r in rows if r.get("method_seeds")})
     if seeds:
         notes.append(f"stochastic methods: mean over {', '.join(map(str, seeds))} seeds")
-    notes.append("retrieval/code: % score (higher is better); perplexity: bits per byte (lower is better); "
+    notes.append("retrieval/code: % score (higher is better); perplexity, continuation: bits per byte (lower is "
+                 "better); "
                  "[a-b] = 95 % interval (Wilson for accuracies, bootstrap otherwise); (x) = relative to full, below 1 "
                  "is worse; ~ = the difference from full is inside the noise")
     return "\n".join(out + [""] + notes)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from attnkit.errors import AttnkitError
 from attnkit.eval.data.items import task_items
+from attnkit.eval.data.long_output import LongOutput
 from attnkit.eval.data.protocols import QUERY_AWARE, check_protocols, check_queries, check_refusals
 from attnkit.eval.report.page import REPORT_FILE, write_report
 from attnkit.eval.report.tune_section import (
@@ -130,7 +131,8 @@ class Runner:
                     items = self.pool.items(task, length, seed, samples, depths, None, s.queries)
                 recipes = [as_recipe("full"), *recipes_of(length)]
                 check_refusals(recipes, [s.protocol], task, items)
-                groups.append(Group(task, length, items, recipes, s.protocol, s.queries))
+                groups.append(Group(task, length, items, recipes, s.protocol, s.queries,
+                                    LongOutput().options(task)))  # the long-output tasks at their defaults
         if self.pool is None:
             rows = run_cells(self.model, groups, seed=seed, out_path=self.results, progress=self.progress,
                              done=self.done, desc=desc, batch_size=s.batch_size)
