@@ -141,3 +141,16 @@ def test_bad_input_is_one_line(model, call, message):
     with pytest.raises(AttnkitError, match=message) as err:
         call(model)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("spec", UNLIMITED)
+def test_teacher_force_at_an_unlimited_budget_equals_full(model, spec):
+    """A reference continuation fed one token per decoding step (continuation.teacher_force) gets full attention's
+    likelihoods under every method whose budget holds it all; a batch of two prompts as rows."""
+    prompts = [CONTEXT, random_ids(len(CONTEXT), seed=5).tolist()]
+    conts = [random_ids(24, seed=6).tolist(), random_ids(24, seed=7).tolist()]
+    full = continuation.teacher_force(model, prompts, conts, "full")
+    got = continuation.teacher_force(model, prompts, conts, spec)
+    for g, f in zip(got, full):
+        assert torch.allclose(g.nll, f.nll, atol=1e-5), spec
+        assert g.stats.new_tokens == 24 and g.stats.prompt_tokens == len(CONTEXT)
