@@ -109,7 +109,7 @@ def test_plugin_is_inert_without_its_key(plain, model, prompts):
 
 UNLIMITED = ["snapkv:budget=1.0", "knorm:budget_tokens=4096", "keydiff:budget=1.0", "expected_attention:budget=1.0",
              "streaming:budget_tokens=8192", "window:window=8192", "a_shape",  # a_shape's default covers 4k tokens
-             "a_shape+snapkv:budget=1.0"]
+             "a_shape+snapkv:budget=1.0", "knorm:budget_tokens=4096,chunk_length=16"]
 
 
 def test_unlimited_budgets_give_plain_vllm_tokens(engine, plain, prompts):
@@ -124,7 +124,7 @@ SMALL = ["snapkv:budget=0.3", "snapkv:budget_tokens=256,window_size=16,kernel_si
          "minference:pattern=vertical_slash,dense_above=1", "minference:config={patterns}",
          "minference_static:config={patterns}", "minference+snapkv:budget=0.3",
          "minference:config={patterns}+snapkv:budget_tokens=400",
-         "a_shape:n_init=64,n_local=512+streaming:budget_tokens=300"]
+         "a_shape:n_init=64,n_local=512+streaming:budget_tokens=300", "snapkv:budget=0.3,chunk_length=16"]
 
 
 @pytest.mark.parametrize("spec", SMALL)

@@ -4,7 +4,8 @@
 //
 // What and why: see attnkit/methods/quest_native.py. torch can only gather the chosen pages into new tensors and
 // then attend over the copy (each chosen entry read, written and read again); here each entry is read once, where
-// it lies, by an online softmax (Milakov and Gimelshein, 2018, arXiv 1805.02867) page by page.
+// it lies, by an online softmax (Milakov and Gimelshein, 2018, arXiv 1805.02867) over blocks of 16 keys, each block
+// transposed once and read by every query head that chose its page (a kv group shares its pages).
 //
 // Layout: queries q [B, HQ, D], keys k [B, KV, S, D], values v [B, KV, S, DV], float32, the last axis contiguous,
 // the others strided (qs: batch, head; ks/vs: batch, head, slot; in elements). pages [B, KV, C, P] (contiguous):
@@ -32,56 +33,68 @@ struct Problem {
     float* out;
 };
 
-inline float dot(const float* a, const float* b, int64_t D) {
-    if (D % 16 == 0) {
-        v16 acc = splat(0.0f);
-        for (int64_t d = 0; d < D; d += 16) acc += ld(a + d) * ld(b + d);
-        return hsum(acc);
-    }
-    float acc = 0.0f;
-    for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
-    return acc;
-}
+// what one worker holds: the unit's queries (scaled), a block of 16 keys transposed, and per query its running
+// maximum, sum and output
+struct Scratch {
+    std::vector<float> q, kt, acc, m, l;
+};
 
-// row r = b * HQ + h: its query over its pages, into out[r]
-void run_row(const Problem& a, int64_t r, std::vector<float>& logits, std::vector<float>& acc) {
-    const int64_t b = r / a.HQ, h = r % a.HQ, kh = h / a.G, c = a.C == 1 ? 0 : h % a.G;
-    const float* q = a.q + b * a.qs[0] + h * a.qs[1];
+// unit u = (b, kv head, choice): the query heads that read one list of pages (the whole group when C = 1, else one
+// head), each key block of 16 transposed once and its logits for every query head of the unit formed from it
+void run_unit(const Problem& a, int64_t u, Scratch& s) {
+    const int64_t b = u / (a.KV * a.C), kh = (u / a.C) % a.KV, c = u % a.C;
+    const int64_t rows = a.C == 1 ? a.G : 1, h0 = kh * a.G + (a.C == 1 ? 0 : c);
     const float* K = a.k + b * a.ks[0] + kh * a.ks[1];
     const float* V = a.v + b * a.vs[0] + kh * a.vs[1];
     const int64_t* pages = a.pages + ((b * a.KV + kh) * a.C + c) * a.P;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    float M = -INFINITY, L = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* src = a.q + b * a.qs[0] + (h0 + r) * a.qs[1];
+        for (int64_t d = 0; d < a.D; ++d) s.q[r * a.D + d] = src[d] * a.scale;
+    }
+    std::fill(s.acc.begin(), s.acc.begin() + rows * a.DV, 0.0f);
+    std::fill(s.m.begin(), s.m.begin() + rows, -INFINITY);
+    std::fill(s.l.begin(), s.l.begin() + rows, 0.0f);
+    v16 lane;
+    for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
     for (int64_t i = 0; i < a.P; ++i) {
-        const int64_t j0 = std::max(pages[i] * a.page_size, a.lo);
-        const int64_t j1 = std::min((pages[i] + 1) * a.page_size, a.length);
-        if (j0 >= j1) continue;
-        float top = -INFINITY;
-        for (int64_t j = j0; j < j1; ++j) {
-            const float l = dot(q, K + j * a.ks[2], a.D) * a.scale;
-            logits[j - j0] = l;
-            top = std::max(top, l);
-        }
-        const float m = std::max(M, top);
-        const float alpha = M == -INFINITY ? 0.0f : std::exp(M - m);
-        L *= alpha;
-        for (int64_t d = 0; d < a.DV; ++d) acc[d] *= alpha;
-        for (int64_t j = j0; j < j1; ++j) {
-            const float p = std::exp(logits[j - j0] - m);
-            L += p;
-            const float* vj = V + j * a.vs[2];
-            if (a.DV % 16 == 0) {
-                const v16 pv = splat(p);
-                for (int64_t d = 0; d < a.DV; d += 16) st(&acc[d], ld(&acc[d]) + pv * ld(vj + d));
-            } else {
-                for (int64_t d = 0; d < a.DV; ++d) acc[d] += p * vj[d];
+        const int64_t first = std::max(pages[i] * a.page_size, a.lo);
+        const int64_t last = std::min((pages[i] + 1) * a.page_size, a.length);
+        for (int64_t j0 = first; j0 < last; j0 += 16) {
+            const int64_t n = std::min<int64_t>(16, last - j0);
+            for (int64_t j = 0; j < 16; ++j)  // keys j0 .. j0 + n - 1 as columns of kt [D][16], zeros past n
+                for (int64_t d = 0; d < a.D; ++d) s.kt[d * 16 + j] = j < n ? K[(j0 + j) * a.ks[2] + d] : 0.0f;
+            for (int64_t r = 0; r < rows; ++r) {
+                const float* q = &s.q[r * a.D];
+                v16 logit = splat(0.0f);
+                for (int64_t d = 0; d < a.D; ++d) logit += splat(q[d]) * ld(&s.kt[d * 16]);
+                logit = lane < static_cast<float>(n) ? logit : splat(-INFINITY);
+                const float top = std::max(s.m[r], hmax(logit));
+                const float alpha = s.m[r] == -INFINITY ? 0.0f : std::exp(s.m[r] - top);
+                s.m[r] = top;
+                const v16 p = vexp(logit - top);
+                s.l[r] = s.l[r] * alpha + hsum(p);
+                float* acc = &s.acc[r * a.DV];
+                if (a.DV % 16 == 0) {
+                    for (int64_t e = 0; e < a.DV; e += 16) {
+                        v16 o = ld(acc + e) * alpha;
+                        for (int64_t j = 0; j < n; ++j) o += splat(p[j]) * ld(V + (j0 + j) * a.vs[2] + e);
+                        st(acc + e, o);
+                    }
+                } else {
+                    for (int64_t e = 0; e < a.DV; ++e) {
+                        float o = acc[e] * alpha;
+                        for (int64_t j = 0; j < n; ++j) o += p[j] * V[(j0 + j) * a.vs[2] + e];
+                        acc[e] = o;
+                    }
+                }
             }
         }
-        M = m;
     }
-    float* o = a.out + r * a.DV;
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-    for (int64_t d = 0; d < a.DV; ++d) o[d] = acc[d] * inv;
+    for (int64_t r = 0; r < rows; ++r) {
+        float* o = a.out + (b * a.HQ + h0 + r) * a.DV;
+        const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
+        for (int64_t e = 0; e < a.DV; ++e) o[e] = s.acc[r * a.DV + e] * inv;
+    }
 }
 
 }  // namespace
@@ -93,13 +106,14 @@ extern "C" int attnkit_paged_decode(const float* q, const int64_t* qs, const flo
     if (KV <= 0 || HQ % KV || page_size <= 0 || (C != 1 && C != HQ / KV)) return 1;
     Problem a{q, k, v, pages, {qs[0], qs[1]}, {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]}, HQ, KV, HQ / KV, C, P,
               D, DV, page_size, length, lo, scale, out};
-    const int64_t rows = B * HQ;
-    const int64_t work = rows * P * page_size * (D + DV);
+    const int64_t units = B * KV * C, rows = HQ / KV / C;
+    const int64_t work = B * HQ * P * page_size * (D + DV);
     // a thread costs tens of microseconds to start: only a step of several million multiply-adds is split
-    const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, rows, work >> 21})));
+    const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, units, work >> 21})));
     run_workers(workers, [&](int w) {
-        std::vector<float> logits(page_size), acc(DV);
-        for (int64_t r = w; r < rows; r += workers) run_row(a, r, logits, acc);
+        Scratch s{std::vector<float>(rows * D), std::vector<float>(16 * D), std::vector<float>(rows * DV),
+                  std::vector<float>(rows), std::vector<float>(rows)};
+        for (int64_t u = w; u < units; u += workers) run_unit(a, u, s);
     });
     return 0;
 }
