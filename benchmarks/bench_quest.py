@@ -56,14 +56,16 @@ def attention_steps(args) -> list[tuple[str, float]]:
         return sdpa(q, keys, values, scaling)
 
     def quest(q, kernel=True):
-        chosen = choose_pages(page_bounds(q, layer.page_min[:, :, :pages], layer.page_max[:, :, :pages]), count, False)
+        summaries = layer.page_min[:, :, :pages], layer.page_max[:, :, :pages]
         if kernel:
+            chosen = quest_native.choose_pages(q, *summaries, count, False, 0, ps)
             return quest_native.paged_decode(q, keys, values, chosen, ps, n, scaling)
+        chosen = choose_pages(page_bounds(q, *summaries), count, False)
         return gathered_attention(q, keys, values, chosen, ps, n, scaling)
 
-    runs = {"full": full, "quest (C++ kernel)": quest, "quest (torch gather)": lambda q: quest(q, kernel=False)}
+    runs = {"full": full, "quest (C++: choice, attention)": quest, "quest (torch: bounds, top-k, gather)": lambda q: quest(q, kernel=False)}
     if quest_native.library() is None:
-        del runs["quest (C++ kernel)"]
+        del runs["quest (C++: choice, attention)"]
     times = {name: [] for name in runs}
     for r in range(args.repeats + 3):
         q = torch.randn(1, g.n_q_heads, 1, g.head_dim, generator=gen)

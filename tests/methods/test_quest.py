@@ -96,6 +96,19 @@ def test_the_cpu_kernel_equals_the_gathered_reference(d, c, lo, length):
     assert torch.allclose(out, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("d,per_head,visible_from", [(32, False, 0), (32, True, 0), (24, False, 70), (16, True, 70)])
+def test_the_cpu_page_choice_equals_torchs(d, per_head, visible_from):
+    if quest_native.library() is None:
+        pytest.skip("no C++ compiler on this machine")
+    keys, q = randn(3, 2, 200, d, seed=10), randn(3, 4, 1, d, seed=11)
+    layer = paged(keys, 16)
+    layer.append(keys, keys, torch.arange(200))
+    pages = layer.pages
+    summaries = layer.page_min[:, :, :pages], layer.page_max[:, :, :pages]
+    ref = choose_pages(page_bounds(q, *summaries), 5, per_head, visible_from, 16)
+    assert torch.equal(quest_native.choose_pages(q, *summaries, 5, per_head, visible_from, 16), ref)
+
+
 def test_the_triton_kernel_equals_the_gathered_reference():
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from attnkit.methods import quest_triton

@@ -23,14 +23,44 @@ SIGNATURE = ("attnkit_paged_decode",
              _I32)
 
 
+CHOOSE = ("attnkit_quest_choose", [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P],
+          _I32)
+
+
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel (:func:`attnkit.native.load`), or None."""
-    return native.load("paged", SIGNATURE)
+    """The compiled kernels (:func:`attnkit.native.load`), or None."""
+    lib = native.load("paged", SIGNATURE)
+    if lib is not None and lib.attnkit_quest_choose.argtypes is None:  # the second entry point's signature
+        lib.attnkit_quest_choose.argtypes, lib.attnkit_quest_choose.restype = CHOOSE[1], CHOOSE[2]
+    return lib
 
 
 def kernel_pays(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether the kernel runs here: float32 on a CPU, and the kernel built."""
     return q.device.type == "cpu" and q.dtype == keys.dtype == torch.float32 and library() is not None
+
+
+def choose_pages(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, count: int, per_query_head: bool,
+                 visible_from: int = 0, page_size: int = 16) -> torch.Tensor:
+    """:func:`attnkit.methods.quest_pages.page_bounds` then :func:`~attnkit.methods.quest_pages.choose_pages` in one
+    pass over the summaries ``[b, kv, pages, d]`` (the same pages, in ascending order, ``[b, kv, c, count]``)."""
+    b, hq, _, d = q.shape
+    kv, pages = page_min.shape[1], page_min.shape[2]
+    c = hq // kv if per_query_head else 1
+    q = q.reshape(b, hq, d).float().contiguous()
+    page_min, page_max = (t if t.stride(-1) == 1 else t.contiguous() for t in (page_min, page_max))
+    if page_min.stride() != page_max.stride():  # one set of strides for both
+        page_min, page_max = page_min.contiguous(), page_max.contiguous()
+    out = torch.empty(b, kv, c, count, dtype=torch.int64)
+    qs = torch.tensor([q.stride(0), q.stride(1)], dtype=torch.int64)
+    ss = torch.tensor(page_min.stride()[:3], dtype=torch.int64)
+    code = library().attnkit_quest_choose(q.data_ptr(), qs.data_ptr(), page_min.data_ptr(), page_max.data_ptr(),
+                                          ss.data_ptr(), b, hq, kv, c, pages, d, count, visible_from, page_size,
+                                          out.data_ptr())
+    if code:
+        raise ValueError(f"the page-choice kernel refused q {tuple(q.shape)}, summaries {tuple(page_min.shape)}, "
+                         f"count {count} (code {code})")
+    return out
 
 
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor, page_size: int,

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "tile.h"
@@ -115,5 +116,62 @@ extern "C" int attnkit_paged_decode(const float* q, const int64_t* qs, const flo
                   std::vector<float>(rows), std::vector<float>(rows)};
         for (int64_t u = w; u < units; u += workers) run_unit(a, u, s);
     });
+    return 0;
+}
+
+
+// Quest's page choice (attnkit/methods/quest_pages.py: page_bounds, then choose_pages) in one pass over the page
+// summaries: per kv head and page the bound sum_d max(q_d m_d, q_d M_d) of each query head of the group, their maximum
+// (C = 1) or each head's own (C = HQ / KV); the last page always, the first too unless a sliding window hides slots
+// below visible_from (a page wholly below it is never chosen over a visible one); the `count` highest, ascending.
+// Summaries mn, mx [B, KV, pages, D] (strides ss: batch, head, page; the last axis contiguous); out [B, KV, C, count].
+extern "C" int attnkit_quest_choose(const float* q, const int64_t* qs, const float* mn, const float* mx,
+                                    const int64_t* ss, int64_t B, int64_t HQ, int64_t KV, int64_t C, int64_t P,
+                                    int64_t D, int64_t count, int64_t visible_from, int64_t page_size, int64_t* out) {
+    if (KV <= 0 || HQ % KV || (C != 1 && C != HQ / KV) || count < 1 || count > P) return 1;
+    const int64_t G = HQ / KV;
+    std::vector<float> score(C * P), bound(G);
+    std::vector<int64_t> order(P);
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t kh = 0; kh < KV; ++kh) {
+            const float* m0 = mn + b * ss[0] + kh * ss[1];
+            const float* M0 = mx + b * ss[0] + kh * ss[1];
+            for (int64_t p = 0; p < P; ++p) {
+                const float *m = m0 + p * ss[2], *M = M0 + p * ss[2];
+                for (int64_t r = 0; r < G; ++r) {
+                    const float* qr = q + b * qs[0] + (kh * G + r) * qs[1];
+                    float total = 0.0f;
+                    if (D % 16 == 0) {
+                        v16 acc = splat(0.0f);
+                        for (int64_t d = 0; d < D; d += 16) {
+                            const v16 qv = ld(qr + d);
+                            acc += vmax(qv * ld(m + d), qv * ld(M + d));
+                        }
+                        total = hsum(acc);
+                    } else {
+                        for (int64_t d = 0; d < D; ++d) total += std::max(qr[d] * m[d], qr[d] * M[d]);
+                    }
+                    bound[r] = total;
+                }
+                if (C == 1)
+                    score[p] = *std::max_element(bound.begin(), bound.end());
+                else
+                    for (int64_t c = 0; c < C; ++c) score[c * P + p] = bound[c];
+            }
+            for (int64_t c = 0; c < C; ++c) {
+                float* sc = &score[c * P];
+                if (visible_from <= 0) {
+                    sc[0] = INFINITY;
+                } else {
+                    for (int64_t p = 0; p < P && (p + 1) * page_size <= visible_from; ++p) sc[p] = -INFINITY;
+                }
+                sc[P - 1] = INFINITY;
+                std::iota(order.begin(), order.end(), 0);
+                std::nth_element(order.begin(), order.begin() + (count - 1), order.end(),
+                                 [&](int64_t x, int64_t y) { return sc[x] > sc[y] || (sc[x] == sc[y] && x < y); });
+                std::sort(order.begin(), order.begin() + count);
+                std::copy(order.begin(), order.begin() + count, out + ((b * KV + kh) * C + c) * count);
+            }
+        }
     return 0;
 }
