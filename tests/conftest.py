@@ -27,6 +27,20 @@ def arch_models():
 
 
 @pytest.fixture(scope="session")
+def kvzap_configs(arch_models, tmp_path_factory):
+    """kvzap's linear surrogate per architecture of `arch_models`, trained on 2 windows of 128 tokens (held out: 1): a
+    short training, enough for the tests of what kvzap does with its scores."""
+    from attnkit.calibrate.kvzap import calibrate_kvzap
+    from attnkit.methods.kvzap_predictor import save_predictor
+    folder = tmp_path_factory.mktemp("kvzap")
+    out = {}
+    for arch, model in arch_models.items():
+        layers, meta = calibrate_kvzap(model, samples=2, length=128, heldout=1)
+        out[arch] = str(save_predictor(folder / f"{arch}.safetensors", "linear", layers, meta))
+    return out
+
+
+@pytest.fixture(scope="session")
 def greedy_models():
     """The speculative tests' target and a different draft model (shared by their files, never modified)."""
     return attnkit.load_model(f"random:llama:{SMALL}"), attnkit.load_model(f"random:llama:{SMALL},seed=3")

@@ -10,10 +10,8 @@ import torch
 
 import attnkit
 from attnkit import AttnkitError
-from attnkit.calibrate.kvzap import calibrate_kvzap
 from attnkit.forward import prefill
 from attnkit.hf_cache import AttnkitCache
-from attnkit.methods.kvzap_predictor import save_predictor
 from attnkit.methods.prompt_scorer import PromptScorer
 from attnkit.methods.spec import METHODS, parse_method_spec
 from attnkit.session import layer_contexts, new_session
@@ -41,14 +39,8 @@ def models(arch_models):
 
 
 @pytest.fixture(scope="module")
-def configs(models, tmp_path_factory):
-    """kvzap's linear surrogate per architecture (a short training: only the selection is under test)."""
-    folder = tmp_path_factory.mktemp("kvzap")
-    out = {}
-    for arch, model in models.items():
-        layers, meta = calibrate_kvzap(model, samples=2, length=96, heldout=1)
-        out[arch] = str(save_predictor(folder / f"{arch}.safetensors", "linear", layers, meta))
-    return out
+def configs(kvzap_configs):
+    return kvzap_configs
 
 
 def spec(name: str, params: str, configs, arch: str = "llama") -> str:

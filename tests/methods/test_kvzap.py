@@ -12,7 +12,7 @@ import torch
 
 import attnkit
 from attnkit import AttnkitError
-from attnkit.calibrate.kvzap import calibrate_kvzap, collect, fit_linear, held_out_fit, text_windows
+from attnkit.calibrate.kvzap import collect, fit_linear, held_out_fit, text_windows
 from attnkit.cli import main
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.hf_cache import AttnkitCache
@@ -32,14 +32,8 @@ def models(arch_models):
 
 
 @pytest.fixture(scope="module")
-def configs(models, tmp_path_factory):
-    """A linear surrogate per architecture, trained on 2 windows of 128 tokens (held out: 1)."""
-    folder = tmp_path_factory.mktemp("kvzap")
-    out = {}
-    for arch, model in models.items():
-        layers, meta = calibrate_kvzap(model, samples=2, length=128, heldout=1)
-        out[arch] = str(save_predictor(folder / f"{arch}.safetensors", "linear", layers, meta))
-    return out
+def configs(kvzap_configs):
+    return kvzap_configs
 
 
 def spec(configs, arch, params):

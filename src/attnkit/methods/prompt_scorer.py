@@ -66,6 +66,14 @@ class PromptScorerState(EvictionState):
     since_compression: int = 0
 
 
+def keep_last_queries(state, q: torch.Tensor, q_pos: torch.Tensor, size: int) -> None:
+    """Keep the last `size` queries seen in ``state.window_q`` / ``state.window_pos`` (an observation window, SnapKV's
+    and R-KV's): they may straddle prompt chunks and reach into the generated tokens."""
+    if state.window_q is not None:
+        q, q_pos = torch.cat([state.window_q, q], dim=2), torch.cat([state.window_pos, q_pos])
+    state.window_q, state.window_pos = q[:, :, -size:], q_pos[-size:]
+
+
 @dataclass(frozen=True)
 class PromptScorer(EvictionMethod):
     """Base of the prompt-time scorers: the prompt is compressed to ``B`` by :meth:`rank`; ``decode_every``

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
+from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState, keep_last_queries
 from attnkit.methods.scoring import GQA_REDUCTIONS, attention_statistics, avg_or_max_pool, block_elements_for
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
@@ -152,11 +152,7 @@ class RKV(PromptScorer):
     # ---- the observation window -------------------------------------------------------------------
     def observe(self, ctx: LayerContext, q: torch.Tensor) -> None:
         """Remember the last ``window_size`` queries seen (they may straddle prompt chunks and decode steps)."""
-        st = ctx.state
-        pos = ctx.q_pos
-        if st.window_q is not None:
-            q, pos = torch.cat([st.window_q, q], dim=2), torch.cat([st.window_pos, pos])
-        st.window_q, st.window_pos = q[:, :, -self.window_size:], pos[-self.window_size:]
+        keep_last_queries(ctx.state, q, ctx.q_pos, self.window_size)
 
     def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
         self.observe(ctx, q)

@@ -28,7 +28,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.budget import smallest_tokens
-from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
+from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState, keep_last_queries
 from attnkit.methods.scoring import GQA_REDUCTIONS, attention_statistics, avg_or_max_pool
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
@@ -116,15 +116,8 @@ class SnapKV(PromptScorer):
         self._observe(ctx, q)
 
     def _observe(self, ctx: LayerContext, q: torch.Tensor) -> None:
-        # the window may straddle prompt chunks (and, with decode_every, reach into the generated tokens):
-        # keep the last window_size queries seen
-        st = ctx.state
-        if st.window_q is not None:
-            q = torch.cat([st.window_q, q], dim=2)
-            pos = torch.cat([st.window_pos, ctx.q_pos])
-        else:
-            pos = ctx.q_pos
-        st.window_q, st.window_pos = q[:, :, -self.window_size:], pos[-self.window_size:]
+        # the window may straddle prompt chunks (and, with decode_every, reach into the generated tokens)
+        keep_last_queries(ctx.state, q, ctx.q_pos, self.window_size)
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
         super().after_prefill(ctx, q, k, v)
