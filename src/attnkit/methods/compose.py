@@ -67,13 +67,13 @@ def _as_method(value, role: str) -> Method:
     if method.run_layers is not None:
         raise AttnkitError(f"{method.name!r} runs the decoder layers itself (a model-level hook) and cannot be "
                          f"composed; use its own parameters (select takes share_config=FILE)")
+    if role == "prefill" and not _supplies_prefill_output(method):
+        raise AttnkitError(f"prefill method {method.name!r} computes its prefill outputs inside prefill_attention, "
+                         f"not in prefill_output, so compose cannot take them from it")
     if role == "prefill" and method.name != "full" and method.dense_prefill_output():
         raise AttnkitError(f"{method.name!r} as the prefill part of PREFILL+CACHE supplies only dense prompt outputs "
                            f"and its cache policy would be dropped; put a sparse prefill method (minference, a_shape) "
                            f"first and one cache method after it")
-    if role == "prefill" and not _supplies_prefill_output(method):
-        raise AttnkitError(f"prefill method {method.name!r} computes its prefill outputs inside prefill_attention, "
-                         f"not in prefill_output, so compose cannot take them from it")
     return method
 
 
