@@ -148,6 +148,22 @@ def heavy_hitter_tensors(n, heavy=(3, 9), kv=2, g=2):
     return q, k, randn(1, kv, n, D, seed=7)
 
 
+def recompress_dense(q, k, prompt_len, budget, every, choose):
+    """The prompt compressed to `budget` by ``choose(h, held, next_pos)``, then tokens appended and, every `every`
+    of them, the held entries compressed back to `budget` by the same rule. Held positions per step and kv head."""
+    kv, n = k.shape[1], q.shape[2]
+    held = [list(range(prompt_len)) for _ in range(kv)]
+    if prompt_len > budget:
+        held = [sorted(choose(h, held[h], prompt_len)) for h in range(kv)]
+    steps = [held]
+    for i, t in enumerate(range(prompt_len, n), 1):
+        held = [row + [t] for row in held]
+        if every and i % every == 0 and len(held[0]) > budget:
+            held = [sorted(choose(h, held[h], t + 1)) for h in range(kv)]
+        steps.append(held)
+    return steps
+
+
 def dense_reference(q, k, prompt_len, budget, recent, weights, reduce="mean"):
     """The eviction rule written plainly: full attention matrices, Python sets, no chunks, no slots.
 

@@ -14,7 +14,7 @@ from attnkit.forward import forward, logits_of, prefill
 from attnkit.methods.full import Full
 from attnkit.methods.spec import parse_method_spec
 from attnkit.session import Step, layer_contexts, new_session
-from helpers import assert_equals_full, drive, per_token_bytes, qkv, random_ids
+from helpers import assert_equals_full, drive, per_token_bytes, qkv, random_ids, recompress_dense
 
 torch.set_num_threads(1)
 
@@ -164,22 +164,6 @@ def test_tova_evicts_the_entry_the_latest_query_attends_to_least(prompt_len, bud
     want = tova_dense(q, k, prompt_len, budget)
     assert got == [[s, s] for s in want]  # both kv heads keep the same positions
     assert max(len(s) for s in want) == budget
-
-
-def recompress_dense(q, k, prompt_len, budget, every, choose):
-    """The prompt compressed to `budget` by ``choose(h, held, next_pos)``, then tokens appended and, every `every`
-    of them, the held entries compressed back to `budget` by the same rule. Held positions per step and kv head."""
-    kv, n = k.shape[1], q.shape[2]
-    held = [list(range(prompt_len)) for _ in range(kv)]
-    if prompt_len > budget:
-        held = [sorted(choose(h, held[h], prompt_len)) for h in range(kv)]
-    steps = [held]
-    for i, t in enumerate(range(prompt_len, n), 1):
-        held = [row + [t] for row in held]
-        if every and i % every == 0 and len(held[0]) > budget:
-            held = [sorted(choose(h, held[h], t + 1)) for h in range(kv)]
-        steps.append(held)
-    return steps
 
 
 def knorm_choose(q, k, budget, **_):

@@ -18,7 +18,7 @@ from attnkit.session import Step, layer_contexts, new_session
 from attnkit.speculative import speculative_generate
 from attnkit.speculative.model_draft import check_lookup_cache
 from attnkit.vllm.config import EngineConfig
-from helpers import assert_equals_full, drive, per_token_bytes, qkv, random_ids, repetitive_prompt
+from helpers import assert_equals_full, drive, per_token_bytes, qkv, random_ids, recompress_dense, repetitive_prompt
 
 torch.set_num_threads(1)
 
@@ -132,20 +132,6 @@ def dense_rkv_choose(q, k, budget, window_size, kernel_size, mix_lambda, thresho
         best = [prefix[i] for i in score.argsort(descending=True)[:budget - window_size].tolist()]
         return best + window
     return choose
-
-
-def recompress_dense(q, k, prompt_len, budget, every, choose):
-    kv, n = k.shape[1], q.shape[2]
-    held = [list(range(prompt_len)) for _ in range(kv)]
-    if prompt_len > budget:
-        held = [sorted(choose(h, held[h], prompt_len)) for h in range(kv)]
-    steps = [held]
-    for i, t in enumerate(range(prompt_len, n), 1):
-        held = [row + [t] for row in held]
-        if i % every == 0 and len(held[0]) > budget:
-            held = [sorted(choose(h, held[h], t + 1)) for h in range(kv)]
-        steps.append(held)
-    return steps
 
 
 # max pooling gives neighbours equal importance: with lambda = 1 only kernel 1 leaves no exact ties to break
