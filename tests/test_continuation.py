@@ -93,9 +93,9 @@ def test_the_question_is_hidden_from_the_compression(model, monkeypatch):
     agnostic, aware = [], []
     real_feed, real_decode = continuation.feed, runner.decode_groups
 
-    def spy_feed(m, session, ids, start):
+    def spy_feed(m, session, ids, start, *more):
         agnostic.append(kept_context(session, n))
-        return real_feed(m, session, ids, start)
+        return real_feed(m, session, ids, start, *more)
 
     def spy_decode(m, method, groups, sampling, max_new):
         aware.append(kept_context(groups[0].session, n))

@@ -83,7 +83,7 @@ def feed(model: LoadedModel, session: Session, ids: torch.Tensor, start: int, st
     n = ids.shape[1]
 
     if not stepwise and method.run_layers is None and method.decode_only_appends():
-        return logits_of(model, forward(model, ids, start, lambda pos: Step(session, "decode", pos))[:, -1])
+        return logits_of(model, decode_step(model, session, ids, start)[:, -1])
     hidden = None
     for t in range(n):  # a method that runs the layers itself decodes all its session's rows in one forward too
         hidden = decode_step(model, session, ids[:, t:t + 1], start + t)
@@ -91,9 +91,9 @@ def feed(model: LoadedModel, session: Session, ids: torch.Tensor, start: int, st
 
 
 def decode_step(model: LoadedModel, session: Session, ids: torch.Tensor, pos: int) -> torch.Tensor:
-    """One decoding step of every row of `session`: tokens ``ids`` ``[rows, 1]`` at position `pos`, through the
-    method's decode hooks (``decode_attention``, ``after_decode``) as the runner feeds a generated token; the
-    final hidden states ``[rows, 1, hidden]``."""
+    """One decoding step of every row of `session`: tokens ``ids`` ``[rows, n]`` at positions ``pos..`` (one token
+    as the runner feeds a generated one; several where the method's decoding only appends), through the method's
+    decode hooks (``decode_attention``, ``after_decode``); the final hidden states ``[rows, n, hidden]``."""
     return forward(model, ids, pos, lambda p: Step(session, "decode", p))
 
 
@@ -167,8 +167,7 @@ def generate_after(model: LoadedModel, context, questions, method: str | Method 
             child = session if whole else session.fork(fork_rows)
             ids = torch.stack([per_context[idx[rows[k][0]]][rows[k][1]] for k in members])
             if ids.shape[1]:
-                logits = feed(model, child, ids, session.prompt_len, stepwise=True) if stepwise else \
-                    feed(model, child, ids, session.prompt_len)
+                logits = feed(model, child, ids, session.prompt_len, stepwise)
             else:  # empty questions: the answers follow the context
                 logits = logits_of(model, last[torch.tensor(fork_rows, device=last.device), -1])
             group = RunGroup(child, [seqs[(idx[rows[k][0]], rows[k][1])] for k in members], offset=ids.shape[1])

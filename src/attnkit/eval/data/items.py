@@ -11,10 +11,10 @@ task's own first, then its follow-ups), consecutive in the list: the samples eve
 
 from __future__ import annotations
 
-import math
 import random
 
 from attnkit.errors import AttnkitError
+from attnkit.eval.data import metrics
 from attnkit.eval.data.corpus import heldout_ids, special_prefix
 from attnkit.eval.data.long_output import LONG_OUTPUT_TASKS, RECALL, LongOutput, long_output_items, recall_score
 from attnkit.eval.data.prompting import check_positions
@@ -98,8 +98,5 @@ def perplexity_windows(model: LoadedModel, length: int, seed: int, count: int) -
 
 def bits_per_byte(model: LoadedModel, ids: list[int], method: Method) -> float:
     """Next-token NLL of ids[1:] under `method`'s prefill, in bits per UTF-8 byte of their text."""
-    nll = token_nll(model, ids, method).sum().item()
-    n_bytes = len(model.tokenizer.decode(ids[1:], skip_special_tokens=True).encode("utf-8"))
-    if n_bytes == 0:
-        raise AttnkitError("perplexity window decodes to no text")
-    return nll / math.log(2) / n_bytes
+    return metrics.bits_per_byte(model.tokenizer, ids[1:], token_nll(model, ids, method).sum().item(),
+                                 "perplexity window")

@@ -19,12 +19,12 @@ the prompt already goes through the decode path). Sample ``i`` comes from seed `
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 
 from attnkit.errors import AttnkitError
 from attnkit.eval.data.corpus import heldout_ids, special_prefix
+from attnkit.eval.data.metrics import bits_per_byte
 from attnkit.eval.data.tasks import TASKS
 from attnkit.validate import whole
 
@@ -143,10 +143,7 @@ def long_output_items(model, task: str, length: int, seed: int, samples: int, de
 
 def continuation_bits_per_byte(tokenizer, item: ContinuationItem, nll) -> float:
     """Bits per UTF-8 byte of `item`'s continuation, from its tokens' NLL (nats, one per token)."""
-    n_bytes = len(tokenizer.decode(list(item.continuation), skip_special_tokens=True).encode("utf-8"))
-    if n_bytes == 0:
-        raise AttnkitError("a continuation decodes to no text")
-    return float(nll.sum()) / math.log(2) / n_bytes
+    return bits_per_byte(tokenizer, item.continuation, float(nll.sum()), "a continuation")
 
 
 def recall_score(prediction: str, item: RecallItem) -> float:

@@ -1,13 +1,26 @@
 """Text metrics shared by the data formats users bring (LongBench, RULER, InfiniteBench): answer normalisation,
 token F1 and ROUGE-L, as the benchmarks' own scorers define them (SQuAD's normalisation: Rajpurkar et al. 2016,
-"SQuAD: 100,000+ Questions for Machine Comprehension of Text", arXiv 1606.05250)."""
+"SQuAD: 100,000+ Questions for Machine Comprehension of Text", arXiv 1606.05250); and bits per byte, the score of the
+likelihood tasks (``perplexity``, ``continuation``)."""
 
 from __future__ import annotations
 
+import math
 import re
 import string
 import unicodedata
 from collections import Counter
+
+from attnkit.errors import AttnkitError
+
+
+def bits_per_byte(tokenizer, ids, nll_nats: float, what: str) -> float:
+    """The negative log-likelihood `nll_nats` of the tokens `ids`, in bits per UTF-8 byte of their text (`what`
+    names them in the error raised when they decode to no text)."""
+    n_bytes = len(tokenizer.decode(list(ids), skip_special_tokens=True).encode("utf-8"))
+    if n_bytes == 0:
+        raise AttnkitError(f"{what} decodes to no text")
+    return nll_nats / math.log(2) / n_bytes
 
 
 def normalize_answer(text: str) -> str:
