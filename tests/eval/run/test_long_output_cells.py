@@ -116,8 +116,8 @@ def test_sweep_keys_and_resume(model, tmp_path):
     spec = {"model": "tiny", "tasks": [CONTINUATION], "lengths": [LENGTH], "samples": 1,
             "recipes": ["window:window=64"], "continuation_tokens": 16}
     sweep = sweep_from_dict(spec)
-    assert sweep.continuation_tokens == 16 and sweep.to_dict()["continuation_tokens"] == 16
-    assert sweep_from_dict({**spec, "stretch_tokens": 0}).stretch_tokens == 0
+    assert sweep.long_output.continuation_tokens == 16 and sweep.to_dict()["continuation_tokens"] == 16
+    assert sweep_from_dict({**spec, "stretch_tokens": 0}).long_output.stretch_tokens == 0
     with pytest.raises(AttnkitError, match="continuation_tokens"):
         sweep_from_dict({**spec, "continuation_tokens": 0})
     with pytest.raises(AttnkitError, match="query-aware"):

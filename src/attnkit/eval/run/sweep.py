@@ -36,6 +36,7 @@ writer of ``results.jsonl`` and resumes the same way: the rows are those of a ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,20 +88,14 @@ class Sweep:
     protocols: list[str] = field(default_factory=lambda: [QUERY_AWARE])
     queries: int = 1
     seeds: list[int] | None = None
-    continuation_tokens: int = DEFAULT_CONTINUATION_TOKENS
-    stretch_tokens: int = DEFAULT_STRETCH_TOKENS
-
-    @property
-    def long_output(self) -> LongOutput:
-        """How long the long-output tasks decode (:mod:`attnkit.eval.data.long_output`)."""
-        return LongOutput(self.continuation_tokens, self.stretch_tokens)
+    long_output: LongOutput = field(default_factory=LongOutput)  # how long the long-output tasks decode
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "model": self.model, "samples": self.samples,
                 "seed": self.seed, "tasks": self.tasks, "lengths": self.lengths, "budgets": self.budgets,
                 "depths": self.depths, "data": self.data, "batch_size": self.batch_size,
                 "protocols": self.protocols, "queries": self.queries, "seeds": self.seeds,
-                "continuation_tokens": self.continuation_tokens, "stretch_tokens": self.stretch_tokens,
+                **dataclasses.asdict(self.long_output),
                 "recipes": [r.to_dict() for r in self.recipes]}
 
     def entries(self, length: int) -> list[Recipe]:
@@ -219,8 +214,7 @@ def sweep_from_dict(data, source: str = "sweep", base_dir: Path | None = None) -
         if data.get(key) is not None:
             text(f"{source}: {key}", data[key], empty=True)
     sweep = Sweep(recipes, expanded, lengths, samples, model, budgets, seed, depths, data_path, data.get("name"),
-                  data.get("description"), source, batch_size, protocols, queries, seeds,
-                  long_output.continuation_tokens, long_output.stretch_tokens)
+                  data.get("description"), source, batch_size, protocols, queries, seeds, long_output)
     for n in lengths:  # budgets that do not fit a recipe fail now, not an hour in
         sweep.entries(n)
     return sweep
@@ -280,8 +274,8 @@ def _run_locked(sweep: Sweep, out_dir: Path, model, progress: bool, pool: CellPo
 def sweep_positions(sweep: Sweep) -> int:
     """Positions a ``random:`` model needs for the sweep's longest prompt and its answer (and what its long-output
     tasks decode after it)."""
-    extra = max([sweep.continuation_tokens] * (CONTINUATION in sweep.tasks)
-                + [sweep.stretch_tokens + 64] * (RECALL in sweep.tasks), default=0)  # 64: the question, the answer
+    extra = max([sweep.long_output.continuation_tokens] * (CONTINUATION in sweep.tasks)
+                + [sweep.long_output.stretch_tokens + 64] * (RECALL in sweep.tasks), default=0)  # 64: the question, the answer
     return positions_for(sweep.lengths) + extra
 
 
