@@ -145,14 +145,15 @@ class Quest(Method):
             visible_from = max(0, int(ctx.q_pos[-1]) - ctx.native_window + 1)
         keys, values, _ = kv.view()
         summaries = kv.page_min[:, :, :pages], kv.page_max[:, :, :pages]
-        if quest_native.kernel_pays(q, keys):  # bounds and choice in one pass over the summaries
+        native = quest_native.kernel_pays(q, keys)
+        if native:  # bounds and choice in one pass over the summaries
             chosen = quest_native.choose_pages(q, *summaries, count, self.per_query_head, visible_from, self.page_size)
         else:
             chosen = choose_pages(page_bounds(q, *summaries), count, self.per_query_head, visible_from, self.page_size)
         last = n - (pages - 1) * self.page_size  # entries in the current page
         st.read += chosen.shape[2] * ((count - 1) * self.page_size + last) * entry
         st.read += pages * 2 * kv.keys.shape[1] * kv.keys.shape[-1] * kv.keys.element_size()
-        if quest_native.kernel_pays(q, keys):
+        if native:
             return quest_native.paged_decode(q, keys, values, chosen, self.page_size, n, ctx.scaling, visible_from)
         if quest_triton.kernel_pays(q):
             return quest_triton.paged_decode(q, keys, values, chosen, self.page_size, n, ctx.scaling, visible_from)
