@@ -7,8 +7,9 @@ import torch
 from attnkit.cache import KVCache
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import resolve_method
+from attnkit.rope import Rope
 from attnkit.session import Session, Step
-from attnkit.vllm import host, paged
+from attnkit.vllm import host, live, paged
 from attnkit.vllm.config import EngineConfig
 from attnkit.vllm.plan import plan_for
 from attnkit.vllm.requests import Row
@@ -36,9 +37,10 @@ def test_engine_configs_refuse_what_vllm_cannot_run_in_one_line():
     config = EngineConfig.parse({"attnkit": {"recipe": "minference+snapkv:budget=0.3"}})
     assert set(config.allow) == {"minference", "snapkv", "full"}
     assert EngineConfig.from_json(config.to_json()) == config
-    for bad in ("h2o:budget=0.3", "snapkv:budget=0.3,decode_every=8", "snapkv:budget=[0.3,0.3,0.3,0.3,0.3,0.3]",
-                "streaming:budget_tokens=64,positions=reindex", "kvzip:budget=0.3", "snapkv:budget=0.3+kivi:bits=4",
-                "rkv:budget=0.3"):
+    for bad in ("quest", "snapkv:budget=0.3,decode_budget=64", "snapkv:budget=[0.3,0.3,0.3,0.3,0.3,0.3]",
+                "h2o:budget=0.3,layer_budgets=pyramid", "streaming:budget_tokens=64,positions=reindex",
+                "kvzip:budget=0.3", "snapkv:budget=0.3+kivi:bits=4", "kvzap:budget=0.3,decode_every=8",
+                "snapkv:budget=0.3,head_budgets=adaptive"):
         with pytest.raises(AttnkitError) as info:
             EngineConfig.parse({"attnkit": {"recipe": bad}})
         assert "\n" not in str(info.value)
@@ -94,12 +96,12 @@ def assert_host_outputs(row, got, expected):
     assert row.kernel_prompt == (not bool(got[:, :, :N].any()))
 
 
-def session_reference(method, seed: int):
+def session_reference(method, seed: int, rope=None):
     """Random q, k, v of a 100-token layer call and what attnkit's own session computes for it: the 80-token
     prompt in one prefill step, then the 20 generated tokens one decode step each."""
     torch.manual_seed(seed)
     q, k, v = torch.randn(1, 4, N + NEW, 16), torch.randn(1, 2, N + NEW, 16), torch.randn(1, 2, N + NEW, 16)
-    session = Session(method, KVCache(1, 1), 1, N, NEW)
+    session = Session(method, KVCache(1, 1), 1, N, NEW, rope)
     out = [Step(session, "prefill", torch.arange(N)).attention(0, q[:, :, :N], k[:, :, :N], v[:, :, :N], 0.25, None)]
     for p in range(N, N + NEW):
         one = slice(p, p + 1)
@@ -181,3 +183,66 @@ def test_the_host_in_flashattention_layout_gets_attnkit_outputs(spec, monkeypatc
     row = Row("f", method, plan_for(method, n, new, 1), new, 0, n + new)
     got = host.row_attention(row, host.LayerCall(0, 1, 0.25, None), q, k, v, request)
     assert_host_outputs(row, got, expected)
+
+
+LIVE_SPECS = ["h2o:budget_tokens=40", "tova:budget_tokens=40", "keyformer:budget_tokens=40",
+              "keyformer:budget_tokens=40,score=shared", "keyformer:budget_tokens=40,positions=new", "h2o:budget_tokens=90", "snapkv:budget_tokens=40,decode_every=6",
+              "knorm:budget_tokens=36,decode_every=7", "keydiff:budget_tokens=40,decode_every=5",
+              "expected_attention:budget_tokens=40,decode_every=6", "rkv:budget_tokens=40,decode_every=8",
+              "minference+h2o:budget_tokens=40", "snapkv:budget_tokens=40,decode_every=4,chunk_length=4"]
+
+
+ROPE16 = Rope(inv_freq=1.0 / (100.0 ** (torch.arange(0, 16, 2).float() / 16)))  # expected_attention un-rotates
+
+
+def live_calls(row_of, store, q, k, v, chunks):
+    """Run a live request's layer calls over `chunks` (``(start, end)``, one forward each), as vLLM does: the call's
+    keys written at their slots first, every slot before the plan's run poisoned after each call (a read of a freed
+    slot would show), the outputs of each call kept."""
+    outs = []
+    for start, end in chunks:
+        live.LIVE.begin_forward({"r"})
+        store.write(torch.arange(start, end), k[:, :, start:end], v[:, :, start:end])
+        row = row_of(start, end - start)
+        outs.append(host.row_attention(row, host.LayerCall(0, 1, 0.25, ROPE16), q[:, :, start:end], k[:, :, start:end],
+                                       v[:, :, start:end], store.request()))
+        for lo, hi in row.plan.freeable(end):
+            store.k[:, :, lo:hi], store.v[:, :, lo:hi] = float("nan"), float("nan")
+    return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize("spec", LIVE_SPECS)
+@pytest.mark.parametrize("chunking", ["stepwise", "recomputed"])
+def test_a_method_acting_while_decoding_gets_attnkit_outputs(spec, chunking):
+    """Methods that evict while decoding (per step, buffered, re-compressing every N tokens) in the host: the prompt in
+    two chunks then one token per forward, or all of it recomputed in one chunk after a preemption. Outputs equal
+    attnkit's session's; the layer holds the plan's count in the run before the next slot; every freed slot is
+    poisoned with NaN after each call, so a read of one would show."""
+    n, new, kv, d = N, NEW, 2, 16
+    method = resolve_method(spec)
+    q, k, v, expected = session_reference(method, 2, ROPE16)
+    plan = plan_for(method, n, new, 1)
+    assert plan.live
+    store = DictStore(kv, d, n + new)
+    chunks = [(0, 50), (50, n)] + [(p, p + 1) for p in range(n, n + new)] if chunking == "stepwise" else [(0, n + new)]
+    got = live_calls(lambda s, t: Row("r", method, plan, new, s, t), store, q, k, v, chunks)
+    assert_host_outputs(Row("r", method, plan, new, 0, 1), got, expected)
+    state = live.LIVE.open["r"].layers[0]
+    held = plan.held(n + new)
+    assert state.kv.length == held and sorted(state.slots[0].tolist()) == list(range(n + new - held, n + new))
+    assert not bool(store.k[:, :, n + new - held:].isnan().any())
+    assert plan.freeable(n + new) == [(0, n + new - held)]
+
+
+def test_live_plans_count_what_each_method_holds():
+    h2o = plan_for(resolve_method("h2o:budget_tokens=40"), 80, 20, 6)
+    assert (h2o.kept, h2o.every, h2o.held(80), h2o.held(81), h2o.held(100)) == (40, 1, 40, 40, 40)
+    short = plan_for(resolve_method("h2o:budget_tokens=40"), 30, 20, 6)
+    assert [short.held(c) for c in (30, 35, 40, 41, 50)] == [30, 35, 40, 40, 40]
+    keyformer = plan_for(resolve_method("keyformer:budget_tokens=40,score=shared"), 80, 20, 6)  # at the first token
+    assert (keyformer.kept, keyformer.held(80), keyformer.held(81), keyformer.freeable(80)) == (None, 80, 40, [])
+    snap = plan_for(resolve_method("snapkv:budget_tokens=40,decode_every=8"), 80, 20, 6)
+    assert [snap.held(c) for c in (80, 81, 87, 88, 89, 96)] == [40, 41, 47, 40, 41, 40]
+    assert snap.freeable(89) == [(0, 48)]
+    assert not plan_for(resolve_method("snapkv:budget_tokens=100,decode_every=8"), 80, 20, 6).live  # never evicts
+    assert plan_for(resolve_method("rkv:budget_tokens=40"), 80, 200, 6).every == 128

@@ -26,7 +26,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from attnkit.rope import Rope
-from attnkit.vllm import host, paged, requests
+from attnkit.vllm import host, live, paged, requests
 from attnkit.vllm.config import EngineConfig
 from attnkit.vllm.manager import AttnkitSpec
 
@@ -110,6 +110,7 @@ class AttnkitBuilderMixin:
         starts = [int(positions[a]) if n else 0 for a, n in zip(qsl[:-1], tokens)]
         rows = requests.batch_rows(self.engine, self.n_layers, starts, tokens)
         host.PREFILLS.retain({r.request_id for r in rows})
+        live.LIVE.begin_forward(requests.known_requests())
         if all(r.plan.plain for r in rows):
             meta.attnkit = None
             return meta
@@ -121,7 +122,7 @@ class AttnkitBuilderMixin:
         for i, r in enumerate(rows):
             if r.plan.plain or not tokens[i]:
                 continue
-            if tokens[i] == 1 and not (r.plan.hooks and r.in_prompt):
+            if tokens[i] == 1 and not (r.plan.hooks and r.in_prompt) and not r.plan.live:
                 decode.append((qsl[i], host.decode_slots(r.plan, r.start), cm.block_table_tensor[i]))
             else:
                 part.rows.append((qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]))

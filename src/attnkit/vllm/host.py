@@ -23,6 +23,7 @@ from attnkit.cache import KVCache, LayerKV
 from attnkit.methods.base import Method
 from attnkit.methods.compose import Compose
 from attnkit.session import LayerContext, Session, Step
+from attnkit.vllm import live
 from attnkit.vllm.plan import Plan
 from attnkit.vllm.requests import Row
 
@@ -112,6 +113,8 @@ def row_attention(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> to
     already stored in their slots), at positions ``row.start ...``; zeros for prompt tokens whose outputs vLLM's
     kernel computes (:attr:`Row.kernel_prompt`)."""
     plan, start = row.plan, row.start
+    if plan.live:
+        return live.attention(row, session_method(row), call, q, k, v, paged)
     outs = []
     if plan.hooks and start < plan.prompt_len:
         m = min(start + q.shape[2], plan.prompt_len) - start

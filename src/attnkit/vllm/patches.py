@@ -36,7 +36,7 @@ from attnkit.errors import AttnkitError
 from attnkit.rope import Rope
 from attnkit.vllm import requests
 from attnkit.vllm.config import EngineConfig
-from attnkit.vllm.plan import check_prompt
+from attnkit.vllm.plan import check_parallel, check_prompt
 
 TESTED = ("0.32.",)
 
@@ -52,7 +52,8 @@ def vllm_version() -> str:
 
 def check_engine(config) -> None:
     """Refuse, in one line, an engine whose settings the plugin cannot honour (attnkit on only)."""
-    if EngineConfig.parse(config.additional_config) is None:
+    engine = EngineConfig.parse(config.additional_config)
+    if engine is None:
         return
     version = vllm_version()
     if not version.startswith(TESTED):
@@ -64,6 +65,7 @@ def check_engine(config) -> None:
     if config.cache_config.cache_dtype not in ("auto", None):
         raise AttnkitError(f"the attnkit vLLM plugin stores keys in the model's dtype; kv_cache_dtype="
                            f"{config.cache_config.cache_dtype!r} is not supported (use 'auto')")
+    check_parallel(engine.method, config.parallel_config.tensor_parallel_size, "additional_config['attnkit']['recipe']")
     window = getattr(config.model_config.hf_text_config, "sliding_window", None)
     if window is not None:
         raise AttnkitError(f"the attnkit vLLM plugin does not yet serve models with their own sliding window "
@@ -115,6 +117,7 @@ def check_request(vllm_config, request, rope) -> None:
         method = engine.request_method(spec)
         prompt_len = length_from_prompt_token_ids_or_embeds(request.prompt_token_ids, request.prompt_embeds)
         n_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        check_parallel(method, vllm_config.parallel_config.tensor_parallel_size, "extra_args['attnkit']")
         check_prompt(method, prompt_len, params.max_tokens, n_layers, rope)
     except AttnkitError as error:
         raise VLLMValidationError(f"attnkit: {error}", parameter="extra_args" if spec is not None else None,

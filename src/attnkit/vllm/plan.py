@@ -27,6 +27,19 @@ Methods (each kv head choosing its own entries, uniform budget per kv head and l
 - sparse prefill (``a_shape``, ``minference_static``, ``minference``): the prompt's outputs from the method,
   the cache whole (decode is vLLM's own kernel).
 - ``PREFILL+CACHE``: a sparse prefill's outputs with one of the cache policies above.
+
+Methods that act while decoding (:attr:`Plan.live`): the prompt scorers with ``decode_every=N`` (and ``rkv``,
+whose default is 128), and ``h2o``, ``tova``, ``keyformer`` (one entry out per generated token, or with
+``decode_every=N`` their buffered form). The worker keeps the request's attnkit session for its whole life and runs
+the method's own hooks on every generated token (:mod:`attnkit.vllm.live`); after each step the entries a kv head
+holds lie in the run of slots ending just before the next token's slot, whatever the method kept, so the plan
+says only how many it holds (:meth:`Plan.held`): after the prompt ``min(n, B)`` (``n`` while Keyformer defers the
+prompt's compression to the first generated token), then one more per generated token and back to ``B`` after
+every ``N``-th (per-step eviction: ``N = 1``). Everything before the run is freed. The counts are the method's
+rule for every layer and kv head alike, which is why per-layer budgets (``layer_budgets``, a list of budgets) and
+per-head counts (``head_budgets=adaptive``) stay refused: a KV-cache group's layers share one block table. The
+worker checks each layer's count against the plan after every call (a mismatch is an error, never a silent
+difference).
 """
 
 from __future__ import annotations
@@ -39,17 +52,22 @@ from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
 from attnkit.methods.compose import Compose
 from attnkit.methods.full import Full
+from attnkit.methods.h2o import H2O
+from attnkit.methods.keyformer import Keyformer
 from attnkit.methods.minference import SparsePrefill
 from attnkit.methods.prompt_scorer import PromptScorer
 from attnkit.methods.snapkv import SnapKV
 from attnkit.methods.streaming import Streaming
+from attnkit.methods.tova import TOVA
 from attnkit.methods.window import Window
 from attnkit.recipe.core import Recipe, as_recipe, load_recipe_file
-from attnkit.session import Session, planned_slots
+from attnkit.session import Session, layer_contexts, planned_slots
 
-SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, expected_attention (a budget or "
-             "budget_tokens, one value for every layer and kv head; the prompt compressed once), a_shape, "
-             "minference_static, minference, and PREFILL+CACHE of a sparse prefill with one of those cache methods")
+SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, expected_attention, rkv (a budget "
+             "or budget_tokens, one value for every layer and kv head; decode_every re-compresses while decoding), "
+             "h2o, tova, keyformer (per step, or buffered with decode_every), a_shape, minference_static, minference, "
+             "and PREFILL+CACHE of a sparse prefill with one of those cache methods")
+PER_STEP = (H2O, TOVA, Keyformer)  # evict while decoding by their own statistics (one per token, or buffered)
 RECIPE_SUFFIXES = (".json", ".yaml", ".yml")
 
 
@@ -95,23 +113,45 @@ def check_supported(method: Method, source: str) -> None:
     if isinstance(cache, Streaming):
         if cache.positions != "original":
             raise _unsupported(cache, source, " (keys are stored at their original positions; use positions=original)")
-    elif not isinstance(cache, PromptScorer) or type(cache).run_layers is not None:
+    elif not isinstance(cache, (PromptScorer, *PER_STEP)) or type(cache).run_layers is not None:
         raise _unsupported(cache, source)
     elif cache.needs_layer_inputs:
         raise _unsupported(cache, source, " (it reads the layers' input hidden states, which vLLM's attention does "
                                           "not see)")
-    else:
-        if cache.decode_every or cache.head_budgets != "uniform":
-            raise _unsupported(cache, source, " (decode_every and head_budgets=adaptive change the cache while "
-                                              "decoding or per head count)")
+    elif cache.rewrites_stored_keys():
+        raise _unsupported(cache, source, " (it rewrites keys it stored, which the host keeps in vLLM's blocks)")
+    elif isinstance(cache, PromptScorer):
+        if cache.head_budgets != "uniform":
+            raise _unsupported(cache, source, " (head_budgets=adaptive holds a different count per kv head; a "
+                                              "request's blocks hold every kv head alike)")
         if isinstance(cache, SnapKV) and cache.decode_budget is not None:
-            raise _unsupported(cache, source, " (decode_budget evicts while decoding)")
+            raise _unsupported(cache, source, " (decode_budget evicts generated tokens only; use decode_every)")
     if cache.layer_budgets != "uniform" or isinstance(cache.budget, (list, tuple)) \
             or isinstance(cache.budget_tokens, (list, tuple)):
         raise _unsupported(cache, source, " (one budget for every layer: a KV-cache group's layers share their "
                                           "blocks)")
     if cache.budget is None and cache.budget_tokens is None:
         raise AttnkitError(f"{source}: {cache.describe()} needs a budget (budget=FRACTION or budget_tokens=N)")
+
+
+def crosses_kv_heads(method: Method) -> bool:
+    """Whether a method's choice for one kv head reads the other kv heads' statistics (TOVA's mean over every
+    head, Keyformer's shared score): a tensor-parallel worker holding some kv heads cannot make it alone."""
+    cache = cache_part(method)
+    return isinstance(cache, TOVA) or (isinstance(cache, Keyformer) and cache.score == "shared")
+
+
+def check_parallel(method: Method, tensor_parallel: int, source: str) -> None:
+    """Refuse, in one line, a method that cannot run on a tensor-parallel shard of the kv heads."""
+    if tensor_parallel > 1 and crosses_kv_heads(method):
+        raise _unsupported(method, source, f" with tensor_parallel_size={tensor_parallel} (its choice for a kv head "
+                                           f"reads every kv head's statistics, which a shard does not hold)")
+
+
+def decodes_live(method: Method) -> bool:
+    """Whether a (supported) cache method changes the cache while decoding by its own hooks."""
+    cache = cache_part(method)
+    return isinstance(cache, PER_STEP) or (isinstance(cache, PromptScorer) and cache.decode_every > 0)
 
 
 def cache_part(method: Method) -> Method:
@@ -128,6 +168,22 @@ class Plan:
     window: int | None = None  # positions a query reads back (window; streaming: B - sinks); None: all
     hooks: bool = False  # whether the prompt runs through the method's hooks (statistics, compaction, sparse)
     dense_prompt: bool = True  # the prompt's queries read every earlier prompt token (all but `window`)
+    budget: int | None = None  # B of a method acting while decoding (live)
+    every: int = 0  # generated tokens between its compressions back to B (1: per step); 0: not live
+
+    @property
+    def live(self) -> bool:
+        """Whether the method changes the cache while decoding (the worker keeps the request's session)."""
+        return self.every > 0
+
+    def held(self, computed: int) -> int:
+        """Entries per kv head a live request holds once `computed` tokens are processed (see the module
+        docstring); they occupy slots ``[computed - held, computed)``."""
+        n = self.prompt_len
+        if computed <= n:
+            return self.kept if computed == n and self.kept is not None else computed
+        k, r = divmod(computed - n, self.every)
+        return min(min(n, self.budget) + k * self.every, self.budget) + r
 
     @property
     def base(self) -> int:
@@ -144,6 +200,8 @@ class Plan:
         end = position + 1
         if position < self.prompt_len and self.dense_prompt:
             return [(0, end)]
+        if self.live:
+            return [(position - self.held(position), end)]
         base = self.base if position >= self.prompt_len else 0
         if self.window is None:
             return [(base, end)]
@@ -157,6 +215,8 @@ class Plan:
         """Slot ranges no query at position `computed` or later reads (the manager frees whole blocks in them)."""
         if computed < self.prompt_len and self.dense_prompt:
             return []
+        if self.live:
+            return [(0, computed - self.held(computed))] if computed > self.held(computed) else []
         ranges = [(0, self.base)]
         if self.window is not None:
             ranges.append((self.base + self.sinks, computed - self.window + 1))
@@ -181,7 +241,25 @@ def plan_for(method: Method, prompt_len: int, max_tokens: int, n_layers: int) ->
         if budget >= total:
             return Plan(prompt_len, hooks=prefill_sparse)
         return Plan(prompt_len, kept, cache.sinks, budget - cache.sinks, hooks=prefill_sparse or kept is not None)
+    if decodes_live(cache):
+        return live_plan(cache, prompt_len, max_tokens, n_layers, prefill_sparse)
     return Plan(prompt_len, kept, hooks=prefill_sparse or kept is not None)
+
+
+def live_plan(cache: Method, prompt_len: int, max_tokens: int, n_layers: int, prefill_sparse: bool) -> Plan:
+    """The plan of a method acting while decoding, from the method's own answers for its first layer (every layer
+    alike: one budget for all): whether it ever evicts in this request, its ``B``, and whether the prompt is
+    compressed after prefill or at the first generated token."""
+    ctx = layer_contexts(Session(cache, KVCache(n_layers, 1), n_layers, prompt_len, max_tokens))[0]
+    # B resolved without the method's checks of its other parameters (they ran when the request was taken:
+    # check_prompt), which may need what a scheduler does not have (the model's rotary frequencies)
+    ctx.state.budget = cache.budget_of_layer(0, n_layers, prompt_len)
+    if not cache.evicts(ctx):
+        return Plan(prompt_len, hooks=prefill_sparse)
+    budget, keep = cache.layer_budget(ctx), cache.prefill_keep(ctx)
+    kept = keep if keep < prompt_len and not cache.defer_prefill_eviction(ctx) else None
+    every = getattr(cache, "decode_every", 0) or 1
+    return Plan(prompt_len, kept, hooks=True, budget=budget, every=every)
 
 
 def check_prompt(method: Method, prompt_len: int, max_tokens: int, n_layers: int, rope) -> None:

@@ -20,11 +20,12 @@ from attnkit.methods.base import Method
 from attnkit.vllm.config import KEY, EngineConfig
 from attnkit.vllm.plan import Plan, plan_for
 
-# generated tokens the scheduler plans for: freeing depends on positions only, and a plan made as if a request
-# could run to any length frees exactly what one made with its real max_tokens does
+# generated tokens of a request that sets no max_tokens
 UNBOUNDED = 1 << 40
 
-_scheduled: dict[str, object] = {}  # request id -> its extra_args['attnkit'] (None: the engine's recipe)
+# request id -> (its extra_args['attnkit'] (None: the engine's recipe), its max_tokens): whether a method evicts at
+# all may depend on how many tokens a request generates, so both sides plan with the same count
+_scheduled: dict[str, tuple] = {}
 _engine: list[EngineConfig] = []  # the scheduler's engine config, set by its KV-cache manager
 _runner = contextvars.ContextVar("attnkit_vllm_runner", default=None)
 
@@ -34,9 +35,14 @@ def request_spec(sampling_params):
     return extra.get(KEY)
 
 
+def max_tokens_of(sampling_params) -> int:
+    value = getattr(sampling_params, "max_tokens", None)
+    return UNBOUNDED if value is None else value
+
+
 def record_request(request) -> None:
-    """Note the attnkit spec a request gives (scheduler side)."""
-    _scheduled[request.request_id] = request_spec(request.sampling_params)
+    """Note the attnkit spec and the token count a request gives (scheduler side)."""
+    _scheduled[request.request_id] = (request_spec(request.sampling_params), max_tokens_of(request.sampling_params))
 
 
 def forget_request(request_id: str) -> None:
@@ -59,8 +65,8 @@ def scheduler_plan(engine: EngineConfig, request_id: str, prompt_len: int | None
     """The plan the scheduler frees a request's blocks by (None: the request is unknown to attnkit)."""
     if prompt_len is None or request_id not in _scheduled:
         return None
-    method = engine.request_method(_scheduled[request_id])
-    return plan_for(method, prompt_len, UNBOUNDED, n_layers=1)
+    spec, max_tokens = _scheduled[request_id]
+    return plan_for(engine.request_method(spec), prompt_len, max_tokens, n_layers=1)
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,15 @@ def reset_runner(token) -> None:
     _runner.reset(token)
 
 
+def known_requests() -> set[str]:
+    """The ids of every request the model runner holds (running, waiting for a step or preempted), so that a
+    worker keeps a request's state while it sits out a step and drops it once the request is gone."""
+    runner = _runner.get()
+    if runner is None:
+        raise RuntimeError("attnkit: attention metadata built outside the model runner's _build_attention_metadata")
+    return set(runner.requests)
+
+
 def batch_rows(engine: EngineConfig, n_layers: int, starts: list[int], tokens: list[int]) -> list[Row]:
     """The rows of the step whose metadata is being built (the runner's batch order), with their plans."""
     runner = _runner.get()
@@ -104,7 +119,7 @@ def batch_rows(engine: EngineConfig, n_layers: int, starts: list[int], tokens: l
         state = runner.requests[ids[i]]
         params = state.sampling_params
         method = engine.request_method(request_spec(params))
-        max_tokens = params.max_tokens if params is not None and params.max_tokens is not None else UNBOUNDED
+        max_tokens = max_tokens_of(params)
         plan = plan_for(method, state.num_prompt_tokens, max_tokens, n_layers)
         rows.append(Row(ids[i], method, plan, max_tokens, start, count))
     return rows

@@ -1,0 +1,188 @@
+"""A request whose method acts while decoding, in vLLM's paged blocks: the method's own hooks on every token.
+
+A method decides and a host stores (DESIGN.md). For a request whose plan is live (:attr:`attnkit.vllm.plan.Plan.live`:
+``h2o``, ``tova``, ``keyformer``, and the prompt scorers with ``decode_every``), the worker keeps the request's
+attnkit :class:`~attnkit.session.Session` from its first prompt chunk to its end, and every layer call runs the
+method's hooks exactly as attnkit's runner does: the prompt through ``prefill_attention`` / ``after_prefill``, each
+generated token through ``decode_attention`` / ``after_decode`` (one step per token, also when vLLM recomputes a
+preempted request's generated tokens in one chunk). Between calls a layer's :class:`~attnkit.cache.LayerKV` keeps
+only what the method keeps beside the entries (their positions, its per-entry statistics): its keys and values live
+in vLLM's blocks alone, and the worker remembers which slot holds each of the layer's entries, per kv head.
+
+A call *hydrates* the layer (the entries gathered from their slots into the LayerKV's own order, so ties break as in
+attnkit's runner), runs the hooks, then puts what the layer holds back into the plan's layout: every entry a kv head
+holds in the run of slots ``[end - held, end)`` that ends just before the next token's slot (``end``). vLLM has
+already written the call's tokens at their own positions' slots, and most kept entries already lie in the run; the
+few that lie before it (one per kv head when a per-step method evicted, the survivors of a compression) move into
+the run's free slots, a kv head's entry written over the slot's other heads' unchanged ones through vLLM's own
+writing op. Moving a few entries instead of shifting the run keeps the cost per step to the evicted entries' count;
+a slot's order does not matter to attention. The blocks wholly before the run go back to vLLM's pool
+(:meth:`~attnkit.vllm.plan.Plan.freeable`); the layer's count is checked against the plan after every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnkit.cache import KVCache, LayerKV
+from attnkit.session import Session, Step
+from attnkit.vllm.requests import Row
+
+META = torch.device("meta")
+
+
+@dataclass
+class LiveLayer:
+    """One layer of a live request between calls: its LayerKV (keys and values as meta tensors: shapes only), and
+    the position and slot ``[kv, held]`` of each held entry, in the LayerKV's order (the LayerKV itself changes in
+    the next call)."""
+
+    kv: LayerKV
+    positions: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass
+class LiveRequest:
+    """A live request in this worker: its session, its layers, the position it expects next, and the steps of the
+    forward in progress (``(Step, first, end)``: token offsets into the row's tokens), built on its first layer."""
+
+    session: Session
+    layers: list
+    next: int = 0
+    forward: int = -1
+    steps: list = field(default_factory=list)
+
+
+class LiveRequests:
+    """The live requests of this worker, by request id."""
+
+    def __init__(self):
+        self.open: dict[str, LiveRequest] = {}
+        self.forward = 0
+
+    def begin_forward(self, known) -> None:
+        """A new forward pass; forget requests the model runner no longer holds (finished or aborted)."""
+        self.forward += 1
+        for rid in [r for r in self.open if r not in known]:
+            del self.open[rid]
+
+    def enter(self, row: Row, method, n_layers: int, rope) -> LiveRequest:
+        """`row`'s request with the steps of this forward (its tokens ``row.start ...``)."""
+        entry = self.open.get(row.request_id)
+        if entry is not None and entry.forward == self.forward:
+            return entry
+        if entry is None or row.start == 0:  # a new request, or one preempted and now recomputed from its start
+            if row.start != 0:
+                raise RuntimeError(f"attnkit: request {row.request_id} resumes at position {row.start} with no state")
+            session = Session(method, KVCache(n_layers, 1), n_layers, row.plan.prompt_len, row.max_tokens, rope)
+            entry = self.open[row.request_id] = LiveRequest(session, [None] * n_layers)
+        elif row.start != entry.next:
+            raise RuntimeError(f"attnkit: request {row.request_id} continues at position {row.start}, its state at "
+                               f"{entry.next}")
+        entry.forward, entry.next = self.forward, row.start + row.tokens
+        entry.steps = steps_of(entry.session, row)
+        return entry
+
+
+def steps_of(session: Session, row: Row) -> list[tuple[Step, int, int]]:
+    """The steps of `row`'s tokens: its prompt part as one prefill step, then one decode step per generated token."""
+    n, start, end = row.plan.prompt_len, row.start, row.start + row.tokens
+    steps = []
+    if start < n:
+        stop = min(end, n)
+        steps.append((Step(session, "prefill", torch.arange(start, stop), last_chunk=stop == n), 0, stop - start))
+    for t in range(max(start, n), end):
+        steps.append((Step(session, "decode", torch.tensor([t])), t - start, t - start + 1))
+    return steps
+
+
+LIVE = LiveRequests()
+
+
+def hydrate(layer: LiveLayer, gather, start: int) -> LayerKV:
+    """The layer's LayerKV with its keys and values read back from their slots (the run ending at `start`)."""
+    kv, held = layer.kv, layer.kv.length
+    shape, dtype = kv.keys.shape, kv.keys.dtype
+    device = kv.positions.device
+    keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    if held:
+        lo = start - held
+        order = (layer.slots - lo).to(device)  # [kv, held]: each entry's offset in the run
+        run_keys, run_values = gather(torch.arange(lo, start))
+        index = order[None, :, :, None].expand(1, -1, -1, shape[-1])
+        keys[:, :, :held] = run_keys.gather(2, index)
+        values[:, :, :held] = run_values.gather(2, index)
+    kv.keys, kv.values = keys, values
+    return kv
+
+
+def dehydrate(kv: LayerKV) -> None:
+    kv.keys, kv.values = torch.empty_like(kv.keys, device=META), torch.empty_like(kv.values, device=META)
+
+
+def slots_after(kv: LayerKV, old: LiveLayer | None, first: int) -> torch.Tensor:
+    """``[kv, held]``: the slot of every entry the layer holds after a call whose tokens start at `first` (vLLM wrote
+    those at their positions' slots; the others are where they were before the call)."""
+    positions = kv.positions[0, :, :kv.length]
+    if old is None or old.slots.shape[-1] == 0:
+        return positions.clone()
+    before, order = old.positions.sort(dim=-1)
+    where = old.slots.to(positions.device).gather(-1, order)
+    found = torch.searchsorted(before.contiguous(), positions.contiguous()).clamp(max=before.shape[-1] - 1)
+    fresh = positions >= first
+    if not bool((fresh | (before.gather(-1, found) == positions)).all()):
+        raise RuntimeError("attnkit: a live layer holds an entry that was neither held before nor new")
+    return torch.where(fresh, positions, where.gather(-1, found))
+
+
+def relocate(kv: LayerKV, slots: torch.Tensor, end: int, gather, write) -> torch.Tensor:
+    """Move the entries lying before the run ``[end - held, end)`` into the run's free slots (per kv head) and
+    return every entry's slot; a moved entry's slot keeps the other kv heads' entries it held."""
+    heads, held = slots.shape
+    lo = end - held
+    moved = slots < lo
+    if not bool(moved.any()):
+        return slots
+    inside = torch.where(moved, held, slots - lo)  # a moved entry marks the spare last column
+    taken = torch.zeros(heads, held + 1, dtype=torch.bool, device=slots.device)
+    taken.scatter_(1, inside, True)
+    taken = taken[:, :held]
+    # the free offsets of each head's run, in order; the r-th moved entry of a head takes its r-th free offset
+    free = torch.where(taken, held, torch.arange(held, device=slots.device).expand(heads, held)).sort(dim=-1).values
+    rank = (moved.cumsum(dim=-1) - 1).clamp(min=0)
+    new = torch.where(moved, lo + free.gather(-1, rank), slots)
+    head, entry = moved.nonzero(as_tuple=True)
+    touched, at = torch.unique(new[head, entry], return_inverse=True)
+    keys, values = gather(touched)  # [1, kv, T, d]: what the touched slots hold now, every head
+    keys[0, head.to(keys.device), at.to(keys.device)] = kv.keys[0, head, entry].to(keys.dtype)
+    values[0, head.to(keys.device), at.to(keys.device)] = kv.values[0, head, entry].to(values.dtype)
+    write(touched, keys, values)
+    return new
+
+
+def attention(row: Row, method, call, q, k, v, paged) -> torch.Tensor:
+    """Outputs ``[1, heads, tokens, d]`` of a live row's tokens in one layer (see the module docstring); `call` is
+    the :class:`attnkit.vllm.host.LayerCall`, `paged` the request's :class:`attnkit.vllm.host.PagedRequest`."""
+    entry = LIVE.enter(row, method, call.n_layers, call.rope)
+    session, index = entry.session, call.layer
+    old = entry.layers[index]
+    session.cache.layers[index] = None if old is None else hydrate(old, paged.gather, row.start)
+    try:
+        outs = [step.attention(index, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], call.scaling, None)
+                for step, a, b in entry.steps]
+        kv = session.cache.layers[index]
+        end = row.start + row.tokens
+        expected = row.plan.held(end)
+        if kv is None or kv.length != expected:
+            raise RuntimeError(f"attnkit: layer {index} of request {row.request_id} holds "
+                               f"{0 if kv is None else kv.length} entries per kv head after position {end}, its plan "
+                               f"{expected}")
+        slots = relocate(kv, slots_after(kv, old, row.start), end, paged.gather, paged.write)
+        entry.layers[index] = LiveLayer(kv, kv.positions[0, :, :kv.length].clone(), slots)
+        dehydrate(kv)
+    finally:
+        session.cache.layers[index] = None
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
