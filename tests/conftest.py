@@ -7,6 +7,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Triton's kernels (attnkit.methods.scoring_triton) run on this CPU through its interpreter; Triton reads this when
 # its own language functions are defined, so before anything imports it
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# the C++ kernels run wherever they are built, without the guard's timed comparison (attnkit.native.guard), so no
+# test depends on this machine's timings; tests of the guard set ATTNKIT_NATIVE themselves
+os.environ.setdefault("ATTNKIT_NATIVE", "1")
 
 import attnkit  # noqa: E402
 from helpers import REPORT_SWEEP, SMALL  # noqa: E402
@@ -37,6 +40,20 @@ def kvzap_configs(arch_models, tmp_path_factory):
     for arch, model in arch_models.items():
         layers, meta = calibrate_kvzap(model, samples=2, length=128, heldout=1)
         out[arch] = str(save_predictor(folder / f"{arch}.safetensors", "linear", layers, meta))
+    return out
+
+
+@pytest.fixture(scope="session")
+def triattention_configs(arch_models, tmp_path_factory):
+    """triattention's query statistics per architecture of `arch_models`, from 2 windows of 96 tokens."""
+    from attnkit.calibrate.triattention import calibrate_triattention
+    from attnkit.methods.triattention_stats import dumps_stats
+    folder = tmp_path_factory.mktemp("triattention")
+    out = {}
+    for arch, model in arch_models.items():
+        path = folder / f"{arch}.json"
+        path.write_text(dumps_stats(calibrate_triattention(model, samples=2, length=96)))
+        out[arch] = str(path)
     return out
 
 

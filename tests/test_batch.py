@@ -8,11 +8,13 @@ import torch
 import attnkit
 from attnkit import AttnkitError, generation
 from attnkit.calibrate.kvzap import calibrate_kvzap
+from attnkit.calibrate.triattention import calibrate_triattention
 from attnkit.cli import main
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.methods.budget import resolve_budget
 from attnkit.methods.kvzap_predictor import save_predictor
 from attnkit.methods.spec import METHODS, parse_method_spec
+from attnkit.methods.triattention_stats import dumps_stats
 from attnkit.session import Step, new_session
 from helpers import SMALL, per_token_bytes, random_ids
 
@@ -38,6 +40,8 @@ UNLIMITED = [
     "minference:k_v=0,k_s=400+h2o:budget_tokens=400+kivi:residual=1000",
     "kvzip:budget_tokens=400", "kvzip:budget_tokens=400,head_budgets=adaptive",
     "quest:token_budget=400,dense_layers=0", "quest:budget=1.0,dense_layers=1,per_query_head=true",
+    "h2o:budget_tokens=400,decode_every=8", "tova:budget_tokens=400,decode_every=3",
+    "keyformer:score=shared,budget_tokens=400,decode_every=4",
 ]
 SMALL_BUDGET = [
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
@@ -61,6 +65,9 @@ SMALL_BUDGET = [
     "kvzip:budget_tokens=32", "kvzip:budget=0.3,chunk_size=48",
     "kvzip:budget_tokens=32,chunk_size=64,head_budgets=adaptive,alpha_safeguard=0",
     "quest:token_budget=32,dense_layers=0", "quest:budget=0.3,page_size=8,dense_layers=1,per_query_head=true",
+    "h2o:budget_tokens=32,decode_every=8", "h2o:budget_tokens=40,layer_budgets=pyramid,decode_every=5",
+    "tova:budget=0.3,decode_every=3", "keyformer:budget_tokens=32,decode_every=4",
+    "keyformer:score=shared,budget=0.4,decode_every=3",
 ]
 
 
@@ -109,7 +116,8 @@ def test_unlimited_budget_batch_equals_alone_and_full(models, spec):
 
 def test_every_registered_method_is_covered():
     named = {part.split(":")[0] for spec in UNLIMITED + SMALL_BUDGET for part in spec.split("+")}
-    assert set(METHODS) - {"compose", "minference_static", "kvzap"} <= named  # compose: "A+B"; static, kvzap: below
+    # compose: "A+B"; static, kvzap, triattention (they read a calibration file): below
+    assert set(METHODS) - {"compose", "minference_static", "kvzap", "triattention"} <= named
 
 
 def test_static_patterns_from_a_file(models, tmp_path):
@@ -130,6 +138,18 @@ def test_kvzap_from_a_trained_surrogate(models, arch, tmp_path):
                    "budget=0.3,window=4,decode_every=3", "threshold=-3,window=16"):
         batch = assert_batch_equals_alone(models[arch], f"kvzap:config={path},{params}")
         if "400" in params or "inf" in params:
+            full = attnkit.generate(models[arch], prompts(), "full", max_new_tokens=NEW, stop_at_eos=False)
+            assert [b.token_ids for b in batch] == [f.token_ids for f in full]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
+def test_triattention_from_calibrated_statistics(models, arch, tmp_path):
+    """triattention reads the model's query statistics (`attnkit calibrate triattention`'s, a few hundred tokens)."""
+    path = tmp_path / "triattention.json"
+    path.write_text(dumps_stats(calibrate_triattention(models[arch], samples=2, length=96)))
+    for params in ("budget_tokens=400", "budget_tokens=32,window_size=8", "budget=0.3,window_size=4,decode_every=3"):
+        batch = assert_batch_equals_alone(models[arch], f"triattention:config={path},{params}")
+        if "400" in params:
             full = attnkit.generate(models[arch], prompts(), "full", max_new_tokens=NEW, stop_at_eos=False)
             assert [b.token_ids for b in batch] == [f.token_ids for f in full]
 

@@ -25,10 +25,11 @@ NEW = 8
 ARCHS = ["llama", "mistral", "qwen3"]
 # every prompt scorer, with what lets it compress a prompt of about a hundred tokens
 SCORERS = {"snapkv": "window_size=8", "knorm": "", "keydiff": "", "expected_attention": "", "kvzip": "",
-           "kvzap": "window=8", "rkv": "window_size=4"}
+           "kvzap": "window=8", "rkv": "window_size=4", "triattention": "window_size=4"}
 # the entries each one never evicts when the prompt of n tokens is compressed
 PROTECTED = {"snapkv": lambda n: range(n - 8, n), "expected_attention": lambda n: range(4),
-             "kvzip": lambda n: range(4), "kvzap": lambda n: range(n - 8, n), "rkv": lambda n: range(n - 4, n)}
+             "kvzip": lambda n: range(4), "kvzap": lambda n: range(n - 8, n), "rkv": lambda n: range(n - 4, n),
+             "triattention": lambda n: range(n - 4, n)}
 # the ones model.generate can host (kvzip runs a forward of its own after the prompt: attnkit.generate only)
 HF_HOSTED = [name for name in SCORERS if METHODS[name].run_layers is None]
 
@@ -39,12 +40,13 @@ def models(arch_models):
 
 
 @pytest.fixture(scope="module")
-def configs(kvzap_configs):
-    return kvzap_configs
+def configs(kvzap_configs, triattention_configs):
+    """The calibration files of the scorers that need one, by method and architecture."""
+    return {"kvzap": kvzap_configs, "triattention": triattention_configs}
 
 
 def spec(name: str, params: str, configs, arch: str = "llama") -> str:
-    own = SCORERS[name] + (f",config={configs[arch]}" if name == "kvzap" else "")
+    own = SCORERS[name] + (f",config={configs[name][arch]}" if name in configs else "")
     return f"{name}:" + ",".join(p for p in (own, params) if p)
 
 
@@ -200,5 +202,5 @@ def test_bad_values_are_refused_in_one_line(name, params, match):
 
 def test_kvzap_threshold_refuses_it(configs):
     with pytest.raises(AttnkitError, match="chunk_length=8 applies to a budget") as info:
-        parse_method_spec(f"kvzap:config={configs['llama']},threshold=-3,chunk_length=8")
+        parse_method_spec(f"kvzap:config={configs['kvzap']['llama']},threshold=-3,chunk_length=8")
     assert "\n" not in str(info.value)

@@ -262,7 +262,7 @@ def test_chunked_prefill_keeps_the_same_tokens(models, spec):
     ("snapkv", {"budget": 0.5, "decode_every": "x"}, r"decode_every=.x. is not a valid"),
     ("snapkv", {"budget": 0.5, "decode_every": 4, "decode_budget": 8},
      r"give decode_budget or decode_every, not both \(decode_budget=8, decode_every=4\)"),
-    ("tova", {"budget": 0.5, "decode_every": 2}, r"method 'tova' has no parameter decode_every"),
+    ("tova", {"budget": 0.5, "window_size": 2}, r"method 'tova' has no parameter window_size"),
     ("knorm", {"budget": 0.5, "gqa_reduce": "max"}, r"method 'knorm' has no parameter gqa_reduce"),
 ])
 def test_bad_parameters_are_refused_in_one_line(name, params, pattern):
@@ -285,7 +285,7 @@ def test_specs_parse_and_describe():
     m = parse_method_spec("keydiff:budget_tokens=64/32,decode_every=8")
     assert (m.budget_tokens, m.decode_every, m.decode_only_appends()) == ([64, 32], 8, False)
     assert parse_method_spec("knorm:budget=0.3").decode_only_appends()
-    assert parse_method_spec("tova:budget=0.3").describe() == "tova(budget=0.3, budget_tokens=None, layer_budgets=uniform)"
+    assert parse_method_spec("tova:budget=0.3").describe() == "tova(budget=0.3, budget_tokens=None, layer_budgets=uniform, decode_every=0)"
     assert {"knorm", "keydiff", "tova"} <= set(attnkit.methods.METHODS)
 
 

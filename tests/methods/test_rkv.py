@@ -187,11 +187,9 @@ def test_of_identical_keys_with_equal_attention_the_oldest_copy_is_dropped_first
 
 
 # ---- other hosts -------------------------------------------------------------------------------------------
-def test_vllm_and_prompt_lookup_refuse_it_in_one_line():
+def test_vllm_serves_it_and_prompt_lookup_refuses_it_in_one_line():
     for spec in ("rkv:budget=0.3", "rkv:budget_tokens=256,decode_every=1", "minference+rkv:budget=0.3"):
-        with pytest.raises(AttnkitError, match="not supported inside vLLM") as info:
-            EngineConfig.parse({"attnkit": {"recipe": spec}})
-        assert "\n" not in str(info.value)
+        assert EngineConfig.parse({"attnkit": {"recipe": spec}}) is not None  # served while decoding (vllm/live.py)
     method = parse_method_spec("rkv:budget_tokens=24")
     assert not method.decode_only_appends()
     with pytest.raises(AttnkitError, match="evicts while decoding") as info:

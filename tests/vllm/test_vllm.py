@@ -109,7 +109,8 @@ def test_plugin_is_inert_without_its_key(plain, model, prompts):
 
 UNLIMITED = ["snapkv:budget=1.0", "knorm:budget_tokens=4096", "keydiff:budget=1.0", "expected_attention:budget=1.0",
              "streaming:budget_tokens=8192", "window:window=8192", "a_shape",  # a_shape's default covers 4k tokens
-             "a_shape+snapkv:budget=1.0", "knorm:budget_tokens=4096,chunk_length=16"]
+             "a_shape+snapkv:budget=1.0", "knorm:budget_tokens=4096,chunk_length=16", "h2o:budget=1.0",
+             "tova:budget_tokens=4096", "keyformer:budget=1.0", "snapkv:budget=1.0,decode_every=8"]
 
 
 def test_unlimited_budgets_give_plain_vllm_tokens(engine, plain, prompts):
@@ -159,8 +160,31 @@ def run_steps(engine, arrivals, steps_between=3, on_step=None):
     return done
 
 
+DECODING = ["h2o:budget_tokens=256", "tova:budget=0.3", "keyformer:budget_tokens=300,score=shared",
+            "h2o:budget_tokens=256,decode_every=24", "keyformer:budget_tokens=256,decode_every=24",
+            "snapkv:budget_tokens=256,decode_every=24", "rkv:budget_tokens=256,decode_every=24",
+            "expected_attention:budget=0.3,decode_every=30", "a_shape:n_init=64,n_local=256+h2o:budget=0.3"]
+LONG = 100  # generated tokens: at least three compressions of every decode_every above
+
+
+@pytest.fixture(scope="module")
+def short_prompts(model):
+    return [get_task("passkey").make(model.tokenizer, n, seed=40 + i).prompt for i, n in enumerate((600, 900, 400, 750))]
+
+
+def test_methods_acting_while_decoding_give_attnkit_tokens(engine, model, short_prompts):
+    """Methods that evict while decoding (per step, buffered, or re-compressing every N tokens), each on two prompts,
+    all in one batch (each request its own method), whole outputs of 100 tokens (three compressions and more):
+    attnkit's own tokens."""
+    specs = [spec for spec in DECODING for _ in range(2)]
+    chosen = [short_prompts[i % len(short_prompts)] for i in range(len(specs))]
+    got = tokens(engine.generate(chosen, [params(spec, LONG) for spec in specs], use_tqdm=False))
+    for i, spec in enumerate(DECODING):
+        assert_same_tokens(got[2 * i:2 * i + 2], model, chosen[2 * i:2 * i + 2], spec, max_tokens=LONG)
+
+
 @pytest.mark.parametrize("spec", ["snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
-                                  "window:window=200"])
+                                  "window:window=200", "h2o:budget=0.2", "snapkv:budget=0.2,decode_every=8"])
 def test_staggered_requests_give_attnkit_tokens(engine, model, prompts, spec):
     arrivals = [(f"stagger-{spec}-{i}", p, params(spec)) for i, p in enumerate(prompts)]
     done = run_steps(engine, arrivals)
@@ -186,12 +210,49 @@ def test_compression_hands_blocks_back_to_vllm(engine, model):
     assert freed == pytest.approx(expected, abs=0.6 / BLOCKS), (usage, n)
 
 
+def blocks_in_use(engine):
+    return round(engine.watch.kv_cache_usage * BLOCKS)
+
+
+def test_compression_while_decoding_hands_blocks_back_to_vllm(engine, model):
+    """vLLM's own KV-cache usage along one long generation of a 300-token prompt: with full attention it grows by a
+    block every 128 tokens; with h2o (one entry out per token) it stays at the blocks spanning the 256 kept entries,
+    and with snapkv re-compressing every 128 tokens it falls back after a compression. At no step does the request
+    hold more blocks than its plan's run spans."""
+    from attnkit.methods.base import resolve_method
+    from attnkit.vllm.plan import plan_for
+
+    prompt = get_task("passkey").make(model.tokenizer, 300, seed=9).prompt
+    n = len(model.tokenizer(prompt).input_ids)
+    new = 520
+    seen = {}
+    for spec in ("full", "h2o:budget_tokens=256", "snapkv:budget_tokens=256,decode_every=128"):
+        core, used = engine.llm_engine, []
+        core.add_request(f"decoding-usage-{spec}", prompt, params(spec, max_tokens=new))
+        done = 0
+        while core.has_unfinished_requests():
+            for out in core.step():
+                done = len(out.outputs[0].token_ids)
+            used.append((done, blocks_in_use(engine)))
+        seen[spec] = used
+        if spec != "full":
+            plan = plan_for(resolve_method(spec), n, new, 1)
+            for generated, blocks in used[1:-1]:
+                computed = n + generated - 1  # the newest token is sampled, not yet stored
+                first, last = computed - plan.held(computed), computed + 1
+                assert blocks <= last // 128 - first // 128 + 2, (spec, generated, blocks)  # run + the next block
+    full_end = max(b for _, b in seen["full"])
+    assert full_end >= (n + new) // 128
+    assert max(b for _, b in seen["h2o:budget_tokens=256"]) <= 4 < full_end
+    snap = [b for _, b in seen["snapkv:budget_tokens=256,decode_every=128"]]
+    assert max(snap) <= 5 and any(b < a for a, b in zip(snap, snap[1:]))  # usage falls after a compression
+
+
 def test_preempted_requests_recompute_to_the_same_tokens(engine, model):
     """A burst larger than the cache: vLLM preempts and recomputes requests (prompt and generated tokens in one
     prefill, compressed at the prompt's end); each still gives attnkit's tokens."""
     prompts = [get_task("passkey").make(model.tokenizer, 3000, seed=20 + i).prompt for i in range(6)]
-    specs = ["full", "snapkv:budget_tokens=512", "streaming:budget_tokens=512", "full", "snapkv:budget=0.3",
-             "full"]
+    specs = ["full", "h2o:budget_tokens=512", "full", "snapkv:budget=0.3,decode_every=64", "full", "full"]
     before = engine.watch.preemptions
     out = tokens(engine.generate(prompts, [params(s, max_tokens=200) for s in specs], use_tqdm=False))
     assert engine.watch.preemptions > before
@@ -201,10 +262,10 @@ def test_preempted_requests_recompute_to_the_same_tokens(engine, model):
 
 def test_prefix_caching_never_shares_compressed_blocks(engine, model):
     prompt = get_task("passkey").make(model.tokenizer, 2048, seed=31).prompt
-    order = ["snapkv:budget=0.3", "full", "full", "snapkv:budget=0.3"]
+    order = ["h2o:budget_tokens=256", "full", "full", "snapkv:budget=0.3,decode_every=16"]
     outs = [engine.generate([prompt], [params(s)], use_tqdm=False)[0] for s in order]
     cached = [o.num_cached_tokens or 0 for o in outs]
-    assert cached[0] == 0 and cached[1] == 0  # the compressed request published nothing
+    assert cached[0] == 0 and cached[1] == 0  # the compacted request published nothing
     assert cached[2] > 0  # plain requests share their prefix as usual
     assert cached[3] == 0  # and a compressed request never takes one
     for o, spec in zip(outs, order):
@@ -213,7 +274,8 @@ def test_prefix_caching_never_shares_compressed_blocks(engine, model):
 
 @pytest.mark.parametrize("config, message", [
     ({"recipe": "nosuch:budget=0.3"}, "nosuch"),
-    ({"recipe": "h2o:budget=0.3"}, "not supported inside vLLM"),
+    ({"recipe": "quest"}, "not supported inside vLLM"),
+    ({"recipe": "h2o:budget=0.3,layer_budgets=pyramid"}, "one budget for every layer"),
     ({"recipe": "snapkv:budget=1.5"}, "budget"),
     ({"recipe": "snapkv:budget=0.3,head_budgets=adaptive"}, "head_budgets"),
     ({"recipe": "missing.yaml"}, "does not exist"),
@@ -238,7 +300,7 @@ def test_a_recipe_file_that_does_not_parse(tmp_path):
     assert "recipe.yaml" in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("spec, message", [("h2o:budget=0.3", "not supported"), ("snapkv:budget=2", "budget"),
+@pytest.mark.parametrize("spec, message", [("kvzip:budget=0.3", "not supported"), ("snapkv:budget=2", "budget"),
                                            ("snapkv:budget=0.01", "observation window"),  # 10 slots of 1,024
                                            ("streaming:budget=0.001,sinks=4", "sinks=4"), ("window", None)])
 def test_bad_request_specs_fail_that_request_only(engine, plain, prompts, spec, message):

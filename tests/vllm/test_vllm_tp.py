@@ -14,6 +14,7 @@ TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel CPU workers need two cores")
 def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
     from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
 
     # vLLM's CPU workers bind their threads to NUMA nodes; on one node, each worker is given one core
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -24,9 +25,14 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
               distributed_executor_backend="mp", additional_config={"attnkit": {"recipe": "snapkv:budget=0.3",
                                                                                  "allow": "*"}})
     try:
-        for spec in ("snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3"):
+        for spec in ("snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
+                     "h2o:budget_tokens=256", "snapkv:budget_tokens=256,decode_every=8"):
             sp = SamplingParams(max_tokens=24, temperature=0, extra_args={"attnkit": spec})
             got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * 2, use_tqdm=False)]
             assert got == [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)], spec
+        # TOVA's choice for a kv head averages every head's attention, which one shard does not hold
+        with pytest.raises(VLLMValidationError, match="tensor_parallel_size=2"):
+            llm.generate(prompts[:1], [SamplingParams(max_tokens=4, extra_args={"attnkit": "tova:budget=0.3"})],
+                         use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()

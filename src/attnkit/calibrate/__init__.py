@@ -4,6 +4,8 @@
 - :mod:`attnkit.calibrate.heads`: Share-Attention's head clusters by the eq. 9 distance (Taniguchi et al.).
 - :mod:`attnkit.calibrate.filter_layer`: Select-Attention's filter-layer sweep (Taniguchi et al., section 4.2).
 - :mod:`attnkit.calibrate.duo`: DuoAttention's retrieval heads by a gate per kv head (Xiao et al., section 2.2).
+- :mod:`attnkit.calibrate.kvzap`: KVzap's surrogate of kvzip's scores per layer (Jégou, Jeblick).
+- :mod:`attnkit.calibrate.triattention`: TriAttention's pre-RoPE query statistics per head (Mao et al.).
 """
 
 import sys

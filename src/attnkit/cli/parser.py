@@ -271,3 +271,13 @@ def _calibrate_parsers(sub) -> None:
     c.add_argument("--batch-size", type=int, default=512, help="mlp: tokens per step")
     c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     c.set_defaults(func=cmd_calibrate, calibration="kvzap")
+
+    c = calibrations.add_parser("triattention", help="TriAttention: pre-RoPE query statistics per head "
+                                                     "(triattention:config=FILE)")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--out", required=True, help="the JSON statistics to write (triattention:config=FILE)")
+    c.add_argument("--samples", type=int, default=8, help="windows of the corpus's training split")
+    c.add_argument("--length", type=int, default=1024, help="tokens per window")
+    c.add_argument("--seed", type=int, default=0, help="seed of the windows")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="triattention")

@@ -27,8 +27,10 @@ from attnkit.methods.snapkv import SnapKV
 from attnkit.methods.spec import METHODS, make_method, parse_method_spec
 from attnkit.methods.streaming import Streaming
 from attnkit.methods.tova import TOVA
+from attnkit.methods.triattention import TriAttention
 from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention",
            "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip",
-           "MInference", "MInferenceStatic", "Quest", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA", "Window"]
+           "MInference", "MInferenceStatic", "Quest", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA",
+           "TriAttention", "Window"]

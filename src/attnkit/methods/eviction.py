@@ -32,6 +32,9 @@ are, contiguous in the first ``length`` slots, and nothing is gathered or copied
 start of a step with the statistics of the steps before it is the same rule as the papers' "attend, then
 drop one" (H2O's Algorithm 1): the candidates and statistics are identical, the victim just leaves one
 step later.
+
+**Buffered form** (``decode_every=N``, :mod:`attnkit.methods.buffered`): tokens are appended instead, and the layer
+is compressed back to ``B`` after every ``N``-th step (:meth:`EvictionMethod.after_decode`, as the prompt scorers do).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class EvictionState:
     evicts: bool | None = None  # whether this layer can ever drop an entry in this generation
     evicting: bool = False  # whether it has dropped entries yet
     recent: int | None = None  # the recent window in tokens (RecentWindowEviction)
+    decoded: int = 0  # decode steps taken while evicting, counted with ``decode_every`` (the buffered form)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class EvictionMethod(Method):
 
     name = "eviction-base"
     layer_state_type: ClassVar[type] = EvictionState
+    decode_every = 0  # N, tokens between compressions back to B: a field of BufferedEviction and PromptScorer
 
     def __post_init__(self):
         check_budget(self.name, self.budget, self.budget_tokens, self.layer_budgets)
@@ -120,8 +125,9 @@ class EvictionMethod(Method):
         return self.layer_budget(ctx)
 
     def decode_limit(self, ctx: LayerContext) -> int | None:
-        """Most entries per kv head while decoding (the incoming one included); None: no limit."""
-        return self.layer_budget(ctx)
+        """Most entries per kv head while decoding, the incoming one included (``B``; ``B + N`` with
+        ``decode_every``); None: no limit."""
+        return self.layer_budget(ctx) + self.decode_every
 
     def evicts(self, ctx: LayerContext) -> bool:
         """Whether this layer can ever drop an entry in this generation (otherwise it behaves as `full`)."""
@@ -303,8 +309,10 @@ class EvictionMethod(Method):
         if self.evicts(ctx):
             self.before_write(ctx)
             limit = self.decode_limit(ctx)
-            if limit is not None and kv.length > limit:  # a deferred prompt compression
-                self.compact(ctx, limit - 1, 1, ctx.q_pos)
+            if self.defer_prefill_eviction(ctx) and not ctx.state.decoded and kv.length > self.layer_budget(ctx):
+                # the deferred prompt compression: to B - 1 beside the incoming token, or to B (the buffered form)
+                keep = self.layer_budget(ctx) - (0 if self.decode_every else 1)
+                self.compact(ctx, keep, limit - keep, ctx.q_pos)
             if limit is not None and kv.length >= limit:
                 slot = self.victim_slot(ctx)
                 if slot is None:
@@ -320,6 +328,16 @@ class EvictionMethod(Method):
         else:  # this layer never drops anything in this generation: exactly `full`
             return self._store_and_attend(ctx, q, k, v)
         return self.attend_decode(ctx, q)
+
+    def after_decode(self, ctx: LayerContext) -> None:
+        """With ``decode_every=N``: after every ``N``-th decode step the layer is compressed back to ``B`` entries per
+        kv head whenever it holds more (:mod:`attnkit.methods.buffered`)."""
+        every, st = self.decode_every, ctx.state
+        if not every or not self.evicts(ctx):
+            return
+        st.decoded += 1
+        if st.decoded % every == 0 and ctx.kv.length > self.layer_budget(ctx):
+            self.compact(ctx, self.layer_budget(ctx), every, ctx.q_pos[-1] + 1)
 
     # ---- helpers for subclasses --------------------------------------------------------------------
     @staticmethod

@@ -10,6 +10,11 @@ at each decode step the lowest-scored entry outside the recent window leaves and
 its slot (the greedy one-out-per-step eviction of the paper's Algorithm 1). H2O's default splits the
 budget half heavy hitters, half recent tokens (``recent=0.5``).
 
+``decode_every=N >= 1`` is the buffered form (:mod:`attnkit.methods.buffered`): generated tokens are appended and
+attended with everything held, every entry still accumulating its attention, and after every ``N``-th step the
+layer goes back to the ``B`` entries of highest accumulated attention plus the recent window (at most ``B + N``
+held; the ``N`` dropped together, by scores up to ``N`` steps newer than the one-per-step rule would have used).
+
 Prompt scores are computed in the same blocks of queries as the prompt's attention output
 (:func:`attnkit.methods.scoring.attention_with_statistics`: the probabilities are computed once and no
 N x N matrix is materialised); decode computes its one row of probabilities itself
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnkit.methods.buffered import BufferedEviction
 from attnkit.methods.eviction import RecentWindowEviction
 from attnkit.methods.scoring import attend_with_logits, reduce_heads
 from attnkit.methods.spec import register
@@ -30,8 +36,8 @@ from attnkit.session import LayerContext
 
 @register
 @dataclass(frozen=True)
-class H2O(RecentWindowEviction):
-    """Accumulated-attention heavy hitters + recent window, per kv head."""
+class H2O(BufferedEviction, RecentWindowEviction):
+    """Accumulated-attention heavy hitters + recent window, per kv head; one out per step, or ``decode_every``."""
 
     name = "h2o"
     summary = "heavy hitters by accumulated attention + recent window (H2O, Zhang et al. 2023)"

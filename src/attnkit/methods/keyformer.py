@@ -39,6 +39,13 @@ The prompt's scores come from the same blocks as its attention output
 noise, eq. 9 is computed from the attention probabilities ``p`` the output needs:
 ``softmax(x + zeta) = p * exp(zeta) / sum(p * exp(zeta))`` with ``exp(zeta) = 1 / -log(u)``
 (:func:`attnkit.methods.keyformer_noise.gumbel_factor`, the same draws), so no second softmax.
+
+``decode_every=N >= 1`` is the buffered form (:mod:`attnkit.methods.buffered`): generated tokens are appended and
+attended with everything held, f still accumulating at every step with its temperature schedule, and after every
+``N``-th step the layer goes back to ``B`` entries, the key tokens of highest accumulated f plus the recent window
+(at most ``B + N`` held; the paper drops one token per step). With ``score=shared`` the prompt's compression, deferred
+to the first decode step, goes to ``B`` entries before that step's token is appended, and a compression after step
+``g`` ranks by the shared score through step ``g - 1`` (complete only once the last layer has added step ``g``'s).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from typing import Any
 import torch
 
 from attnkit.errors import AttnkitError
+from attnkit.methods.buffered import BufferedEviction
 from attnkit.methods.eviction import EvictionState, RecentWindowEviction
 from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, GumbelFactorWeights, keyformer_noise
 from attnkit.methods.scoring import attend_with_logits, reduce_heads
@@ -85,7 +93,7 @@ class KeyformerRun:
 
 @register
 @dataclass(frozen=True)
-class Keyformer(RecentWindowEviction):
+class Keyformer(BufferedEviction, RecentWindowEviction):
     """Key tokens by the accumulated Gumbel-softmax score f (eq. 9-10) + recent window."""
 
     tau_init: float = 1.0

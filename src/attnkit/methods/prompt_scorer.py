@@ -14,9 +14,10 @@ same for all of them, so it lives here, written once:
   compression to ``B``. A layer therefore holds at most ``B + N`` entries (the capacity and
   ``planned_slots`` say so, for the batch memory check) and exactly ``B`` after each compression; with
   ``N=1`` it holds ``B`` after every step. The compressions run after a step's attention ("attend, then
-  compress"), so the ``N``-th token's query has seen everything before the layer shrinks. Entries stay in
-  ascending position order in their slots (compression keeps slot order, tokens are appended), which a
-  score over the sequence (SnapKV's pooling) relies on.
+  compress", :meth:`~attnkit.methods.eviction.EvictionMethod.after_decode`, as in the buffered form of the per-step
+  eviction methods, :mod:`attnkit.methods.buffered`), so the ``N``-th token's query has seen everything before the
+  layer shrinks. Entries stay in ascending position order in their slots (compression keeps slot order, tokens are
+  appended), which a score over the sequence (SnapKV's pooling) relies on.
 
 ``head_budgets`` says how the layer's ``kv_heads x B`` prompt entries are shared by its kv heads:
 
@@ -59,11 +60,7 @@ HEAD_BUDGETS = ("uniform", "adaptive")
 ALPHA_SAFEGUARD = 0.2
 
 
-@dataclass
-class PromptScorerState(EvictionState):
-    """Per layer: generated tokens stored since the last compression while decoding."""
-
-    since_compression: int = 0
+PromptScorerState = EvictionState  # a prompt scorer's per-layer state: the eviction flow's, decode steps counted
 
 
 def keep_last_queries(state, q: torch.Tensor, q_pos: torch.Tensor, size: int) -> None:
@@ -114,9 +111,7 @@ class PromptScorer(EvictionMethod):
         return self.decode_every == 0 and not self.adaptive
 
     def decode_limit(self, ctx: LayerContext) -> int | None:
-        if self.decode_every == 0:
-            return None
-        return self.layer_budget(ctx) + self.decode_every
+        return super().decode_limit(ctx) if self.decode_every else None  # B + N; 0: generated tokens are appended
 
     def compact(self, ctx: LayerContext, count: int, spare: int, next_pos) -> None:
         if self.chunk_length:
@@ -143,15 +138,3 @@ class PromptScorer(EvictionMethod):
         if ctx.native_window is not None:
             allowed = masks.boolean_mask(masks.sliding_window(ctx.native_window), ctx.q_pos, positions)
         return flat_attention(q, keys, values, kv.extras["head"][:, :, :kv.length], k.shape[1], ctx.scaling, allowed)
-
-    def after_decode(self, ctx: LayerContext) -> None:
-        if not self.decode_every or not self.evicts(ctx):
-            return
-        st = ctx.state
-        st.since_compression += 1
-        if st.since_compression < self.decode_every:
-            return
-        st.since_compression = 0
-        budget = self.layer_budget(ctx)
-        if ctx.kv.length > budget:
-            self.compact(ctx, budget, self.decode_every, ctx.q_pos[-1] + 1)

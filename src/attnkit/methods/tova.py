@@ -17,6 +17,11 @@ one) is never the one dropped, as kvpress's ``TOVAPress`` forces it kept (the pa
 attention is usually high), so the kept positions match kvpress's at every step. The latest probabilities
 live in a per-slot score buffer that moves with its entries; the newest entry's score is stored as +inf, so
 the entry to evict is a plain argmin of the buffer (no mask over the cache per step).
+
+``decode_every=N >= 1`` is the buffered form (:mod:`attnkit.methods.buffered`): generated tokens are appended and
+attended with everything held, and after every ``N``-th step the layer keeps the ``B`` entries that step's query
+attended to most, averaged over the heads, its own entry among them (at most ``B + N`` held; the paper drops one
+entry per step by the current query, here ``N`` go together by the ``N``-th query's attention).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from typing import ClassVar
 
 import torch
 
-from attnkit.methods.eviction import EvictionMethod, EvictionState
+from attnkit.methods.buffered import BufferedEviction
+from attnkit.methods.eviction import EvictionState
 from attnkit.methods.scoring import attend_with_logits, attention_statistics
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
@@ -39,9 +45,9 @@ class TOVAState(EvictionState):
 
 @register
 @dataclass(frozen=True)
-class TOVA(EvictionMethod):
+class TOVA(BufferedEviction):
     """Per layer, the entries the current query attends to most, averaged over all heads (one set for every kv
-    head); one entry out per decode step once full."""
+    head); one entry out per decode step once full, or ``N`` every ``N`` steps (``decode_every``)."""
 
     name = "tova"
     summary = "drop the entry the current query attends to least, averaged over heads (TOVA, Oren et al. 2024)"

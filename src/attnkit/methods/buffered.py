@@ -1,0 +1,64 @@
+"""The buffered form of the per-step eviction methods (:class:`BufferedEviction`: ``h2o``, ``tova``, ``keyformer``).
+
+H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
+arXiv 2306.14048, Algorithm 1), TOVA (Oren, Hassid, Yarden, Adi, Schwartz, 2024, "Transformers are Multi-State
+RNNs", arXiv 2401.06104) and Keyformer (Adnan et al., MLSys 2024, "Keyformer: KV Cache Reduction through Key Tokens
+Selection for Efficient Generative Inference", arXiv 2403.09054) evict one entry per generated token, so a layer
+holds ``B`` entries per kv head, the incoming one included: ``decode_every=0``, the default, the per-step flow of
+:mod:`attnkit.methods.eviction`.
+
+``decode_every=N >= 1`` buffers instead. Generated tokens are appended, each attending over everything the layer
+holds, while the method accumulates its statistics exactly as in the per-step form (H2O's accumulated attention,
+Keyformer's Gumbel-softmax score with its temperature schedule, TOVA's latest query's attention); after every
+``N``-th decode step's attention ("attend, then compress", the rhythm of the prompt scorers' ``decode_every``,
+:mod:`attnkit.methods.prompt_scorer`) the layer is compressed back to ``B`` entries per kv head by the method's own
+rank, its protected entries kept (the recent window before the next position; TOVA's newest entry), the kept entries
+in slot order (:meth:`~attnkit.methods.eviction.EvictionMethod.after_decode`,
+:func:`~attnkit.methods.scoring.keep_top`). The prompt is compressed to ``B`` after prefill as in the per-step form;
+Keyformer's shared score compresses it at the first decode step instead (later layers have not scored the prompt
+when the first one finishes it), to ``B`` entries before that step's token is appended.
+
+So the entries a layer holds per kv head are known in advance, whatever the scores (a paged host plans its blocks
+by it): after a prompt of ``n`` tokens ``min(n, B)`` (Keyformer's shared score: ``n`` until its first decode step),
+and after ``g >= 1`` decode steps, ``g = k N + r`` with ``r < N``,
+
+    min(min(n, B) + k N, B) + r,
+
+one more per step and back to ``B`` after every ``N``-th step whenever above it: at most ``B + N``, the layer's
+capacity (``decode_limit``, ``planned_slots``). Against the papers' one-out-per-step rule, a query attends over up
+to ``B + N`` entries instead of ``B``, and the ``N`` tokens dropped at a compression are chosen together, with up to
+``N`` more steps of statistics than each would have had when dropped one per step. With ``N = 1`` the order is H2O's
+Algorithm 1, "attend, then drop one", with the paper's cache size ``k = B`` (the per-step form's ``k`` is ``B - 1``,
+its ``B`` counting the incoming token). Keyformer's shared score, summed over the layers, is complete for a step only after the last
+layer, so a compression after step ``g`` ranks by every layer's scores through step ``g - 1`` and every layer keeps
+the same entries. A decode step takes one token: a speculative verification (several at once) is refused, as in
+the per-step form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnkit.methods.eviction import EvictionMethod
+from attnkit.session import LayerContext
+from attnkit.validate import whole
+
+
+@dataclass(frozen=True)
+class BufferedEviction(EvictionMethod):
+    """Base of the methods evicting one entry per generated token, with ``decode_every`` (``N``, see the module
+    docstring): 0 evicts one entry per step; ``N >= 1`` lets ``N`` tokens in, then compresses back to ``B``."""
+
+    decode_every: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        whole("decode_every", self.decode_every, 0, what=" (generated tokens let in between two compressions back to "
+                                                         "the budget; 0 = one eviction per generated token)")
+
+    def evicts(self, ctx: LayerContext) -> bool:
+        if self.decode_every and ctx.state.evicts is None:
+            # every N-th step compresses a layer holding more than B, however B + N compares with the whole length
+            s = ctx.session
+            ctx.state.evicts = self.layer_budget(ctx) < s.prompt_len + s.max_new_tokens
+        return super().evicts(ctx)
