@@ -4,6 +4,8 @@
     python benchmarks/bench_vllm.py prefill --lengths 16384,32768 --repeats 3
     python benchmarks/bench_vllm.py prefill --model tiny:yarn=8 --lengths 32000 --specs "minference;minference:dense_above=1"
     python benchmarks/bench_vllm.py off --repeats 3
+    python benchmarks/bench_vllm.py reasoning --requests 32 --blocks 100 --budgets 512
+    python benchmarks/bench_vllm.py steps --requests 32 --specs "h2o:budget_tokens=256;h2o:budget_tokens=256,decode_every=64"
 
 ``capacity``: 16 requests of about 3.3k tokens (passkey prompts for ``tiny``) and 256 new tokens each (``ignore_eos``)
 at a KV cache of ``--blocks`` blocks of 128 tokens (84: room for about 3 whole requests), all submitted at once,
@@ -22,6 +24,17 @@ such as ``tiny:yarn=8`` (the bundled model, RoPE extended to 32k positions by Ya
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set): on a 2-core machine the engine-core
 process's busy loop otherwise takes a core from the worker, for plain vLLM and attnkit alike.
+
+``reasoning``: the shape of reasoning models' serving: ``--requests`` (32) short prompts (200-500 tokens) and long
+outputs (2,000-3,500 new tokens, ``ignore_eos``; lengths drawn with seed 0), all submitted at once, at a KV cache of
+``--blocks`` blocks of 128 tokens (100: about four whole requests), prefix caching off. Plain vLLM, then each of
+``--specs`` (``;``-separated, ``{b}`` replaced by each of ``--budgets``) on the attnkit engine: wall time to the last
+token, vLLM's peak running requests, preemptions, and the ratios to plain. ``--new-min/--new-max`` shorten the
+outputs for a quick run.
+
+``steps``: the cost of a decode step with attnkit's methods acting while decoding: ``--requests`` requests of 300
+tokens and 200 new ones, room for all, each spec (``;``-separated) in turn, then plain again: the median time of an
+engine step once every request decodes (the first third of the steps left out), and its ratio to plain's.
 
 ``off``: generation throughput of plain vLLM in two child processes, one with attnkit's plugin loaded and no
 ``attnkit`` key, one with ``VLLM_PLUGINS=""`` (no plugin), alternating, ``--repeats`` times each.
@@ -58,16 +71,17 @@ def llm(model=TINY, **kwargs):
 
 
 def run_all(engine, watch, prompts, spec, new):
-    """All `prompts` at once; wall seconds, peak running requests (vLLM's scheduler's count after every step),
-    preemptions during the run."""
+    """All `prompts` at once (`new`: new tokens, one count or one per prompt); wall seconds, peak running requests
+    (vLLM's scheduler's count after every step), preemptions during the run."""
     from vllm import SamplingParams
 
     extra = {} if spec is None else {"extra_args": {"attnkit": spec}}
-    sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, **extra)
+    news = new if isinstance(new, list) else [new] * len(prompts)
+    sps = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **extra) for n in news]
     before = watch.preemptions
     watch.reset_peak()
     start = time.perf_counter()
-    engine.generate(prompts, [sp] * len(prompts), use_tqdm=False)
+    engine.generate(prompts, sps, use_tqdm=False)
     return time.perf_counter() - start, watch.peak_running, watch.preemptions - before
 
 
@@ -101,6 +115,72 @@ def capacity(args):
               f"preemptions {statistics.median(r[2] for r in rows):.0f}")
 
 
+REASONING_SPECS = ("streaming:budget_tokens={b};snapkv:budget_tokens={b},decode_every=128;rkv:budget_tokens={b};"
+                   "h2o:budget_tokens={b};h2o:budget_tokens={b},decode_every=64;keyformer:budget_tokens={b};"
+                   "triattention:config=sweeps/triattention_tiny.json,budget_tokens={b}")
+
+
+def reasoning(args):
+    import random
+
+    model = attnkit.load_model("tiny")
+    rng = random.Random(0)
+    lengths = [rng.randint(200, 500) for _ in range(args.requests)]
+    news = [rng.randint(args.new_min, args.new_max) for _ in range(args.requests)]
+    prompts = [get_task("passkey").make(model.tokenizer, n, seed=i).prompt for i, n in enumerate(lengths)]
+    print(f"{args.requests} requests: prompts of {min(lengths)}-{max(lengths)} tokens, {min(news)}-{max(news)} new "
+          f"({sum(news)} in all), {args.blocks} blocks of 128 tokens", flush=True)
+    common = dict(max_model_len=4096, enable_prefix_caching=False, num_gpu_blocks_override=args.blocks)
+    plain, ours = llm(**common), llm(**common, additional_config=ON)
+    watches = {id(e): SchedulerWatch.attach(e) for e in (plain, ours)}
+    specs = [s.format(b=b) for s in (args.specs or REASONING_SPECS).split(";") for b in args.budgets.split(",")]
+    names = ["plain"] + list(dict.fromkeys(specs))
+    runs = {name: [] for name in names}
+    for r in range(args.repeats):
+        for name in names:
+            engine = plain if name == "plain" else ours
+            runs[name].append(run_all(engine, watches[id(engine)], prompts, None if name == "plain" else name, news))
+            wall, peak, preempted = runs[name][-1]
+            print(f"repeat {r}: {name:70s} {wall:8.1f} s  peak running {peak:3.0f}  preemptions {preempted:4.0f}  "
+                  f"{sum(news) / wall:6.1f} tok/s", flush=True)
+    print("\nmedians (ratios to plain, paired by repeat)")
+    for name, rows in runs.items():
+        sooner = statistics.median(p[0] / m[0] for p, m in zip(runs["plain"], rows))
+        more = statistics.median(m[1] / p[1] for p, m in zip(runs["plain"], rows))
+        print(f"{name:70s} wall {statistics.median(r[0] for r in rows):8.1f} s ({sooner:.2f}x sooner)  peak running "
+              f"{statistics.median(r[1] for r in rows):4.1f} ({more:.2f}x)  preemptions "
+              f"{statistics.median(r[2] for r in rows):.0f}")
+
+
+def steps(args):
+    from vllm import SamplingParams
+
+    model = attnkit.load_model("tiny")
+    prompts = [get_task("passkey").make(model.tokenizer, 300, seed=i).prompt for i in range(args.requests)]
+    engine = llm(max_model_len=4096, enable_prefix_caching=False, num_gpu_blocks_override=args.requests * 5 + 8,
+                 additional_config=ON)
+    specs = [None] + (args.specs or "h2o:budget_tokens=256;h2o:budget_tokens=256,decode_every=64").split(";") + [None]
+    medians = {}
+    for r in range(args.repeats):
+        for i, spec in enumerate(specs):
+            core, times = engine.llm_engine, []
+            extra = {} if spec is None else {"extra_args": {"attnkit": spec}}
+            for j, prompt in enumerate(prompts):
+                core.add_request(f"{r}-{i}-{j}", prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True,
+                                                                        **extra))
+            while core.has_unfinished_requests():
+                start = time.perf_counter()
+                core.step()
+                times.append(time.perf_counter() - start)
+            medians.setdefault(spec or "plain", []).append(statistics.median(times[len(times) // 3:]))
+            print(f"repeat {r}: {spec or 'plain':60s} median step {1000 * medians[spec or 'plain'][-1]:7.1f} ms",
+                  flush=True)
+    plain = statistics.median(medians["plain"])
+    print("\nmedians")
+    for name, values in medians.items():
+        print(f"{name:60s} {1000 * statistics.median(values):7.1f} ms  ({statistics.median(values) / plain:.2f}x plain's)")
+
+
 def model_dir(spec: str, context: int):
     """The model `spec` (``random:``: tiny's geometry with `context` positions) saved for vLLM; ids in, ids out."""
     if spec == "random":
@@ -125,7 +205,7 @@ def prefill(args):
     from vllm import SamplingParams
 
     lengths = [int(n) for n in args.lengths.split(",")]
-    specs = args.specs.split(";")
+    specs = (args.specs or "minference").split(";")
     context = max(lengths) + 512
     path, model = model_dir(args.model, context)
     kwargs = dict(model=path, max_model_len=context, max_num_batched_tokens=context, skip_tokenizer_init=True,
@@ -184,7 +264,7 @@ def off(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["capacity", "prefill", "off", "throughput-child"])
+    parser.add_argument("what", choices=["capacity", "prefill", "off", "reasoning", "steps", "throughput-child"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--length", type=int, default=3300)
@@ -193,10 +273,16 @@ def main():
     parser.add_argument("--roomy", action="store_true")
     parser.add_argument("--lengths", default="16384,32768")
     parser.add_argument("--model", default="random", help="random (tiny's geometry, random weights) or a model spec")
-    parser.add_argument("--specs", default="minference", help="sparse prefill specs, ';'-separated")
+    parser.add_argument("--specs", default=None, help="prefill: sparse prefill specs (default minference); reasoning, "
+                        "steps: the specs compared with plain vLLM; ';'-separated")
     parser.add_argument("--check-new", type=int, default=8)
+    parser.add_argument("--budgets", default="256,512,1024", help="reasoning: token budgets for the specs' {b}")
+    parser.add_argument("--new-min", type=int, default=2000)
+    parser.add_argument("--new-max", type=int, default=3500)
     args = parser.parse_args()
-    {"capacity": capacity, "prefill": prefill, "off": off, "throughput-child": throughput_child}[args.what](args)
+    modes = {"capacity": capacity, "prefill": prefill, "off": off, "reasoning": reasoning, "steps": steps,
+             "throughput-child": throughput_child}
+    modes[args.what](args)
 
 
 if __name__ == "__main__":

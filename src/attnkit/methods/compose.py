@@ -187,6 +187,12 @@ class Compose(Method):
     def after_decode(self, ctx: LayerContext) -> None:
         self._cache.after_decode(_cache_part(ctx))
 
+    def decode_queries_kept(self) -> int | None:
+        return getattr(self._cache, "decode_queries_kept", lambda: None)()
+
+    def skip_appends(self, ctx: LayerContext, k, v, q, positions) -> None:
+        self._cache.skip_appends(_cache_part(ctx), k, v, q, positions)
+
     # ---- the prompt's attention outputs: from the prefill method ------------------------------------
     def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
         ctx.session.layer_state[ctx.index].routed = True

@@ -110,6 +110,26 @@ class PromptScorer(EvictionMethod):
         # a flat layer takes one token per step (a multi-token step, a speculative verification, is refused)
         return self.decode_every == 0 and not self.adaptive
 
+    def decode_queries_kept(self) -> int | None:
+        """How many recent queries a decode step between two re-compressions leaves in this method's state, when
+        such a step does nothing else than append its entry and attend densely over everything held (None: it does
+        more, such as gathering statistics). A host may then run those steps as plain attention, batched across
+        requests, and bring the method's state up to date with :meth:`skip_appends` before the next compression
+        (attnkit's vLLM host does). Scorers that observe no decode query: 0; SnapKV and R-KV: their window."""
+        if self.decode_every and type(self).attend_decode is EvictionMethod.attend_decode:
+            return 0
+        return None
+
+    def skip_appends(self, ctx: LayerContext, k, v, q, positions: torch.Tensor) -> None:
+        """The layer's state after ``len(positions)`` decode steps that only appended (see
+        :meth:`decode_queries_kept`; none of them a compression step): the entries appended in order, the last
+        queries remembered, the steps counted."""
+        ctx.kv.append(k, v, positions)
+        kept = self.decode_queries_kept()
+        if kept:
+            keep_last_queries(ctx.state, q, positions, kept)
+        ctx.state.decoded += positions.shape[0]
+
     def decode_limit(self, ctx: LayerContext) -> int | None:
         return super().decode_limit(ctx) if self.decode_every else None  # B + N; 0: generated tokens are appended
 

@@ -157,6 +157,9 @@ class RKV(PromptScorer):
     def observe_prefill(self, ctx: LayerContext, q: torch.Tensor) -> None:
         self.observe(ctx, q)
 
+    def decode_queries_kept(self) -> int | None:
+        return self.window_size if self.decode_every else None  # the observation window reaches into decoding
+
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
         self.observe(ctx, q)
         return super().attend_decode(ctx, q)

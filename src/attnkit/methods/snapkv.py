@@ -124,6 +124,9 @@ class SnapKV(PromptScorer):
         if not self.decode_every or not self.evicts(ctx):  # no later compression needs the window's queries
             ctx.state.window_q = ctx.state.window_pos = None
 
+    def decode_queries_kept(self) -> int | None:
+        return self.window_size if self.decode_every else None  # the observation window reaches into decoding
+
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
         if self.decode_every:
             self._observe(ctx, q)

@@ -68,6 +68,8 @@ class StepPart:
     rows: list  # (first token, end token, Row, block table row)
     # rows decoding one token over their visible slots: their tokens, and their entries (paged.PaddedEntries)
     decode: tuple | None
+    # live rows among them whose methods catch up later: (token, request id, position, queries kept)
+    skipped: list
     n_layers: int
     rope: Rope | None
     plain: object = None  # vLLM's metadata of the plain rows (None: there are none)
@@ -117,13 +119,16 @@ class AttnkitBuilderMixin:
         # vLLM's kernel: the plain rows, and the prompt chunks whose outputs are dense attention (their methods
         # observe and compress beside it)
         plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])]
-        part = StepPart([], None, self.n_layers, self.rope)
+        part = StepPart([], None, [], self.n_layers, self.rope)
         decode = []
         for i, r in enumerate(rows):
             if r.plan.plain or not tokens[i]:
                 continue
-            if tokens[i] == 1 and not (r.plan.hooks and r.in_prompt) and not r.plan.live:
+            kept = r.kept_queries if r.plan.live else None
+            if tokens[i] == 1 and not (r.plan.hooks and r.in_prompt) and (not r.plan.live or kept is not None):
                 decode.append((qsl[i], host.decode_slots(r.plan, r.start), cm.block_table_tensor[i]))
+                if kept is not None:
+                    part.skipped.append((qsl[i], r.request_id, r.start, kept))
             else:
                 part.rows.append((qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]))
         if decode:
@@ -183,6 +188,9 @@ class AttnkitImplMixin:
             keys, values = entries.gather(key_cache, value_cache, layout)
             out = host.batched_decode(query[firsts].unsqueeze(2), keys, values, entries.valid, self.scale)
             output[firsts] = out.squeeze(2).reshape(output[firsts].shape).to(output.dtype)
+            for first, request_id, position, kept in part.skipped:
+                q = query[first].reshape(-1, keys.shape[-1]).clone() if kept else None
+                live.LIVE.skipped(request_id, self.layer_index, position, q, part.n_layers)
         for first, end, row, block_row in part.rows:
             request = paged.request_slots(key_cache, value_cache, layout, block_row, block_size, store)
             q = query[first:end].transpose(0, 1).unsqueeze(0)

@@ -18,6 +18,15 @@ the run's free slots, a kv head's entry written over the slot's other heads' unc
 writing op. Moving a few entries instead of shifting the run keeps the cost per step to the evicted entries' count;
 a slot's order does not matter to attention. The blocks wholly before the run go back to vLLM's pool
 (:meth:`~attnkit.vllm.plan.Plan.freeable`); the layer's count is checked against the plan after every call.
+
+Steps that cannot compress, of a method whose decode step between two compressions only appends its entry, attends
+densely over everything held and remembers recent queries (:meth:`~attnkit.methods.prompt_scorer.PromptScorer.
+decode_queries_kept`: the re-compressing scorers, ``decode_every``), run as vLLM's other decode rows do, batched
+over the run's slots (:attr:`attnkit.vllm.requests.Row.kept_queries`); the worker notes each such step's position
+and, if the method keeps recent queries, its queries (:meth:`LiveRequests.skipped`). The next call through the
+hooks first brings the layer up to date (:meth:`~attnkit.methods.prompt_scorer.PromptScorer.skip_appends`: the
+skipped entries appended in order, the queries remembered), then runs its step, so the method compresses exactly
+what it would have in attnkit's runner while most steps cost what a plain decode row costs.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnkit.cache import KVCache, LayerKV
-from attnkit.session import Session, Step
+from attnkit.session import LayerContext, Session, Step
 from attnkit.vllm.requests import Row
 
 META = torch.device("meta")
@@ -42,6 +51,7 @@ class LiveLayer:
     kv: LayerKV
     positions: torch.Tensor
     slots: torch.Tensor
+    end: int  # the position after the layer's last call through the hooks (its run ends there)
 
 
 @dataclass
@@ -54,6 +64,8 @@ class LiveRequest:
     next: int = 0
     forward: int = -1
     steps: list = field(default_factory=list)
+    # steps run as plain attention since the last call through the hooks: position -> {layer: queries or None}
+    pending: dict = field(default_factory=dict)
 
 
 class LiveRequests:
@@ -74,6 +86,7 @@ class LiveRequests:
         entry = self.open.get(row.request_id)
         if entry is not None and entry.forward == self.forward:
             return entry
+        pending = {} if entry is None else entry.pending
         if entry is None or row.start == 0:  # a new request, or one preempted and now recomputed from its start
             if row.start != 0:
                 raise RuntimeError(f"attnkit: request {row.request_id} resumes at position {row.start} with no state")
@@ -82,9 +95,20 @@ class LiveRequests:
         elif row.start != entry.next:
             raise RuntimeError(f"attnkit: request {row.request_id} continues at position {row.start}, its state at "
                                f"{entry.next}")
+        entry.pending = pending if row.start else {}
         entry.forward, entry.next = self.forward, row.start + row.tokens
         entry.steps = steps_of(entry.session, row)
         return entry
+
+    def skipped(self, request_id: str, layer: int, position: int, q: torch.Tensor | None, n_layers: int) -> None:
+        """Note a decode step that ran as plain attention: its position and this layer's queries ``[heads, d]``
+        (None when the method keeps none)."""
+        entry = self.open.get(request_id)
+        if entry is None or (entry.forward != self.forward and position != entry.next):
+            raise RuntimeError(f"attnkit: request {request_id} skipped position {position} with no state to catch up")
+        if entry.forward != self.forward:
+            entry.forward, entry.next, entry.steps = self.forward, position + 1, []
+        entry.pending.setdefault(position, {})[layer] = q
 
 
 def steps_of(session: Session, row: Row) -> list[tuple[Step, int, int]]:
@@ -102,16 +126,16 @@ def steps_of(session: Session, row: Row) -> list[tuple[Step, int, int]]:
 LIVE = LiveRequests()
 
 
-def hydrate(layer: LiveLayer, gather, start: int) -> LayerKV:
-    """The layer's LayerKV with its keys and values read back from their slots (the run ending at `start`)."""
-    kv, held = layer.kv, layer.kv.length
+def hydrate(layer: LiveLayer, gather) -> LayerKV:
+    """The layer's LayerKV with its keys and values read back from their slots (the run ending at ``layer.end``)."""
+    kv, held, start = layer.kv, layer.kv.length, layer.end
     shape, dtype = kv.keys.shape, kv.keys.dtype
     device = kv.positions.device
     keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     if held:
         lo = start - held
         order = (layer.slots - lo).to(device)  # [kv, held]: each entry's offset in the run
-        run_keys, run_values = gather(torch.arange(lo, start))
+        run_keys, run_values = gather(range(lo, start))
         index = order[None, :, :, None].expand(1, -1, -1, shape[-1])
         keys[:, :, :held] = run_keys.gather(2, index)
         values[:, :, :held] = run_values.gather(2, index)
@@ -163,14 +187,34 @@ def relocate(kv: LayerKV, slots: torch.Tensor, end: int, gather, write) -> torch
     return new
 
 
+def catch_up(entry: LiveRequest, method, call, start: int, end: int, gather) -> None:
+    """Bring a layer's state past the steps ``[start, end)`` that ran as plain attention (:meth:`LiveRequests.
+    skipped`): their entries (vLLM wrote them at their positions' slots) and noted queries, through the method."""
+    positions = torch.arange(start, end)
+    if sorted(p for p in entry.pending if start <= p < end) != positions.tolist():
+        raise RuntimeError(f"attnkit: a live request's layer {call.layer} misses steps between {start} and {end}")
+    noted = [entry.pending[p].get(call.layer) for p in range(start, end)]
+    keys, values = gather(range(start, end))
+    q = None if noted[0] is None else torch.stack(noted, dim=1)[None].to(keys.device)  # [1, heads, steps, d]
+    step = Step(entry.session, "decode", positions.to(keys.device))
+    method.skip_appends(LayerContext(step, call.layer, call.scaling, None, device=keys.device), keys, values, q,
+                        step.q_pos)
+    for p in range(start, end):
+        entry.pending[p].pop(call.layer, None)
+        if not entry.pending[p]:
+            del entry.pending[p]
+
+
 def attention(row: Row, method, call, q, k, v, paged) -> torch.Tensor:
     """Outputs ``[1, heads, tokens, d]`` of a live row's tokens in one layer (see the module docstring); `call` is
     the :class:`attnkit.vllm.host.LayerCall`, `paged` the request's :class:`attnkit.vllm.host.PagedRequest`."""
     entry = LIVE.enter(row, method, call.n_layers, call.rope)
     session, index = entry.session, call.layer
     old = entry.layers[index]
-    session.cache.layers[index] = None if old is None else hydrate(old, paged.gather, row.start)
+    session.cache.layers[index] = None if old is None else hydrate(old, paged.gather)
     try:
+        if old is not None and old.end < row.start:
+            catch_up(entry, method, call, old.end, row.start, paged.gather)
         outs = [step.attention(index, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], call.scaling, None)
                 for step, a, b in entry.steps]
         kv = session.cache.layers[index]
@@ -180,8 +224,9 @@ def attention(row: Row, method, call, q, k, v, paged) -> torch.Tensor:
             raise RuntimeError(f"attnkit: layer {index} of request {row.request_id} holds "
                                f"{0 if kv is None else kv.length} entries per kv head after position {end}, its plan "
                                f"{expected}")
-        slots = relocate(kv, slots_after(kv, old, row.start), end, paged.gather, paged.write)
-        entry.layers[index] = LiveLayer(kv, kv.positions[0, :, :kv.length].clone(), slots)
+        first = row.start if old is None else min(old.end, row.start)
+        slots = relocate(kv, slots_after(kv, old, first), end, paged.gather, paged.write)
+        entry.layers[index] = LiveLayer(kv, kv.positions[0, :, :kv.length].clone(), slots, end)
         dehydrate(kv)
     finally:
         session.cache.layers[index] = None

@@ -134,9 +134,34 @@ def gather_entries(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: L
             _entries(value_cache, layout.value_order, blocks, offsets))
 
 
+def _span(half: torch.Tensor, order, blocks: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """``[kv_heads, count, head_dim]``: the `count` consecutive entries from offset `first` of the request's
+    blocks `blocks` (whole blocks read in their stored layout, then put in slot order)."""
+    nb, kv, size, dim = half.shape
+    if order is None:
+        chunk = half[blocks].permute(1, 0, 2, 3)
+    else:  # TRANSPOSED
+        stored = half.as_strided((nb, kv, dim, size), (half.stride(0), half.stride(1), size, 1))
+        chunk = stored[blocks].permute(1, 0, 3, 2)
+    return chunk.reshape(kv, -1, dim)[:, first:first + count]
+
+
 def gather(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Layout, block_row: torch.Tensor,
-           slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[1, kv_heads, len(slots), head_dim]`` of a request's `slots` (copies)."""
+           slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[1, kv_heads, len(slots), head_dim]`` of a request's `slots` (copies): a tensor of slots, or
+    a ``range`` of consecutive ones (read block by block where the layout allows)."""
+    if isinstance(slots, range):
+        orders = (layout.key_order, layout.value_order)
+        if slots.step == 1 and all(o is None or isinstance(o, str) for o in orders):
+            if not len(slots):
+                empty = key_cache.new_zeros(1, key_cache.shape[1], 0, key_cache.shape[3])
+                return empty, empty.clone()
+            size = key_cache.shape[2]
+            blocks = block_row[slots.start // size:(slots.stop - 1) // size + 1].long()
+            first = slots.start % size
+            return (_span(key_cache, orders[0], blocks, first, len(slots))[None],
+                    _span(value_cache, orders[1], blocks, first, len(slots))[None])
+        slots = torch.tensor(slots, dtype=torch.long)
     keys, values = gather_entries(key_cache, value_cache, layout, *physical_slots(block_row, slots, key_cache.shape[2]))
     return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 

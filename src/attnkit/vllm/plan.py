@@ -176,6 +176,11 @@ class Plan:
         """Whether the method changes the cache while decoding (the worker keeps the request's session)."""
         return self.every > 0
 
+    def compresses_at(self, position: int) -> bool:
+        """Whether a live request's decode step at `position` may compress (every step of a per-step method; the
+        ``N``-th generated token of a re-compressing one), so that the method's hooks must run on it."""
+        return self.every <= 1 or (position + 1 - self.prompt_len) % self.every == 0
+
     def held(self, computed: int) -> int:
         """Entries per kv head a live request holds once `computed` tokens are processed (see the module
         docstring); they occupy slots ``[computed - held, computed)``."""
@@ -223,8 +228,25 @@ class Plan:
         return [(a, b) for a, b in ranges if b > a]
 
 
+_PLANS: dict = {}
+
+
 def plan_for(method: Method, prompt_len: int, max_tokens: int, n_layers: int) -> Plan:
-    """The :class:`Plan` of a request (a supported method: :func:`check_supported`)."""
+    """The :class:`Plan` of a request (a supported method: :func:`check_supported`), remembered: both sides ask it
+    for every request at every step."""
+    key = (method, prompt_len, max_tokens, n_layers)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # a method with a list among its parameters: not hashable, planned each time
+        return make_plan(method, prompt_len, max_tokens, n_layers)
+    if plan is None:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        plan = _PLANS[key] = make_plan(method, prompt_len, max_tokens, n_layers)
+    return plan
+
+
+def make_plan(method: Method, prompt_len: int, max_tokens: int, n_layers: int) -> Plan:
     prefill_sparse = isinstance(method, SparsePrefill) or (
         isinstance(method, Compose) and isinstance(method.prefill_method, SparsePrefill))
     cache = cache_part(method)

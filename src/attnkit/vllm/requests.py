@@ -90,6 +90,16 @@ class Row:
     def in_prompt(self) -> bool:
         return self.start < self.plan.prompt_len
 
+    @property
+    def kept_queries(self) -> int | None:
+        """For a live row decoding one token on a step that cannot compress: the recent queries its method keeps
+        (the step runs as plain attention, batched with the other rows, and the method catches up later:
+        :mod:`attnkit.vllm.live`); None: the method's hooks must run on this step."""
+        plan = self.plan
+        if not plan.live or self.tokens != 1 or self.in_prompt or plan.compresses_at(self.start):
+            return None
+        return getattr(self.method, "decode_queries_kept", lambda: None)()
+
 
 def set_runner(runner):
     return _runner.set(runner)
