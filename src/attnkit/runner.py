@@ -30,6 +30,7 @@ from attnkit.generation import (
 )
 from attnkit.methods.base import Method, resolve_method
 from attnkit.model import LoadedModel, check_loaded_model
+from attnkit.native import guard
 from attnkit.sampling import choose_token
 from attnkit.session import RowsStep, Session, Step, new_session, planned_slots
 
@@ -171,6 +172,7 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
     check_batch(model, groups, batched)
 
     sync(model.device)
+    mark = guard.mark()  # the C++ kernels' choices this call consults go into its statistics
     t0 = time.perf_counter()
     for group in groups:
         t_group = time.perf_counter()
@@ -184,6 +186,8 @@ def generate(model: LoadedModel, prompt, method: str | Method | None = "full", *
         choose_tokens(group, logits, config.sampling, t0, first=True)
     decode_groups(model, method, groups, config.sampling, max_new_tokens)
     gens = generations(groups, method, len(prompts))
+    for gen in gens:
+        gen.stats.method_stats.update(guard.report(mark))
     return gens if batched else gens[0]
 
 

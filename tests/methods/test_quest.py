@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import AttnkitError
+from attnkit import AttnkitError, native
 from attnkit.cache import KVCache, LayerKV
 from attnkit.hf_cache import AttnkitCache
 from attnkit.methods import quest_native
@@ -80,14 +80,18 @@ def test_choice_keeps_the_first_and_last_pages_and_the_highest_bounds():
 
 
 # ---- kernels --------------------------------------------------------------------------------------------
-CASES = [(32, 1, 0, 200), (32, 2, 0, 200), (24, 1, 0, 197), (16, 2, 37, 181)]  # d, choices per kv head, lo, length
+BUILDS = [i for i in native.runnable() if i != "native"] or ["native"]  # every instruction set this CPU runs
+CASES = [(32, 1, 0, 200), (32, 2, 0, 200), (24, 1, 0, 197), (16, 2, 37, 181)]  # d (= dv), choices, lo, length
 
 
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("d,c,lo,length", CASES)
-def test_the_cpu_kernel_equals_the_gathered_reference(d, c, lo, length):
+def test_the_cpu_kernel_equals_the_gathered_reference(monkeypatch, build, d, c, lo, length):
+    """The kernel built for each instruction set this CPU runs (AVX2 and AVX-512 on an x86-64 CPU with both)."""
+    monkeypatch.setenv(native.ENV_ISA, build)
     if quest_native.library() is None:
         pytest.skip("no C++ compiler on this machine")
-    q, keys, values = randn(3, 4, 1, d, seed=4), randn(3, 2, 256, d, seed=5), randn(3, 2, 256, 32, seed=6)
+    q, keys, values = randn(3, 4, 1, d, seed=4), randn(3, 2, 256, d, seed=5), randn(3, 2, 256, d, seed=6)
     pages = torch.stack([torch.randperm(-(-length // 16), generator=torch.Generator().manual_seed(i))[:5]
                          for i in range(3 * 2 * c)]).reshape(3, 2, c, 5).sort(-1).values
     pages[..., -1] = (length - 1) // 16
@@ -96,8 +100,10 @@ def test_the_cpu_kernel_equals_the_gathered_reference(d, c, lo, length):
     assert torch.allclose(out, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("d,per_head,visible_from", [(32, False, 0), (32, True, 0), (24, False, 70), (16, True, 70)])
-def test_the_cpu_page_choice_equals_torchs(d, per_head, visible_from):
+def test_the_cpu_page_choice_equals_torchs(monkeypatch, build, d, per_head, visible_from):
+    monkeypatch.setenv(native.ENV_ISA, build)
     if quest_native.library() is None:
         pytest.skip("no C++ compiler on this machine")
     keys, q = randn(3, 2, 200, d, seed=10), randn(3, 4, 1, d, seed=11)

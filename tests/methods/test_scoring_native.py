@@ -13,6 +13,14 @@ from attnkit.methods.spec import parse_method_spec
 from helpers import randn, random_ids
 
 pytestmark = pytest.mark.skipif(scoring_native.library() is None, reason="no C++ compiler")  # CI has one
+BUILDS = [i for i in native.runnable() if i != "native"] or ["native"]  # every instruction set this CPU runs
+
+
+@pytest.fixture(params=BUILDS)
+def build(request, monkeypatch):
+    """The kernel built for each instruction set this CPU runs (AVX2 and AVX-512 on an x86-64 CPU with both)."""
+    monkeypatch.setenv(native.ENV_ISA, request.param)
+    return request.param
 
 
 def hf_layout(b, heads, n, d, seed):
@@ -36,7 +44,7 @@ SHAPES = [  # b, hq, kv, queries, keys, d, dv: a whole prompt or a chunk after o
 @pytest.mark.parametrize("reduce", ["mean", "max"])
 @pytest.mark.parametrize("keyformer", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_kernel_equals_the_blocked_pass(shape, reduce, keyformer, threads):
+def test_the_kernel_equals_the_blocked_pass(shape, reduce, keyformer, threads, build):
     b, hq, kv, m, n, d, dv = shape
     q, k, v = operands(*shape)
     weights = GumbelFactorWeights(seed=3, layer=1, kv_heads=kv) if keyformer else None
@@ -52,7 +60,7 @@ def test_the_kernel_equals_the_blocked_pass(shape, reduce, keyformer, threads):
     assert torch.equal(again[1], stats)  # the same sums in the same order, whatever the timing
 
 
-def test_the_most_attention_a_key_receives():
+def test_the_most_attention_a_key_receives(build):
     """``rows="max"``: the maximum over the queries (KVzip's reduction), of the group's mean or maximum."""
     q, k, v = operands(1, 8, 2, 90, 90, 32, 32, seed=4)
     logits = (q.double() @ k.double().repeat_interleave(4, 1).transpose(-1, -2)) * 0.2
@@ -63,7 +71,7 @@ def test_the_most_attention_a_key_receives():
         assert torch.allclose(stats.double(), ref, rtol=1e-5, atol=1e-7)
 
 
-def test_a_dominant_key_and_far_below_ones():
+def test_a_dominant_key_and_far_below_ones(build):
     """Logits 80 apart in one row: the online softmax rescales, and weights below float32's range are 0, not NaN."""
     q, k, v = operands(1, 2, 1, 100, 100, 16, 16, seed=5)
     k[:, :, 3] = q[:, 0, 50] * 60  # query 50 of head 0 (and its neighbours) sees key 3 far above the rest
@@ -119,7 +127,7 @@ def test_a_statistic_beside_another_methods_output(arch_models, monkeypatch, spe
 
 
 @pytest.mark.parametrize("start,end,sink", [(0, 60, 0), (50, 90, 4), (100, 140, 4)])
-def test_kvzip_reconstruction(start, end, sink):
+def test_kvzip_reconstruction(start, end, sink, build):
     """KVzip's reconstruction forward: the output over every key, the score's softmax over the sinks, the chunk and
     the input's own keys, its maximum over the queries and the group's heads; against the torch passes."""
     n, m = 140, 70
@@ -154,7 +162,7 @@ def subset_reference(q, keys, values, scaling, scored, columns):
     (1, 8, 2, 130, 400, 16, 48, [(0, 3), (128, 256), (270, 400)], (128, 256)),  # whole tiles
     (1, 4, 4, 40, 100, 64, 64, [(0, 100)], (0, 60)),  # every key scored: the plain softmax
 ])
-def test_the_statistic_of_a_subset_of_keys(case, threads):
+def test_the_statistic_of_a_subset_of_keys(case, threads, build):
     """One sweep: the output over every key and the score's softmax over the scored keys only (KVzip's)."""
     b, hq, kv, m, n, d, dv, ranges, (lo, hi) = case
     q, k, v = operands(b, hq, kv, m, n, d, dv, seed=11)
@@ -168,7 +176,7 @@ def test_the_statistic_of_a_subset_of_keys(case, threads):
     assert torch.allclose(stats.double(), ref, rtol=1e-5, atol=1e-7)
 
 
-def test_scored_keys_far_below_the_others_are_scored_in_a_sweep_of_their_own(monkeypatch):
+def test_scored_keys_far_below_the_others_are_scored_in_a_sweep_of_their_own(monkeypatch, build):
     """A key outside the scored ones whose logit lies ~200 above theirs leaves their float32 exponentials (relative
     to the row's maximum) at zero: the one sweep says so (None), and the reconstruction scores them on their own."""
     n, m, start, end, sink, d = 140, 70, 50, 90, 4, 32

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit import native
 from attnkit import sparse as sa
 from attnkit.methods.spec import parse_method_spec
 from attnkit.sparse.patterns import HeadPattern as HP
@@ -13,6 +14,7 @@ from helpers import SMALL, random_ids
 
 pytestmark = pytest.mark.skipif(sa.kernels.native.load("sparse", sa.kernels.NATIVE_SIGNATURE) is None,
                                 reason="no C++ compiler")  # CI has one
+BUILDS = [i for i in native.runnable() if i != "native"] or ["native"]  # every instruction set this CPU runs
 
 MIXED = [HP("a_shape", n_init=5, n_local=37), HP("vertical_slash", k_v=9, k_s=6), HP("block_sparse", k_b=3),
          HP("vertical_slash", k_v=3, k_s=30)]
@@ -37,13 +39,15 @@ def calls(monkeypatch):
     assert dynamo_utils.counters["stats"]["unique_graphs"] == before
 
 
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("block", [16, 32, 64])
 @pytest.mark.parametrize("n,nq,width", [(192, 192, None), (203, 203, None), (203, 70, None), (203, 203, "block"),
                                         (700, 300, None)])
 @pytest.mark.parametrize("heads,d", [((4, 2), 16), ((4, 4), 32), ((8, 2), 64)])
-def test_the_kernel_equals_the_reference(calls, block, n, nq, width, heads, d):
+def test_the_kernel_equals_the_reference(calls, monkeypatch, build, block, n, nq, width, heads, d):
     """Mixed patterns (A-shape, vertical-slash with gathered columns, block-sparse), GQA and not, lengths that are
     and are not multiples of the tile, a whole prompt and its last chunk, a fixed column width."""
+    monkeypatch.setenv(native.ENV_ISA, build)
     hq, kv = heads
     q, k, v = operands(n, nq, hq, kv, d, seed=n + nq + d)
     patterns = (MIXED * 2)[:hq]

@@ -19,6 +19,8 @@ from attnkit.eval.data.task_registry import get_task
 from attnkit.vllm.stats import SchedulerWatch
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
+# the bundled model's query statistics (attnkit calibrate triattention), committed with the decode-time sweep
+TRIATTENTION = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps", "triattention_tiny.json")
 LENGTHS = (1024, 2048, 3000, 1500)
 NEW = 24
 BLOCKS = 96  # of 128 tokens
@@ -163,7 +165,8 @@ def run_steps(engine, arrivals, steps_between=3, on_step=None):
 DECODING = ["h2o:budget_tokens=256", "tova:budget=0.3", "keyformer:budget_tokens=300,score=shared",
             "h2o:budget_tokens=256,decode_every=24", "keyformer:budget_tokens=256,decode_every=24",
             "snapkv:budget_tokens=256,decode_every=24", "rkv:budget_tokens=256,decode_every=24",
-            "expected_attention:budget=0.3,decode_every=30", "a_shape:n_init=64,n_local=256+h2o:budget=0.3"]
+            "expected_attention:budget=0.3,decode_every=30", "a_shape:n_init=64,n_local=256+h2o:budget=0.3",
+            f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=24,window_size=16"]
 LONG = 100  # generated tokens: at least three compressions of every decode_every above
 
 

@@ -211,7 +211,7 @@ def live_calls(row_of, store, q, k, v, chunks):
         row = row_of(start, end - start)
         if row.kept_queries is not None:  # a step that cannot compress: plain attention, the method told later
             outs.append(host.visible_attention(row.plan, start, q[:, :, start:end], store.request(), 0.25))
-            live.LIVE.skipped("r", 0, start, q[0, :, start] if row.kept_queries else None, 1)
+            live.LIVE.skipped("r", 0, start, q[0, :, start] if row.kept_queries else None)
         else:
             outs.append(host.row_attention(row, host.LayerCall(0, 1, 0.25, ROPE16), q[:, :, start:end],
                                            k[:, :, start:end], v[:, :, start:end], store.request()))

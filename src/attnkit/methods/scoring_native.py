@@ -15,8 +15,10 @@ its score's softmax runs over, for its score (the maximum over the queries and t
 hand because no library computes column statistics of attention (the GPU has the Triton kernels of
 :mod:`attnkit.methods.scoring_triton`).
 
-The kernel is ``attnkit/native/scoring.cpp``, built on first use (:mod:`attnkit.native`). Without it (no compiler,
-``ATTNKIT_NATIVE=0``) the scorers keep the torch path; the results agree to float32 rounding
+The kernel is ``attnkit/native/scoring.cpp``, built on first use (:mod:`attnkit.native`) for the instruction set
+``$ATTNKIT_NATIVE_ISA`` names. Without it (no compiler, ``ATTNKIT_NATIVE=0``), or where it is not faster than the
+torch path on this CPU (:mod:`attnkit.native.guard`: :func:`kernel_pays` times both once per machine and shape
+class), the scorers keep the torch path; the results agree to float32 rounding
 (``tests/methods/test_scoring_native.py``).
 """
 
@@ -27,7 +29,10 @@ import ctypes
 import torch
 
 from attnkit import native
+from attnkit.methods import scoring
+from attnkit.native import guard
 
+GUARD_KEYS, GUARD_QUERIES = 4096, 256  # most keys and queries of the guard's comparison
 ROWS_PER_BLOCK = 128  # query rows (query heads of a group x queries) per block: a few logit micro-tiles per key tile
 BLOCK_FLOATS = 1 << 23  # most floats a block keeps (rows x keys, 32 MiB), which caps the rows on a very long prompt
 _P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -43,10 +48,43 @@ def library() -> ctypes.CDLL | None:
 
 def kernel_pays(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> bool:
     """Whether the kernel runs for these operands: float32 on a CPU, value heads (when given) a multiple of 16 wide,
-    and the kernel built (:func:`library`)."""
+    the kernel built (:func:`library`), and faster than the torch path here (:func:`choice`)."""
     operands = (q, keys) if values is None else (q, keys, values)
-    return (q.device.type == "cpu" and all(t.dtype == torch.float32 for t in operands)
-            and (values is None or values.shape[-1] % 16 == 0) and library() is not None)
+    if not (q.device.type == "cpu" and all(t.dtype == torch.float32 for t in operands)
+            and (values is None or values.shape[-1] % 16 == 0)):
+        return False
+    return choice(q, keys, values).on
+
+
+def choice(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> guard.Choice:
+    """:func:`attnkit.native.guard.choose` for these operands' shape class: the sweep with the output (`values`
+    given) or the statistic alone, the heads and their sizes, the length class of the keys, the threads. The
+    comparison: the kernel against :func:`attnkit.methods.scoring.attention_with_statistics` (with the output) or
+    :func:`~attnkit.methods.scoring.attention_statistics` (the statistic alone), on random operands of the class,
+    the last queries of the prompt (at most :data:`GUARD_QUERIES`) over at most :data:`GUARD_KEYS` keys."""
+    b, hq, m, d = q.shape
+    kv, n = keys.shape[1], keys.shape[2]
+    dv = None if values is None else values.shape[-1]
+    top = guard.bucket(n)
+    threads = torch.get_num_threads()
+    shape = (f"{'sweep' if values is not None else 'statistic'} heads={hq}/{kv} d={d} dv={dv} keys<={top} "
+             f"threads={threads}")
+
+    def measure():
+        gen = torch.Generator().manual_seed(0)
+        keys_n = min(top, GUARD_KEYS)
+        queries = min(m, keys_n, GUARD_QUERIES)
+        rq = torch.randn(1, hq, queries, d, generator=gen)
+        rk = torch.randn(1, kv, keys_n, d, generator=gen)
+        rv = None if dv is None else torch.randn(1, kv, keys_n, dv, generator=gen)
+        q_pos, k_pos = torch.arange(keys_n - queries, keys_n), torch.arange(keys_n)
+        if rv is None:
+            return guard.time_both(lambda: prompt_statistics(rq, rk, d ** -0.5, threads=threads),
+                                   lambda: scoring.attention_statistics(rq, rk, d ** -0.5, q_pos, k_pos))
+        return guard.time_both(lambda: prompt_attention_with_statistics(rq, rk, rv, d ** -0.5, threads=threads),
+                               lambda: scoring.attention_with_statistics(rq, rk, rv, d ** -0.5, q_pos, k_pos))
+
+    return guard.choose("scoring", library(), shape, measure)
 
 
 def is_prompt_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:

@@ -3,9 +3,11 @@
 // and values of those pages.
 //
 // What and why: see attnkit/methods/quest_native.py. torch can only gather the chosen pages into new tensors and
-// then attend over the copy (each chosen entry read, written and read again); here each entry is read once, where
-// it lies, by an online softmax (Milakov and Gimelshein, 2018, arXiv 1805.02867) over blocks of 16 keys, each block
-// transposed once and read by every query head that chose its page (a kv group shares its pages).
+// then attend over the copy (each chosen entry read, written and read again, by a dozen small operations); here each
+// chosen entry is read once from the cache into a tile of 64 slots that stays in the worker's caches (keys
+// transposed, values in rows), and each tile is swept with the prompt kernels' micro-tiles (tile.h) and an online
+// softmax (Milakov and Gimelshein, 2018, arXiv 1805.02867) for every query head that chose its pages (a kv group
+// shares its pages).
 //
 // Layout: queries q [B, HQ, D], keys k [B, KV, S, D], values v [B, KV, S, DV], float32, the last axis contiguous,
 // the others strided (qs: batch, head; ks/vs: batch, head, slot; in elements). pages [B, KV, C, P] (contiguous):
@@ -34,67 +36,79 @@ struct Problem {
     float* out;
 };
 
-// what one worker holds: the unit's queries (scaled), a block of 16 keys transposed, and per query its running
-// maximum, sum and output
-struct Scratch {
-    std::vector<float> q, kt, acc, m, l;
+// what one worker holds: the unit's queries (scaled, padded to QK_ROWS rows), their logits, exponentials and
+// outputs, running maxima and sums (RowBuffers), and a tile of up to BK gathered keys (transposed) and values
+struct Scratch : RowBuffers {
+    std::vector<float> kg, vg;
 };
 
+// the tile's `n` gathered keys into the online softmax of the unit's rows (padded rows see none), then the output
+// update from their values
+void sweep(const Problem& a, Scratch& s, int64_t rows, int64_t n) {
+    const int64_t RP = (rows + QK_ROWS - 1) / QK_ROWS * QK_ROWS;
+    float *P = s.p.data(), *S = s.s.data(), *AL = s.alpha.data();
+    for (int64_t r = 0; r < RP; r += QK_ROWS) {
+        qk_tile(s.q.data() + r * a.D, a.D, s.kg.data(), BK, S);
+        for (int rr = 0; rr < QK_ROWS; ++rr)
+            AL[r + rr] = softmax_tile(S + rr * BK, r + rr < rows ? n : 0, s.m[r + rr], s.l[r + rr], P + (r + rr) * BK);
+    }
+    if (a.DV % 16 == 0) {
+        for (int64_t r = 0; r < RP; r += QK_ROWS)
+            pv_rows<QK_ROWS>(P + r * BK, BK, s.vg.data(), a.DV, n, s.o.data() + r * a.DV, a.DV, AL + r);
+        return;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t e = 0; e < a.DV; ++e) {
+            float o = s.o[r * a.DV + e] * AL[r];
+            for (int64_t j = 0; j < n; ++j) o += P[r * BK + j] * s.vg[j * a.DV + e];
+            s.o[r * a.DV + e] = o;
+        }
+}
+
 // unit u = (b, kv head, choice): the query heads that read one list of pages (the whole group when C = 1, else one
-// head), each key block of 16 transposed once and its logits for every query head of the unit formed from it
+// head); the chosen slots gathered BK at a time (keys transposed, values in rows) and swept like a prompt's tile
 void run_unit(const Problem& a, int64_t u, Scratch& s) {
     const int64_t b = u / (a.KV * a.C), kh = (u / a.C) % a.KV, c = u % a.C;
     const int64_t rows = a.C == 1 ? a.G : 1, h0 = kh * a.G + (a.C == 1 ? 0 : c);
+    const int64_t RP = (rows + QK_ROWS - 1) / QK_ROWS * QK_ROWS;
     const float* K = a.k + b * a.ks[0] + kh * a.ks[1];
     const float* V = a.v + b * a.vs[0] + kh * a.vs[1];
     const int64_t* pages = a.pages + ((b * a.KV + kh) * a.C + c) * a.P;
+    std::fill(s.q.begin(), s.q.end(), 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
         const float* src = a.q + b * a.qs[0] + (h0 + r) * a.qs[1];
         for (int64_t d = 0; d < a.D; ++d) s.q[r * a.D + d] = src[d] * a.scale;
     }
-    std::fill(s.acc.begin(), s.acc.begin() + rows * a.DV, 0.0f);
-    std::fill(s.m.begin(), s.m.begin() + rows, -INFINITY);
-    std::fill(s.l.begin(), s.l.begin() + rows, 0.0f);
-    v16 lane;
-    for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+    std::fill(s.o.begin(), s.o.begin() + RP * a.DV, 0.0f);
+    std::fill(s.m.begin(), s.m.begin() + RP, -INFINITY);
+    std::fill(s.l.begin(), s.l.begin() + RP, 0.0f);
+    float *Kg = s.kg.data(), *Vg = s.vg.data();
+    int64_t n = 0;  // slots gathered into the tile
     for (int64_t i = 0; i < a.P; ++i) {
         const int64_t first = std::max(pages[i] * a.page_size, a.lo);
         const int64_t last = std::min((pages[i] + 1) * a.page_size, a.length);
-        for (int64_t j0 = first; j0 < last; j0 += 16) {
-            const int64_t n = std::min<int64_t>(16, last - j0);
-            for (int64_t j = 0; j < 16; ++j)  // keys j0 .. j0 + n - 1 as columns of kt [D][16], zeros past n
-                for (int64_t d = 0; d < a.D; ++d) s.kt[d * 16 + j] = j < n ? K[(j0 + j) * a.ks[2] + d] : 0.0f;
-            for (int64_t r = 0; r < rows; ++r) {
-                const float* q = &s.q[r * a.D];
-                v16 logit = splat(0.0f);
-                for (int64_t d = 0; d < a.D; ++d) logit += splat(q[d]) * ld(&s.kt[d * 16]);
-                logit = lane < static_cast<float>(n) ? logit : splat(-INFINITY);
-                const float top = std::max(s.m[r], hmax(logit));
-                const float alpha = s.m[r] == -INFINITY ? 0.0f : std::exp(s.m[r] - top);
-                s.m[r] = top;
-                const v16 p = vexp(logit - top);
-                s.l[r] = s.l[r] * alpha + hsum(p);
-                float* acc = &s.acc[r * a.DV];
-                if (a.DV % 16 == 0) {
-                    for (int64_t e = 0; e < a.DV; e += 16) {
-                        v16 o = ld(acc + e) * alpha;
-                        for (int64_t j = 0; j < n; ++j) o += splat(p[j]) * ld(V + (j0 + j) * a.vs[2] + e);
-                        st(acc + e, o);
-                    }
-                } else {
-                    for (int64_t e = 0; e < a.DV; ++e) {
-                        float o = acc[e] * alpha;
-                        for (int64_t j = 0; j < n; ++j) o += p[j] * V[(j0 + j) * a.vs[2] + e];
-                        acc[e] = o;
-                    }
-                }
+        if (i + 1 < a.P) {  // the next page lies anywhere in the cache: its lines asked for while this one is read
+            const int64_t next = pages[i + 1] * a.page_size;
+            for (int64_t j = next; j < std::min(next + a.page_size, a.length); ++j) {
+                for (int64_t d = 0; d < a.D; d += 16) __builtin_prefetch(K + j * a.ks[2] + d);
+                for (int64_t e = 0; e < a.DV; e += 16) __builtin_prefetch(V + j * a.vs[2] + e);
+            }
+        }
+        for (int64_t j = first; j < last; ++j) {
+            const float* kp = K + j * a.ks[2];
+            for (int64_t d = 0; d < a.D; ++d) Kg[d * BK + n] = kp[d];
+            std::copy(V + j * a.vs[2], V + j * a.vs[2] + a.DV, Vg + n * a.DV);
+            if (++n == BK) {
+                sweep(a, s, rows, n);
+                n = 0;
             }
         }
     }
+    if (n) sweep(a, s, rows, n);
     for (int64_t r = 0; r < rows; ++r) {
         float* o = a.out + (b * a.HQ + h0 + r) * a.DV;
         const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
-        for (int64_t e = 0; e < a.DV; ++e) o[e] = s.acc[r * a.DV + e] * inv;
+        for (int64_t e = 0; e < a.DV; ++e) o[e] = s.o[r * a.DV + e] * inv;
     }
 }
 
@@ -112,8 +126,11 @@ extern "C" int attnkit_paged_decode(const float* q, const int64_t* qs, const flo
     // a thread costs tens of microseconds to start: only a step of several million multiply-adds is split
     const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, units, work >> 21})));
     run_workers(workers, [&](int w) {
-        Scratch s{std::vector<float>(rows * D), std::vector<float>(16 * D), std::vector<float>(rows * DV),
-                  std::vector<float>(rows), std::vector<float>(rows)};
+        Scratch s;
+        const int64_t RP = (rows + QK_ROWS - 1) / QK_ROWS * QK_ROWS;
+        s.assign(RP, D, BK, DV);
+        s.kg.assign(D * BK, 0.0f);
+        s.vg.assign(BK * DV, 0.0f);
         for (int64_t u = w; u < units; u += workers) run_unit(a, u, s);
     });
     return 0;
@@ -141,10 +158,10 @@ extern "C" int attnkit_quest_choose(const float* q, const int64_t* qs, const flo
                 for (int64_t r = 0; r < G; ++r) {
                     const float* qr = q + b * qs[0] + (kh * G + r) * qs[1];
                     float total = 0.0f;
-                    if (D % 16 == 0) {
-                        v16 acc = splat(0.0f);
-                        for (int64_t d = 0; d < D; d += 16) {
-                            const v16 qv = ld(qr + d);
+                    if (D % VW == 0) {
+                        vf acc = splat(0.0f);
+                        for (int64_t d = 0; d < D; d += VW) {
+                            const vf qv = ld(qr + d);
                             acc += vmax(qv * ld(m + d), qv * ld(M + d));
                         }
                         total = hsum(acc);

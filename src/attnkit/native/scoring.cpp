@@ -40,9 +40,10 @@ namespace {
 using namespace attnkit;
 
 constexpr float UNDERFLOW = 1e-25f;  // the least sum of the scored keys' exponentials trusted (about e^-57.6)
+constexpr int SV = std::min(TV, 4);   // vectors of a tile's statistic reduced at once (their accumulators: 8)
 
 struct Problem {
-    const float *q, *v, *table, *kt;  // kt: the keys transposed, [B, KV, D, NKP], zero past NK
+    const float *q, *v, *table, *kt;  // kt: the keys transposed, [B, KV, NKP / BK, D, BK], zero past NK
     const float* scored;              // [NKP]: 1 for a scored key, 0 otherwise (null: every key is scored)
     const uint8_t* tile_kind;         // per key tile: 0 no scored key, 1 all scored, 2 some
     const int64_t* offsets;
@@ -85,41 +86,36 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
     std::fill(Z, Z + RP, 0.0f);
     std::fill(M, M + RP, -INFINITY);
     std::fill(AL, AL + RP, 1.0f);
-    const float* Kt = a.kt + (b * a.KV + kh) * D * a.NKP;
+    const float* Kt = a.kt + (b * a.KV + kh) * D * a.NKP;  // tile t at Kt + t * D * BK
     const float* V = a.v ? a.v + b * a.vs[0] + kh * a.vs[1] : nullptr;
-    v16 lane;
-    for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+    float* S = s.s.data();
     for (int64_t t = 0; t < T; ++t) {
         const int64_t j0 = t * BK;
         float* Pt = tile(t);
-        // logits of QK_ROWS rows x BK keys in registers; their online softmax; the exponentials to P
+        // logits of QK_ROWS rows x BK keys; their online softmax (keys after the query's position, and the padding
+        // past NK, hidden); the exponentials to P
         for (int64_t r = 0; r < RP; r += QK_ROWS) {
-            v16 acc[QK_ROWS][4];
-            qk_tile(Q + r * D, D, Kt + j0, a.NKP, acc);
+            qk_tile(Q + r * D, D, Kt + t * D * BK, BK, S);
             for (int rr = 0; rr < QK_ROWS && r + rr < R; ++rr) {
                 const int64_t row = r + rr, pos = first + row % nq;
-                if (j0 + BK - 1 > pos)  // keys after the query's position (and the padding past NK) are hidden
-                    for (int c = 0; c < 4; ++c)
-                        acc[rr][c] = lane + static_cast<float>(j0 + 16 * c) > static_cast<float>(pos)
-                                         ? splat(-INFINITY) : acc[rr][c];
-                AL[row] = softmax_tile(acc[rr], M[row], L[row], Pt + row * BK);  // every query sees key 0
+                AL[row] = softmax_tile(S + rr * BK, pos - j0 + 1, M[row], L[row], Pt + row * BK);  // sees key 0
                 TM[row * T + t] = M[row];
             }
         }
         const int64_t keys = std::min(BK, seen - j0);
         for (int64_t r = 0; a.out && r < RP; r += PAD)
-            pv_rows(Pt + r * BK, BK, V + j0 * a.vs[2], a.vs[2], keys, O + r * DV, DV, AL + r);
+            pv_rows<PAD>(Pt + r * BK, BK, V + j0 * a.vs[2], a.vs[2], keys, O + r * DV, DV, AL + r);
         if (a.table) {  // Keyformer: the exponentials times exp(zeta), and their running sum
             for (int64_t row = 0; row < R; ++row) {
                 const float* f = a.table + a.offsets[(kh * G + row / nq) * a.NQ + i0 + row % nq] + j0;
                 float* pr = Pt + row * BK;
                 if (t + 2 < T)  // each row reads its own stretch of the table: too many streams for the prefetcher
-                    for (int c = 0; c < 4; ++c) __builtin_prefetch(f + 2 * BK + 16 * c);
-                v16 sum = splat(0.0f);
-                for (int c = 0; c < 4; ++c) {
-                    const v16 w = ld(pr + 16 * c) * ld(f + 16 * c);
+                    for (int c = 0; c < BK; c += 16) __builtin_prefetch(f + 2 * BK + c);
+                vf sum = splat(0.0f);
+                for (int c = 0; c < TV; ++c) {
+                    const vf w = ld(pr + VW * c) * ld(f + VW * c);
                     sum += w;
-                    st(pr + 16 * c, w);
+                    st(pr + VW * c, w);
                 }
                 Z[row] = Z[row] * AL[row] + hsum(sum);
             }
@@ -129,9 +125,9 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
                 float add = 0.0f;
                 if (kind) {
                     const float* pr = Pt + row * BK;
-                    v16 sum = splat(0.0f);
-                    for (int c = 0; c < 4; ++c)
-                        sum += kind == 1 ? ld(pr + 16 * c) : ld(pr + 16 * c) * ld(a.scored + j0 + 16 * c);
+                    vf sum = splat(0.0f);
+                    for (int c = 0; c < TV; ++c)
+                        sum += kind == 1 ? ld(pr + VW * c) : ld(pr + VW * c) * ld(a.scored + j0 + VW * c);
                     add = hsum(sum);
                 }
                 Z[row] = Z[row] * AL[row] + add;
@@ -155,36 +151,37 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
     }
     if (!a.stats) return;
     float* stats = s.stats.data() + (b * a.KV + kh) * a.NKP;
-    for (int64_t t = a.t_lo; t < std::min(T, a.t_hi); ++t) {
-        const int64_t j0 = t * BK;
-        const float* Pt = tile(t);
-        v16 acc[4];
-        for (int c = 0; c < 4; ++c) acc[c] = splat(0.0f);
-        if (!a.group_max && !a.rows_max) {  // a sum over every row
-            for (int64_t row = 0; row < R; ++row) {
-                const v16 cf = splat(C[row * T + t]);
-                for (int c = 0; c < 4; ++c) acc[c] += cf * ld(Pt + row * BK + 16 * c);
-            }
-        } else {
-            for (int64_t i = 0; i < nq; ++i) {  // per query: its group's heads, then into the column
-                v16 g[4];
-                for (int c = 0; c < 4; ++c) g[c] = splat(0.0f);
-                for (int64_t h = 0; h < G; ++h) {
-                    const int64_t row = h * nq + i;
-                    const v16 cf = splat(C[row * T + t]);
-                    for (int c = 0; c < 4; ++c) {
-                        const v16 w = cf * ld(Pt + row * BK + 16 * c);
-                        g[c] = a.group_max ? vmax(g[c], w) : g[c] + w;
-                    }
+    for (int64_t t = a.t_lo; t < std::min(T, a.t_hi); ++t)
+        for (int c0 = 0; c0 < TV; c0 += SV) {  // SV vectors of the tile's keys at a time
+            const int64_t j0 = t * BK + c0 * VW;
+            const float* Pt = tile(t) + c0 * VW;
+            vf acc[SV];
+            for (int c = 0; c < SV; ++c) acc[c] = splat(0.0f);
+            if (!a.group_max && !a.rows_max) {  // a sum over every row
+                for (int64_t row = 0; row < R; ++row) {
+                    const vf cf = splat(C[row * T + t]);
+                    for (int c = 0; c < SV; ++c) acc[c] += cf * ld(Pt + row * BK + VW * c);
                 }
-                for (int c = 0; c < 4; ++c) acc[c] = a.rows_max ? vmax(acc[c], g[c]) : acc[c] + g[c];
+            } else {
+                for (int64_t i = 0; i < nq; ++i) {  // per query: its group's heads, then into the column
+                    vf g[SV];
+                    for (int c = 0; c < SV; ++c) g[c] = splat(0.0f);
+                    for (int64_t h = 0; h < G; ++h) {
+                        const int64_t row = h * nq + i;
+                        const vf cf = splat(C[row * T + t]);
+                        for (int c = 0; c < SV; ++c) {
+                            const vf w = cf * ld(Pt + row * BK + VW * c);
+                            g[c] = a.group_max ? vmax(g[c], w) : g[c] + w;
+                        }
+                    }
+                    for (int c = 0; c < SV; ++c) acc[c] = a.rows_max ? vmax(acc[c], g[c]) : acc[c] + g[c];
+                }
+            }
+            for (int c = 0; c < SV; ++c) {
+                float* sp = stats + j0 + VW * c;
+                st(sp, a.rows_max ? vmax(ld(sp), acc[c]) : ld(sp) + acc[c]);
             }
         }
-        for (int c = 0; c < 4; ++c) {
-            float* sp = stats + j0 + 16 * c;
-            st(sp, a.rows_max ? vmax(ld(sp), acc[c]) : ld(sp) + acc[c]);
-        }
-    }
 }
 
 }  // namespace
@@ -241,7 +238,7 @@ extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, cons
     } catch (const std::bad_alloc&) {
         return 3;
     }
-    transpose_keys(k, ks, B, KV, NK, D, a.NKP, kt.data());
+    transpose_keys(k, ks, B, KV, NK, D, BK, kt.data());
     a.kt = kt.data();
     a.scored = nullptr, a.tile_kind = nullptr;
     if (scored) {

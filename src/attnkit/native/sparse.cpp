@@ -33,8 +33,8 @@ struct Layout {
     const uint8_t *main, *main_full, *vert, *vert_full;
     const int64_t *init, *local, *columns;
     float* out;
-    const float* kt;  // the keys transposed, [KV, D, NKP], zero past NK
-    int64_t NKP;
+    const float* kt;  // the keys transposed, [KV, key tiles, D, BK]: tile t holds keys t * block .. in its
+    int64_t key_tiles;  // first `block` lanes, zeros elsewhere
 };
 
 struct Scratch : RowBuffers {
@@ -42,36 +42,27 @@ struct Scratch : RowBuffers {
     std::vector<char> real;     // whether row u is a query
 };
 
-// the logits of the block's rows against one tile (64 lanes, `Kt` transposed with row stride ldk; lanes from `keys`
+// the logits of the block's rows against one tile (64 lanes, `Kt` transposed, [D, BK]; lanes from `keys`
 // on are hidden, and rows that are no query), hidden also where `allowed(row, lane)` is false unless the tile needs
 // no mask (`full`), into the rows' online softmax; then the output update from the tile's values
 template <typename Allowed>
-void sweep_tile(const Layout& a, Scratch& s, const float* Kt, int64_t ldk, const float* V, int64_t ldv, int64_t keys,
+void sweep_tile(const Layout& a, Scratch& s, const float* Kt, const float* V, int64_t ldv, int64_t keys,
                 bool full, Allowed allowed) {
     const int64_t RP = (a.block + PAD - 1) / PAD * PAD;
-    float *P = s.p.data(), *M = s.m.data(), *L = s.l.data(), *AL = s.alpha.data();
-    v16 lane;
-    for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+    float *P = s.p.data(), *M = s.m.data(), *L = s.l.data(), *AL = s.alpha.data(), *S = s.s.data();
     for (int64_t r = 0; r < RP; r += QK_ROWS) {
-        v16 acc[QK_ROWS][4];
-        qk_tile(s.q.data() + r * a.D, a.D, Kt, ldk, acc);
+        qk_tile(s.q.data() + r * a.D, a.D, Kt, BK, S);
         for (int rr = 0; rr < QK_ROWS; ++rr) {
             const int64_t row = r + rr;
-            for (int c = 0; c < 4; ++c) {
-                if (!s.real[row]) {
-                    acc[rr][c] = splat(-INFINITY);
-                    continue;
-                }
-                acc[rr][c] = lane + static_cast<float>(16 * c) >= static_cast<float>(keys) ? splat(-INFINITY)
-                                                                                            : acc[rr][c];
-                if (!full)
-                    for (int l = 0; l < 16 && 16 * c + l < keys; ++l)
-                        if (!allowed(row, 16 * c + l)) acc[rr][c][l] = -INFINITY;
-            }
-            AL[row] = softmax_tile(acc[rr], M[row], L[row], P + row * BK);
+            float* logits = S + rr * BK;
+            if (s.real[row] && !full)
+                for (int64_t lane = 0; lane < keys; ++lane)
+                    if (!allowed(row, lane)) logits[lane] = -INFINITY;
+            AL[row] = softmax_tile(logits, s.real[row] ? keys : 0, M[row], L[row], P + row * BK);
         }
     }
-    for (int64_t r = 0; r < RP; r += PAD) pv_rows(P + r * BK, BK, V, ldv, keys, s.o.data() + r * a.DV, a.DV, AL + r);
+    for (int64_t r = 0; r < RP; r += PAD)
+        pv_rows<PAD>(P + r * BK, BK, V, ldv, keys, s.o.data() + r * a.DV, a.DV, AL + r);
 }
 
 // query tile row `r` of query head h
@@ -96,12 +87,12 @@ void run_row(const Layout& a, Scratch& s, int64_t h, int64_t r) {
     const uint8_t* main = a.main + (h * a.rows + r) * a.tiles;
     const uint8_t* main_full = a.main_full + (h * a.rows + r) * a.tiles;
     const int64_t init = a.init[h], local = a.local[h];
-    const float* Kt = a.kt + kh * D * a.NKP;
+    const float* Kt = a.kt + kh * a.key_tiles * D * BK;
     const float* V = a.v + kh * a.vs[1];
     for (int64_t t = 0; t < a.tiles; ++t) {
         if (!main[t]) continue;
         const int64_t j0 = t * B, keys = std::min(B, a.NK - j0);
-        sweep_tile(a, s, Kt + j0, a.NKP, V + j0 * a.vs[2], a.vs[2], keys, main_full[t], [&](int64_t u, int64_t lane) {
+        sweep_tile(a, s, Kt + t * D * BK, V + j0 * a.vs[2], a.vs[2], keys, main_full[t], [&](int64_t u, int64_t lane) {
             const int64_t i = q0 + u, j = j0 + lane;
             return j <= i && (j < init || i - j < local || j < B || j / B == i / B);
         });
@@ -125,7 +116,7 @@ void run_row(const Layout& a, Scratch& s, int64_t h, int64_t r) {
                 for (int64_t d = 0; d < D; ++d) Kg[d * BK + lane] = kp[d];
                 std::memcpy(Vg + lane * DV, V + col * a.vs[2], DV * sizeof(float));
             }
-            sweep_tile(a, s, Kg, BK, Vg, DV, B, vert_full[c], [&](int64_t u, int64_t lane) {
+            sweep_tile(a, s, Kg, Vg, DV, B, vert_full[c], [&](int64_t u, int64_t lane) {
                 const int64_t col = tile_cols[lane];
                 return col >= 0 && col < a.NK && col < (q0 + u) / B * B && !main[col / B];
             });
@@ -159,13 +150,13 @@ extern "C" int attnkit_sparse_attention(const float* q, const int64_t* qs, const
     a.first_row = first_row, a.rows = rows, a.tiles = tiles, a.width = columns ? width : 0, a.scale = scale;
     a.main = main, a.main_full = main_full, a.vert = vert, a.vert_full = vert_full;
     a.init = init, a.local = local, a.columns = columns, a.out = out;
-    a.NKP = (NK + BK - 1) / BK * BK + BK;  // a tile of `block` keys reads 64 lanes from its start
+    a.key_tiles = (NK + block - 1) / block;
     const int64_t work = HQ * rows, RP = (block + PAD - 1) / PAD * PAD;
     const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, work)));
     std::vector<float> kt;
     std::vector<Scratch> scratch(workers);
     try {
-        kt.assign(static_cast<size_t>(KV * D * a.NKP), 0.0f);
+        kt.assign(static_cast<size_t>(KV * a.key_tiles * D * BK), 0.0f);
         for (Scratch& s : scratch) {
             s.assign(RP, D, BK, DV);
             s.kg.assign(D * BK, 0.0f);
@@ -175,7 +166,7 @@ extern "C" int attnkit_sparse_attention(const float* q, const int64_t* qs, const
     } catch (const std::bad_alloc&) {
         return 3;
     }
-    transpose_keys(k, ks, 1, KV, NK, D, a.NKP, kt.data());
+    transpose_keys(k, ks, 1, KV, NK, D, block, kt.data());
     a.kt = kt.data();
     auto run = [&](int w) {  // rows from the last (the longest) down, every worker taking every workers-th
         for (int64_t n = w; n < work; n += workers) run_row(a, scratch[w], n % HQ, rows - 1 - n / HQ);

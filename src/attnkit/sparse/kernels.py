@@ -24,11 +24,13 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from attnkit import native
 from attnkit.errors import AttnkitError
 from attnkit.masks import and_, flex_mask_mod, sinks
-from attnkit.sparse.layout import SparseLayout
+from attnkit.native import guard
+from attnkit.sparse.layout import SparseLayout, build_layout
 from attnkit.sparse.patterns import padded_length
 from attnkit.sparse.profile import timed
 
 _COMPILED = None
+GUARD_KEYS = 2048  # most keys of the guard's comparison
 _P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 NATIVE_SIGNATURE = ("attnkit_sparse_attention",
                     [_P, _P, _P, _P, _P, _P] + [_I64] * 6 + [_F] + [_I64] * 4 + [_P] * 5 + [_I64, _P, _P, _P, _I32],
@@ -119,10 +121,36 @@ def block_mask(layout: SparseLayout, groups: int, q_len: int, n_pad: int, comple
 
 def native_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout) -> bool:
     """Whether :func:`sparse_attention` runs the C++ kernel (``attnkit/native/sparse.cpp``): float32 on a CPU, tiles
-    of 16 to 64 keys (a multiple of 16), value heads a multiple of 16 wide, and the kernel built
-    (:func:`attnkit.native.load`)."""
+    of 16 to 64 keys (a multiple of 16), value heads a multiple of 16 wide, the kernel built
+    (:func:`attnkit.native.load`), and faster than torch here (:func:`native_choice`)."""
     return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and layout.block % 16 == 0
-            and layout.block <= 64 and v.shape[-1] % 16 == 0 and native.load("sparse", NATIVE_SIGNATURE) is not None)
+            and layout.block <= 64 and v.shape[-1] % 16 == 0 and native_choice(q, k, v, layout).on)
+
+
+def native_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout) -> guard.Choice:
+    """:func:`attnkit.native.guard.choose` for this shape class (the heads, their sizes, the tile, the length class
+    of the keys, the threads). The path the kernel replaces, FlexAttention compiled, costs a compilation per shape
+    (far longer than any comparison can take) and then more per computed pair than SDPA's fused kernel on a CPU; so
+    the comparison is the kernel over a dense causal layout against SDPA over the same pairs (at most
+    :data:`GUARD_KEYS` keys of random operands): a kernel no faster than SDPA per pair is left off."""
+    _, hq, _, d = q.shape
+    kvh, n, dv = k.shape[1], k.shape[2], v.shape[-1]
+    top, block = guard.bucket(n), layout.block
+    shape = f"heads={hq}/{kvh} d={d} dv={dv} block={block} keys<={top} threads={torch.get_num_threads()}"
+
+    def measure():
+        gen = torch.Generator().manual_seed(0)
+        keys = min(top, GUARD_KEYS)
+        rq = torch.randn(1, hq, keys, d, generator=gen)
+        rk, rv = torch.randn(1, kvh, keys, d, generator=gen), torch.randn(1, kvh, keys, dv, generator=gen)
+        tiles = -(-keys // block)
+        dense = build_layout(["block_sparse"] * hq, keys, 0, block,
+                             tiles=torch.ones(hq, tiles, tiles, dtype=torch.bool).tril())
+        return guard.time_both(lambda: native_sparse_attention(rq, rk, rv, dense, d ** -0.5),
+                               lambda: F.scaled_dot_product_attention(rq, rk, rv, is_causal=True, scale=d ** -0.5,
+                                                                      enable_gqa=hq != kvh))
+
+    return guard.choose("sparse", native.load("sparse", NATIVE_SIGNATURE), shape, measure)
 
 
 def native_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout,

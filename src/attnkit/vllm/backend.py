@@ -190,7 +190,7 @@ class AttnkitImplMixin:
             output[firsts] = out.squeeze(2).reshape(output[firsts].shape).to(output.dtype)
             for first, request_id, position, kept in part.skipped:
                 q = query[first].reshape(-1, keys.shape[-1]).clone() if kept else None
-                live.LIVE.skipped(request_id, self.layer_index, position, q, part.n_layers)
+                live.LIVE.skipped(request_id, self.layer_index, position, q)
         for first, end, row, block_row in part.rows:
             request = paged.request_slots(key_cache, value_cache, layout, block_row, block_size, store)
             q = query[first:end].transpose(0, 1).unsqueeze(0)

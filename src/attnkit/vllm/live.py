@@ -100,7 +100,7 @@ class LiveRequests:
         entry.steps = steps_of(entry.session, row)
         return entry
 
-    def skipped(self, request_id: str, layer: int, position: int, q: torch.Tensor | None, n_layers: int) -> None:
+    def skipped(self, request_id: str, layer: int, position: int, q: torch.Tensor | None) -> None:
         """Note a decode step that ran as plain attention: its position and this layer's queries ``[heads, d]``
         (None when the method keeps none)."""
         entry = self.open.get(request_id)

@@ -1,0 +1,140 @@
+"""Every C++ kernel of ``attnkit/native`` built for each instruction set, one layer's work, against the torch path
+it replaces, interleaved in one process, medians of repeats.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_native.py --isas avx2,avx512 --threads 1 --clock cpu
+
+Random operands in the layer geometry of `--model` (by default `tiny`'s: 8 query heads on 2 kv heads of 32):
+
+- ``scoring`` (``scoring.cpp``, :mod:`attnkit.methods.scoring_native`): a `--length`-token prompt's causal attention
+  with H2O's statistic, and with Keyformer's; the torch path is the blocked pass of
+  :func:`attnkit.methods.scoring.attention_with_statistics`; SDPA (the output alone, what ``full`` runs) beside it.
+- ``sparse`` (``sparse.cpp``, :mod:`attnkit.sparse.kernels`): a MInference layout of the prompt (vertical-slash,
+  A-shape and block-sparse heads, tiles of 64); the path it replaces is FlexAttention compiled (``--flex``: its
+  compilation takes minutes on a small CPU), SDPA over every causal pair beside it.
+- ``paged`` (``paged.cpp``, :mod:`attnkit.methods.quest_native`): Quest's decoding step over a `--context`-token
+  cache reading a sixteenth (the page choice and the attention); the torch path bounds, chooses, gathers and attends;
+  SDPA over the whole cache (``full``'s step) beside it.
+
+Each row is one kernel and build (``<kernel> [<isa>]``) or a torch path, run once per round in a new order every
+round (a row leaves its operands in the caches for the next); ``x torch`` is the median over rounds of the
+torch path's time over the row's in the same round. ``--clock cpu`` times the process's CPU seconds (with one
+thread: the work done, not the waits for a core on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from attnkit import native
+from attnkit import sparse as sa
+from attnkit.methods import quest_native, quest_pages, scoring, scoring_native
+from attnkit.methods.keyformer_noise import GumbelFactorWeights
+from attnkit.model import load_model
+from attnkit.sparse.patterns import HeadPattern
+
+TINY_GEOMETRY = "random:llama:layers=6,hidden=256,heads=8,kv_heads=2,head_dim=32,intermediate=768,context=40000"
+PATTERNS = [HeadPattern("vertical_slash", k_v=256, k_s=512), HeadPattern("a_shape", n_init=64, n_local=1024),
+            HeadPattern("block_sparse", k_b=16), HeadPattern("vertical_slash", k_v=128, k_s=256)]
+
+
+def groups(args) -> dict[str, dict[str, tuple]]:
+    """kernel -> row -> (function, instruction set or None); the first row of each group is its torch path."""
+    g = load_model(args.model).geometry
+    hq, kv, d = g.n_q_heads, g.n_kv_heads, g.head_dim
+    gen = torch.Generator().manual_seed(0)
+    n, scale = args.length, d ** -0.5
+    q, k, v = (torch.randn(1, h, n, d, generator=gen) for h in (hq, kv, kv))
+    pos = torch.arange(n)
+    weights = GumbelFactorWeights(seed=1, layer=0, kv_heads=kv)
+    out = {"scoring": {"torch (blocked pass, H2O)": (lambda: scoring.attention_with_statistics(
+        q, k, v, scale, pos, pos), None), "SDPA (output only)": (lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=True), None)}}
+    for isa in args.isas:
+        out["scoring"][f"scoring, H2O [{isa}]"] = (lambda: scoring_native.prompt_attention_with_statistics(
+            q, k, v, scale, threads=args.threads), isa)
+        out["scoring"][f"scoring, Keyformer [{isa}]"] = (lambda: scoring_native.prompt_attention_with_statistics(
+            q, k, v, scale, weights=weights, threads=args.threads), isa)
+    layout = sa.layout_for_patterns((PATTERNS * hq)[:hq], q, k, scale, block=64, last_q=64)
+
+    def flexattention():
+        pays = sa.kernels.native_pays
+        sa.kernels.native_pays = lambda *a: False
+        try:
+            return sa.sparse_attention(q, k, v, layout, scale)
+        finally:
+            sa.kernels.native_pays = pays
+
+    out["sparse"] = {"SDPA (every causal pair)": (lambda: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=True), None)}
+    if args.flex:
+        out["sparse"] = {"torch (FlexAttention, compiled)": (flexattention, None), **out["sparse"]}
+    for isa in args.isas:
+        out["sparse"][f"sparse [{isa}]"] = (lambda: sa.kernels.native_sparse_attention(q, k, v, layout, scale), isa)
+    c, page = args.context, 16
+    keys, values = (torch.randn(1, kv, c, d, generator=gen) for _ in range(2))
+    low, high = (f(keys.view(1, kv, c // page, page, d), dim=3) for f in (torch.amin, torch.amax))
+    count, step_q = c // page // 16, torch.randn(1, hq, 1, d, generator=gen)
+
+    def torch_step():
+        chosen = quest_pages.choose_pages(quest_pages.page_bounds(step_q, low, high), count, False, 0, page)
+        return quest_pages.gathered_attention(step_q, keys, values, chosen, page, c, scale)
+
+    def kernel_step():
+        chosen = quest_native.choose_pages(step_q, low, high, count, False, 0, page)
+        return quest_native.paged_decode(step_q, keys, values, chosen, page, c, scale, threads=args.threads)
+
+    out["paged"] = {"torch (bounds, top-k, gather, SDPA)": (torch_step, None), "SDPA over the whole cache": (
+        lambda: F.scaled_dot_product_attention(step_q, keys, values, scale=scale, enable_gqa=True), None)}
+    for isa in args.isas:
+        out["paged"][f"paged, choice and attention [{isa}]"] = (kernel_step, isa)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=TINY_GEOMETRY, help="the layer geometry (its first layer's)")
+    p.add_argument("--isas", default="avx2,avx512", help="instruction sets to build for, comma-separated")
+    p.add_argument("--length", type=int, default=8192, help="prompt tokens (scoring, sparse)")
+    p.add_argument("--context", type=int, default=32768, help="cached tokens of Quest's step (paged)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--step-repeats", type=int, default=50, help="repeats of the short paged rows")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--flex", action="store_true", help="time FlexAttention too (compiles first: minutes)")
+    args = p.parse_args(argv)
+    args.isas = [x.strip() for x in args.isas.split(",") if x.strip()]
+    torch.set_num_threads(args.threads)
+    timer = time.perf_counter if args.clock == "wall" else time.process_time
+    print(f"CPU {native.cpu_model()}, {args.threads} thread(s), clock {args.clock}, torch {torch.__version__}; "
+          f"builds: " + ", ".join(f"{isa} -> {native.built_isa(native.load('scoring', None, isa))}"
+                                  for isa in args.isas))
+    print(f"{'kernel':8} {'row':42} {'median ms':>10} {'x torch':>8}")
+    with torch.no_grad():
+        for kernel, rows in groups(args).items():
+            times = {name: [] for name in rows}
+            repeats = args.step_repeats if kernel == "paged" else args.repeats
+            names = list(rows)
+            for r in range(repeats + 1):
+                # a new order every round: a row leaves its operands in the caches for the next one
+                for name in random.Random(r).sample(names, len(names)):
+                    fn, isa = rows[name]
+                    with native.settings(isa):
+                        start = timer()
+                        fn()
+                        elapsed = timer() - start
+                    if r:  # the first round builds, compiles and warms up
+                        times[name].append(elapsed)
+            ref = times[next(iter(rows))]
+            for name, t in times.items():
+                ratio = statistics.median(a / b for a, b in zip(ref, t))
+                print(f"{kernel:8} {name:42} {statistics.median(t) * 1e3:10.3f} {ratio:7.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
