@@ -55,9 +55,11 @@ TINY_GEOMETRY = "random:llama:layers=6,hidden=256,heads=8,kv_heads=2,head_dim=32
 NOT_UNLIMITED = {"minference_static": "indices fixed at calibration (sparse whatever the length): for the record"}
 
 
-def unlimited_specs(total: int, static_config: str, kvzap_config: str = "") -> dict[str, str]:
+def unlimited_specs(total: int, static_config: str, kvzap_config: str = "",
+                    triattention_config: str = "") -> dict[str, str]:
     """One spec per registered method that keeps every one of `total` tokens (prompt + generated); `kvzap_config` is
-    a kvzap surrogate trained for the model (:func:`kvzap_surrogate`)."""
+    a kvzap surrogate trained for the model (:func:`kvzap_surrogate`), `triattention_config` its query statistics
+    (:func:`triattention_stats`)."""
     b = f"budget_tokens={total}"
     specs = {
         "full": "full", "window": f"window:window={total}", "streaming": f"streaming:{b}", "h2o": f"h2o:{b}",
@@ -70,6 +72,7 @@ def unlimited_specs(total: int, static_config: str, kvzap_config: str = "") -> d
         "kivi": f"kivi:residual={total}",  # a residual holding every token: nothing is quantized
         "kvzip": f"kvzip:{b}", "kvzap": f"kvzap:config={kvzap_config},{b}",
         "quest": f"quest:token_budget={total},dense_layers=0",
+        "triattention": f"triattention:config={triattention_config},{b}",
     }
     missing = sorted(set(METHODS) - set(specs))
     if missing:
@@ -84,6 +87,16 @@ def static_patterns(model_spec: str, length: int, path: Path) -> str:
                    "--block-size", "16", "--tasks", "passkey", "--samples", "1", "--static", "--out", str(path)])
     if rc != 0:
         raise SystemExit("gpu_check: calibrating the static patterns failed")
+    return str(path)
+
+
+def triattention_stats(model_spec: str, path: Path) -> str:
+    """triattention's query statistics for the model (``attnkit calibrate triattention``, two windows of 128 tokens)."""
+    from attnkit.cli import main as cli_main
+    rc = cli_main(["calibrate", "triattention", "--model", model_spec, "--samples", "2", "--length", "128",
+                   "--out", str(path)])
+    if rc != 0:
+        raise SystemExit("gpu_check: the triattention statistics failed")
     return str(path)
 
 
@@ -104,7 +117,8 @@ def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, 
     prompts = [torch.randint(3, model.geometry.vocab_size, (n,), generator=g).tolist() for n in lengths]
     total = max(lengths) + new_tokens
     specs = unlimited_specs(total, static_patterns(model_spec, max(256, max(lengths)), tmp / "static.json"),
-                            kvzap_surrogate(model_spec, tmp / "kvzap.safetensors"))
+                            kvzap_surrogate(model_spec, tmp / "kvzap.safetensors"),
+                            triattention_stats(model_spec, tmp / "triattention.json"))
     if not compile_kernels:
         specs = {k: (v + ",compile=false" if k in ("minference", "minference_static", "a_shape") else v)
                  for k, v in specs.items()}

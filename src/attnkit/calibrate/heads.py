@@ -228,7 +228,8 @@ def layer_distances(model: LoadedModel, prompts, progress: Callable[[str], None]
     return total / len(prompts)
 
 
-def _today() -> str:
+def today() -> str:
+    """The date a calibration file carries (``SOURCE_DATE_EPOCH`` when set, for reproducible files)."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     when = datetime.datetime.fromtimestamp(int(epoch), datetime.UTC) if epoch else \
         datetime.datetime.now(datetime.UTC)
@@ -269,7 +270,7 @@ def calibrate_heads(model: LoadedModel, *, length: int = 1024, tasks: Sequence[s
         "skipped_fraction": round(1 - sum(retention) / len(retention), 6),
         "length": length, "seed": seed, "split": split,
         "prompts": [info for info, _, _ in prompts],
-        "date": _today(), "attnkit_version": __version__,
+        "date": today(), "attnkit_version": __version__,
         "layers": layers,
     }
     parse_share_config(json.loads(json.dumps(config)), "the calibrated config")  # it must load back

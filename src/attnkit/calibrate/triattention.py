@@ -20,9 +20,7 @@ settings and the date (today's UTC date, or that of ``SOURCE_DATE_EPOCH`` for re
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnkit.calibrate import progress_to_stderr
+from attnkit.calibrate.heads import today
 from attnkit.calibrate.kvzap import text_windows
 from attnkit.calibrate.samples import check_length
 from attnkit.config_file import write_config_file
@@ -72,12 +71,6 @@ class _QueryRecorder(Full):
         sums.norm[i] = sums.norm.get(i, 0) + z.abs().sum(dim=(0, 2)).cpu()
         sums.count[i] = sums.count.get(i, 0) + z.shape[0] * z.shape[2]
         return super().prefill_attention(ctx, q, k, v)
-
-
-def _today() -> str:
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    when = datetime.datetime.fromtimestamp(int(epoch), datetime.UTC) if epoch else datetime.datetime.now(datetime.UTC)
-    return when.date().isoformat()
 
 
 def _rounded(t: torch.Tensor) -> list:
@@ -123,7 +116,7 @@ def calibrate_triattention(model: LoadedModel, *, samples: int = 8, length: int 
                       "center = E[q_f] (center_real, center_imag), abs_mean = E|q_f|",
         "calibration": {"text": "attnkit corpus, train split", "samples": samples, "length": length, "seed": seed,
                         "queries_per_head": sums.count[0]},
-        "date": _today(),
+        "date": today(),
         "attnkit_version": __version__,
         "layers": layers,
     }
