@@ -124,7 +124,7 @@ class AttnkitBuilderMixin:
         for i, r in enumerate(rows):
             if r.plan.plain or not tokens[i]:
                 continue
-            kept = r.kept_queries if r.plan.live else None
+            kept = r.kept_queries
             if tokens[i] == 1 and not (r.plan.hooks and r.in_prompt) and (not r.plan.live or kept is not None):
                 decode.append((qsl[i], host.decode_slots(r.plan, r.start), cm.block_table_tensor[i]))
                 if kept is not None:

@@ -114,7 +114,7 @@ def row_attention(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> to
     kernel computes (:attr:`Row.kernel_prompt`)."""
     plan, start = row.plan, row.start
     if plan.live:
-        return live.attention(row, session_method(row), call, q, k, v, paged)
+        return live.attention(row, session_method, call, q, k, v, paged)
     outs = []
     if plan.hooks and start < plan.prompt_len:
         m = min(start + q.shape[2], plan.prompt_len) - start

@@ -81,21 +81,21 @@ class LiveRequests:
         for rid in [r for r in self.open if r not in known]:
             del self.open[rid]
 
-    def enter(self, row: Row, method, n_layers: int, rope) -> LiveRequest:
-        """`row`'s request with the steps of this forward (its tokens ``row.start ...``)."""
+    def enter(self, row: Row, make_method, n_layers: int, rope) -> LiveRequest:
+        """`row`'s request with the steps of this forward (its tokens ``row.start ...``); ``make_method(row)``: the
+        method a new session runs."""
         entry = self.open.get(row.request_id)
         if entry is not None and entry.forward == self.forward:
             return entry
-        pending = {} if entry is None else entry.pending
         if entry is None or row.start == 0:  # a new request, or one preempted and now recomputed from its start
             if row.start != 0:
                 raise RuntimeError(f"attnkit: request {row.request_id} resumes at position {row.start} with no state")
-            session = Session(method, KVCache(n_layers, 1), n_layers, row.plan.prompt_len, row.max_tokens, rope)
+            session = Session(make_method(row), KVCache(n_layers, 1), n_layers, row.plan.prompt_len, row.max_tokens,
+                              rope)
             entry = self.open[row.request_id] = LiveRequest(session, [None] * n_layers)
         elif row.start != entry.next:
             raise RuntimeError(f"attnkit: request {row.request_id} continues at position {row.start}, its state at "
                                f"{entry.next}")
-        entry.pending = pending if row.start else {}
         entry.forward, entry.next = self.forward, row.start + row.tokens
         entry.steps = steps_of(entry.session, row)
         return entry
@@ -187,7 +187,7 @@ def relocate(kv: LayerKV, slots: torch.Tensor, end: int, gather, write) -> torch
     return new
 
 
-def catch_up(entry: LiveRequest, method, call, start: int, end: int, gather) -> None:
+def catch_up(entry: LiveRequest, call, start: int, end: int, gather) -> None:
     """Bring a layer's state past the steps ``[start, end)`` that ran as plain attention (:meth:`LiveRequests.
     skipped`): their entries (vLLM wrote them at their positions' slots) and noted queries, through the method."""
     positions = torch.arange(start, end)
@@ -197,7 +197,7 @@ def catch_up(entry: LiveRequest, method, call, start: int, end: int, gather) -> 
     keys, values = gather(range(start, end))
     q = None if noted[0] is None else torch.stack(noted, dim=1)[None].to(keys.device)  # [1, heads, steps, d]
     step = Step(entry.session, "decode", positions.to(keys.device))
-    method.skip_appends(LayerContext(step, call.layer, call.scaling, None, device=keys.device), keys, values, q,
+    entry.session.method.skip_appends(LayerContext(step, call.layer, call.scaling, None, device=keys.device), keys, values, q,
                         step.q_pos)
     for p in range(start, end):
         entry.pending[p].pop(call.layer, None)
@@ -205,16 +205,17 @@ def catch_up(entry: LiveRequest, method, call, start: int, end: int, gather) -> 
             del entry.pending[p]
 
 
-def attention(row: Row, method, call, q, k, v, paged) -> torch.Tensor:
+def attention(row: Row, make_method, call, q, k, v, paged) -> torch.Tensor:
     """Outputs ``[1, heads, tokens, d]`` of a live row's tokens in one layer (see the module docstring); `call` is
-    the :class:`attnkit.vllm.host.LayerCall`, `paged` the request's :class:`attnkit.vllm.host.PagedRequest`."""
-    entry = LIVE.enter(row, method, call.n_layers, call.rope)
+    the :class:`attnkit.vllm.host.LayerCall`, `paged` the request's :class:`attnkit.vllm.host.PagedRequest`,
+    ``make_method(row)`` the method a new session runs."""
+    entry = LIVE.enter(row, make_method, call.n_layers, call.rope)
     session, index = entry.session, call.layer
     old = entry.layers[index]
     session.cache.layers[index] = None if old is None else hydrate(old, paged.gather)
     try:
         if old is not None and old.end < row.start:
-            catch_up(entry, method, call, old.end, row.start, paged.gather)
+            catch_up(entry, call, old.end, row.start, paged.gather)
         outs = [step.attention(index, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], call.scaling, None)
                 for step, a, b in entry.steps]
         kv = session.cache.layers[index]
@@ -224,7 +225,7 @@ def attention(row: Row, method, call, q, k, v, paged) -> torch.Tensor:
             raise RuntimeError(f"attnkit: layer {index} of request {row.request_id} holds "
                                f"{0 if kv is None else kv.length} entries per kv head after position {end}, its plan "
                                f"{expected}")
-        first = row.start if old is None else min(old.end, row.start)
+        first = row.start if old is None else old.end  # the call's tokens, and those it caught up with
         slots = relocate(kv, slots_after(kv, old, first), end, paged.gather, paged.write)
         entry.layers[index] = LiveLayer(kv, kv.positions[0, :, :kv.length].clone(), slots, end)
         dehydrate(kv)
