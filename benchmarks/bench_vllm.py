@@ -29,8 +29,9 @@ process's busy loop otherwise takes a core from the worker, for plain vLLM and a
 outputs (2,000-3,500 new tokens, ``ignore_eos``; lengths drawn with seed 0), all submitted at once, at a KV cache of
 ``--blocks`` blocks of 128 tokens (100: about four whole requests), prefix caching off. Plain vLLM, then each of
 ``--specs`` (``;``-separated, ``{b}`` replaced by each of ``--budgets``) on the attnkit engine: wall time to the last
-token, vLLM's peak running requests, preemptions, and the ratios to plain. ``--new-min/--new-max`` shorten the
-outputs for a quick run.
+token, vLLM's running requests (peak, and mean over engine steps: vLLM admits requests while their prompts fit and
+preempts later, so the peak alone flatters an engine short of KV space), preemptions, and the ratios to plain.
+``--new-min/--new-max`` shorten the outputs for a quick run.
 
 ``steps``: the cost of a decode step with attnkit's methods acting while decoding: ``--requests`` requests of 300
 tokens and 200 new ones, room for all, each spec (``;``-separated) in turn, then plain again: the median time of an
@@ -72,17 +73,17 @@ def llm(model=TINY, **kwargs):
 
 def run_all(engine, watch, prompts, spec, new):
     """All `prompts` at once (`new`: new tokens, one count or one per prompt); wall seconds, peak running requests
-    (vLLM's scheduler's count after every step), preemptions during the run."""
+    (vLLM's scheduler's count after every step), preemptions during the run, mean running requests over its steps."""
     from vllm import SamplingParams
 
     extra = {} if spec is None else {"extra_args": {"attnkit": spec}}
     news = new if isinstance(new, list) else [new] * len(prompts)
     sps = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **extra) for n in news]
     before = watch.preemptions
-    watch.reset_peak()
+    watch.reset()
     start = time.perf_counter()
     engine.generate(prompts, sps, use_tqdm=False)
-    return time.perf_counter() - start, watch.peak_running, watch.preemptions - before
+    return time.perf_counter() - start, watch.peak_running, watch.preemptions - before, watch.mean_running
 
 
 def capacity(args):
@@ -102,7 +103,7 @@ def capacity(args):
         for name in runs:
             engine = plain if name == "plain" else roomy if name.startswith("plain,") else ours
             spec = None if name.startswith("plain") else name
-            wall, peak, preempted = run_all(engine, watches[id(engine)], prompts, spec, args.new)
+            wall, peak, preempted, _ = run_all(engine, watches[id(engine)], prompts, spec, args.new)
             runs[name].append((wall, peak, preempted))
             print(f"repeat {r}: {name:30s} {wall:7.2f} s  peak running {peak:3.0f}  preemptions {preempted:.0f}",
                   flush=True)
@@ -140,16 +141,17 @@ def reasoning(args):
         for name in names:
             engine = plain if name == "plain" else ours
             runs[name].append(run_all(engine, watches[id(engine)], prompts, None if name == "plain" else name, news))
-            wall, peak, preempted = runs[name][-1]
-            print(f"repeat {r}: {name:70s} {wall:8.1f} s  peak running {peak:3.0f}  preemptions {preempted:4.0f}  "
-                  f"{sum(news) / wall:6.1f} tok/s", flush=True)
+            wall, peak, preempted, mean = runs[name][-1]
+            print(f"repeat {r}: {name:70s} {wall:8.1f} s  running: peak {peak:3.0f} mean {mean:5.1f}  preemptions "
+                  f"{preempted:4.0f}  {sum(news) / wall:6.1f} tok/s", flush=True)
     print("\nmedians (ratios to plain, paired by repeat)")
     for name, rows in runs.items():
         sooner = statistics.median(p[0] / m[0] for p, m in zip(runs["plain"], rows))
         more = statistics.median(m[1] / p[1] for p, m in zip(runs["plain"], rows))
-        print(f"{name:70s} wall {statistics.median(r[0] for r in rows):8.1f} s ({sooner:.2f}x sooner)  peak running "
-              f"{statistics.median(r[1] for r in rows):4.1f} ({more:.2f}x)  preemptions "
-              f"{statistics.median(r[2] for r in rows):.0f}")
+        mean = statistics.median(m[3] / p[3] for p, m in zip(runs["plain"], rows))
+        print(f"{name:70s} wall {statistics.median(r[0] for r in rows):8.1f} s ({sooner:.2f}x sooner)  running: peak "
+              f"{statistics.median(r[1] for r in rows):4.1f} ({more:.2f}x), mean {statistics.median(r[3] for r in rows):5.1f}"
+              f" ({mean:.2f}x)  preemptions {statistics.median(r[2] for r in rows):.0f}")
 
 
 def steps(args):

@@ -82,8 +82,8 @@ class DictStore:
     def __init__(self, kv, d, size):
         self.k, self.v = torch.zeros(1, kv, size, d), torch.zeros(1, kv, size, d)
 
-    def request(self):
-        return host.PagedRequest(lambda s: (self.k[:, :, list(s)], self.v[:, :, list(s)]), self.write)
+    def request(self, block_size=1):
+        return host.PagedRequest(lambda s: (self.k[:, :, list(s)], self.v[:, :, list(s)]), self.write, block_size)
 
     def write(self, slots, keys, values):
         self.k[:, :, slots], self.v[:, :, slots] = keys, values
@@ -200,10 +200,10 @@ LIVE_SPECS = ["h2o:budget_tokens=40", "tova:budget_tokens=40", "keyformer:budget
 ROPE16 = Rope(inv_freq=1.0 / (100.0 ** (torch.arange(0, 16, 2).float() / 16)))  # expected_attention un-rotates
 
 
-def live_calls(row_of, store, q, k, v, chunks):
+def live_calls(row_of, store, q, k, v, chunks, block_size=1):
     """Run a live request's layer calls over `chunks` (``(start, end)``, one forward each), as vLLM does: the call's
-    keys written at their slots first, every slot before the plan's run poisoned after each call (a read of a freed
-    slot would show), the outputs of each call kept."""
+    keys written at their slots first, every block of `block_size` slots wholly before the plan's run poisoned after
+    each call (a read of a freed slot would show), the outputs of each call kept."""
     outs = []
     for start, end in chunks:
         live.LIVE.begin_forward({"r"})
@@ -214,36 +214,47 @@ def live_calls(row_of, store, q, k, v, chunks):
             live.LIVE.skipped("r", 0, start, q[0, :, start] if row.kept_queries else None)
         else:
             outs.append(host.row_attention(row, host.LayerCall(0, 1, 0.25, ROPE16), q[:, :, start:end],
-                                           k[:, :, start:end], v[:, :, start:end], store.request()))
+                                           k[:, :, start:end], v[:, :, start:end], store.request(block_size)))
         for lo, hi in row.plan.freeable(end):
+            lo, hi = -(-lo // block_size) * block_size, hi // block_size * block_size
             store.k[:, :, lo:hi], store.v[:, :, lo:hi] = float("nan"), float("nan")
     return torch.cat(outs, dim=2)
 
 
 @pytest.mark.parametrize("spec", LIVE_SPECS)
-@pytest.mark.parametrize("chunking", ["stepwise", "recomputed"])
+@pytest.mark.parametrize("chunking", ["stepwise", "stepwise in blocks of 8", "recomputed"])
 def test_a_method_acting_while_decoding_gets_attnkit_outputs(spec, chunking):
     """Methods that evict while decoding (per step, buffered, re-compressing every N tokens) in the host: the prompt in
     two chunks then one token per forward, or all of it recomputed in one chunk after a preemption. Outputs equal
-    attnkit's session's; the layer holds the plan's count in the run before the next slot; every freed slot is
-    poisoned with NaN after each call, so a read of one would show."""
+    attnkit's session's; the layer holds the plan's count in the run before the next slot (a per-step method's
+    entries may wait in the run's first block: with blocks of 8 slots); every freed slot (block) is poisoned with NaN
+    after each call, so a read of one would show."""
     n, new, kv, d = N, NEW, 2, 16
+    block_size = 8 if "blocks" in chunking else 1
     method = resolve_method(spec)
     q, k, v, expected = session_reference(method, 2, ROPE16)
     plan = plan_for(method, n, new, 1)
     assert plan.live
     store = DictStore(kv, d, n + new)
-    chunks = [(0, 50), (50, n)] + [(p, p + 1) for p in range(n, n + new)] if chunking == "stepwise" else [(0, n + new)]
-    got = live_calls(lambda s, t: Row("r", method, plan, new, s, t), store, q, k, v, chunks)
+    chunks = [(0, n + new)] if chunking == "recomputed" else [(0, 50), (50, n)] + [(p, p + 1) for p in range(n, n + new)]
+    got = live_calls(lambda s, t: Row("r", method, plan, new, s, t), store, q, k, v, chunks, block_size)
     assert_host_outputs(Row("r", method, plan, new, 0, 1), got, expected)
     entry = live.LIVE.open["r"]
     state, held = entry.layers[0], plan.held(n + new)
-    if chunking == "stepwise" and plan.every > 1 and getattr(method, "decode_queries_kept", lambda: None)() is not None:
+    if chunking != "recomputed" and plan.every > 1 and getattr(method, "decode_queries_kept", lambda: None)() is not None:
         # the steps that cannot compress ran as plain attention: the layer's state is that of the last compression
         assert state.end == n + new - (n + new - n) % plan.every and not entry.pending == (state.end == n + new)
         return
-    assert state.kv.length == held and sorted(state.slots[0].tolist()) == list(range(n + new - held, n + new))
-    assert not bool(store.k[:, :, n + new - held:].isnan().any())
+    floor = n + new - held
+    if plan.every == 1:
+        floor -= floor % block_size
+    assert state.kv.length == held and state.first == int(state.slots.min()) >= floor
+    for head in range(kv):
+        slots = state.slots[head].tolist()
+        assert len(set(slots)) == held and max(slots) < n + new
+        assert not bool(store.k[0, head, slots].isnan().any())
+    if block_size == 1:
+        assert sorted(state.slots[0].tolist()) == list(range(n + new - held, n + new))
     assert plan.freeable(n + new) == [(0, n + new - held)]
 
 

@@ -196,7 +196,7 @@ class AttnkitImplMixin:
             q = query[first:end].transpose(0, 1).unsqueeze(0)
             k = key[first:end].transpose(0, 1).unsqueeze(0)
             v = value[first:end].transpose(0, 1).unsqueeze(0)
-            out = host.row_attention(row, call, q, k, v, host.PagedRequest(*request))
+            out = host.row_attention(row, call, q, k, v, host.PagedRequest(*request, block_size))
             if row.kernel_prompt:  # the prompt's outputs are the kernel's: keep them
                 skip = max(0, row.plan.prompt_len - row.start)
                 first, out = first + skip, out[:, :, skip:]

@@ -31,10 +31,12 @@ from attnkit.vllm.requests import Row
 @dataclass
 class PagedRequest:
     """One request's slots in one layer's paged cache: ``gather(slots) -> (keys, values)`` ``[1, kv, L, d]``,
-    ``write(slots, keys, values)`` with keys and values ``[1, kv, L, d]``."""
+    ``write(slots, keys, values)`` with keys and values ``[1, kv, L, d]``, and the slots per block (the unit the
+    scheduler frees)."""
 
     gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    block_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ class LiveLayer:
     positions: torch.Tensor
     slots: torch.Tensor
     end: int  # the position after the layer's last call through the hooks (its run ends there)
+    first: int  # the lowest slot an entry lies in (the run's first, or earlier in a block the plan keeps)
 
 
 @dataclass
@@ -127,14 +128,14 @@ LIVE = LiveRequests()
 
 
 def hydrate(layer: LiveLayer, gather) -> LayerKV:
-    """The layer's LayerKV with its keys and values read back from their slots (the run ending at ``layer.end``)."""
+    """The layer's LayerKV with its keys and values read back from their slots (``[layer.first, layer.end)``)."""
     kv, held, start = layer.kv, layer.kv.length, layer.end
     shape, dtype = kv.keys.shape, kv.keys.dtype
     device = kv.positions.device
     keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     if held:
-        lo = start - held
-        order = (layer.slots - lo).to(device)  # [kv, held]: each entry's offset in the run
+        lo = layer.first
+        order = (layer.slots - lo).to(device)  # [kv, held]: each entry's offset from the first slot read
         run_keys, run_values = gather(range(lo, start))
         index = order[None, :, :, None].expand(1, -1, -1, shape[-1])
         keys[:, :, :held] = run_keys.gather(2, index)
@@ -153,37 +154,51 @@ def slots_after(kv: LayerKV, old: LiveLayer | None, first: int) -> torch.Tensor:
     positions = kv.positions[0, :, :kv.length]
     if old is None or old.slots.shape[-1] == 0:
         return positions.clone()
+    fresh = positions >= first
+    kept = old.positions.shape[-1]
+    if kept <= positions.shape[-1]:  # the common case: entries stay at their index (a per-step method writes the
+        # new entry over the evicted one's; appends go after the others): one comparison instead of a search
+        stay = (positions[:, :kept] == old.positions.to(positions.device)) | fresh[:, :kept]
+        if bool(stay.all()) and bool(fresh[:, kept:].all()):
+            slots = positions.clone()
+            slots[:, :kept] = torch.where(fresh[:, :kept], positions[:, :kept], old.slots.to(positions.device))
+            return slots
     before, order = old.positions.sort(dim=-1)
     where = old.slots.to(positions.device).gather(-1, order)
     found = torch.searchsorted(before.contiguous(), positions.contiguous()).clamp(max=before.shape[-1] - 1)
-    fresh = positions >= first
     if not bool((fresh | (before.gather(-1, found) == positions)).all()):
         raise RuntimeError("attnkit: a live layer holds an entry that was neither held before nor new")
     return torch.where(fresh, positions, where.gather(-1, found))
 
 
-def relocate(kv: LayerKV, slots: torch.Tensor, end: int, gather, write) -> torch.Tensor:
-    """Move the entries lying before the run ``[end - held, end)`` into the run's free slots (per kv head) and
-    return every entry's slot; a moved entry's slot keeps the other kv heads' entries it held."""
+def relocate(kv: LayerKV, slots: torch.Tensor, end: int, write, floor: int) -> torch.Tensor:
+    """Move the entries lying before slot `floor` into the free slots of the run ``[end - held, end)`` (per kv head)
+    and return every entry's slot; a moved entry's slot keeps the other kv heads' entries it held. `floor` is the
+    run's first slot, or for a per-step method the first slot of the run's first block: an entry in a block the plan
+    keeps may stay there until the run leaves that block, so one move of up to a block's entries replaces a move on
+    every step."""
     heads, held = slots.shape
     lo = end - held
-    moved = slots < lo
+    moved = slots < floor
     if not bool(moved.any()):
         return slots
-    inside = torch.where(moved, held, slots - lo)  # a moved entry marks the spare last column
     taken = torch.zeros(heads, held + 1, dtype=torch.bool, device=slots.device)
-    taken.scatter_(1, inside, True)
+    # an entry outside the run marks the spare last column
+    taken.scatter_(1, torch.where(slots < lo, held, slots - lo), True)
     taken = taken[:, :held]
-    # the free offsets of each head's run, in order; the r-th moved entry of a head takes its r-th free offset
-    free = torch.where(taken, held, torch.arange(held, device=slots.device).expand(heads, held)).sort(dim=-1).values
+    # the free offsets of each head's run, in order; the r-th moved entry of a head takes its r-th free offset (there
+    # are as many free offsets as entries outside the run, moved or not)
+    free = torch.where(taken, held, torch.arange(held, device=slots.device).expand(heads, held)).sort(-1).values
     rank = (moved.cumsum(dim=-1) - 1).clamp(min=0)
     new = torch.where(moved, lo + free.gather(-1, rank), slots)
-    head, entry = moved.nonzero(as_tuple=True)
-    touched, at = torch.unique(new[head, entry], return_inverse=True)
-    keys, values = gather(touched)  # [1, kv, T, d]: what the touched slots hold now, every head
-    keys[0, head.to(keys.device), at.to(keys.device)] = kv.keys[0, head, entry].to(keys.dtype)
-    values[0, head.to(keys.device), at.to(keys.device)] = kv.values[0, head, entry].to(values.dtype)
-    write(touched, keys, values)
+    # a touched slot's whole content (every head's entry) comes from the layer's own entries: the entry each head
+    # holds there (`holder`; entries outside the run go to the spare last column), or for a head with no entry there
+    # its first entry (that head reads nothing from the slot); a slot two heads moved into is written twice alike
+    touched = new[moved]
+    holder = torch.zeros(heads, held + 1, dtype=slots.dtype, device=slots.device)
+    holder.scatter_(1, torch.where(new < lo, held, new - lo), torch.arange(held, device=slots.device).expand(heads, held))
+    index = holder[:, touched - lo][None, :, :, None].expand(1, -1, -1, kv.keys.shape[-1])
+    write(touched, kv.keys[:, :, :held].gather(2, index), kv.values[:, :, :held].gather(2, index))
     return new
 
 
@@ -226,8 +241,12 @@ def attention(row: Row, make_method, call, q, k, v, paged) -> torch.Tensor:
                                f"{0 if kv is None else kv.length} entries per kv head after position {end}, its plan "
                                f"{expected}")
         first = row.start if old is None else old.end  # the call's tokens, and those it caught up with
-        slots = relocate(kv, slots_after(kv, old, first), end, paged.gather, paged.write)
-        entry.layers[index] = LiveLayer(kv, kv.positions[0, :, :kv.length].clone(), slots, end)
+        floor = end - expected
+        if row.plan.every == 1:  # a per-step method: entries may wait in the run's first block (see relocate)
+            floor -= floor % paged.block_size
+        slots = relocate(kv, slots_after(kv, old, first), end, paged.write, floor)
+        entry.layers[index] = LiveLayer(kv, kv.positions[0, :, :kv.length].clone(), slots, end,
+                                        int(slots.min()) if expected else end)
         dehydrate(kv)
     finally:
         session.cache.layers[index] = None

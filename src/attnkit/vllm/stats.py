@@ -15,12 +15,20 @@ from attnkit.errors import AttnkitError
 
 @dataclass
 class SchedulerWatch:
-    """The latest running requests and KV-cache usage of one engine, the peak of the former, and preemptions."""
+    """The latest running requests and KV-cache usage of one engine, the peak and the mean over engine steps of the
+    former since :meth:`reset`, and preemptions. The mean is the fairer figure of capacity: vLLM admits requests while
+    their prompts fit and preempts later, so an engine short of KV space may still reach a high peak for a moment."""
 
     running: int = 0
     peak_running: int = 0
     kv_cache_usage: float = 0.0
     preemptions: int = 0
+    running_sum: int = 0
+    steps: int = 0
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_sum / max(self.steps, 1)
 
     @classmethod
     def attach(cls, llm) -> SchedulerWatch:
@@ -35,6 +43,7 @@ class SchedulerWatch:
             if scheduler is not None:
                 watch.running, watch.kv_cache_usage = scheduler.num_running_reqs, scheduler.kv_cache_usage
                 watch.peak_running = max(watch.peak_running, watch.running)
+                watch.running_sum, watch.steps = watch.running_sum + watch.running, watch.steps + 1
             if iteration is not None:
                 watch.preemptions += iteration.num_preempted_reqs
             return record(*args, **kwargs)
@@ -42,5 +51,6 @@ class SchedulerWatch:
         manager.record = recording
         return watch
 
-    def reset_peak(self) -> None:
-        self.peak_running = self.running
+    def reset(self) -> None:
+        """Start the peak and the mean anew."""
+        self.peak_running, self.running_sum, self.steps = self.running, 0, 0
