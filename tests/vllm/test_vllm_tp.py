@@ -19,6 +19,9 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
     # vLLM's CPU workers bind their threads to NUMA nodes; on one node, each worker is given one core
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the engine core in this process, the two workers in their own: on two cores a child engine process's busy loop
+    # would take time from the workers
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model = attnkit.load_model("tiny")
     prompts = [get_task("passkey").make(model.tokenizer, n, seed=50 + i).prompt for i, n in enumerate((1200, 2600))]
     llm = LLM(model=TINY, dtype="float32", enforce_eager=True, max_model_len=4096, tensor_parallel_size=2,

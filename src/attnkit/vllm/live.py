@@ -13,10 +13,11 @@ A call *hydrates* the layer (the entries gathered from their slots into the Laye
 attnkit's runner), runs the hooks, then puts what the layer holds back into the plan's layout: every entry a kv head
 holds in the run of slots ``[end - held, end)`` that ends just before the next token's slot (``end``). vLLM has
 already written the call's tokens at their own positions' slots, and most kept entries already lie in the run; the
-few that lie before it (one per kv head when a per-step method evicted, the survivors of a compression) move into
-the run's free slots, a kv head's entry written over the slot's other heads' unchanged ones through vLLM's own
-writing op. Moving a few entries instead of shifting the run keeps the cost per step to the evicted entries' count;
-a slot's order does not matter to attention. The blocks wholly before the run go back to vLLM's pool
+few that lie before it (the survivors of a compression; for a per-step method, which evicts one entry per kv head
+and token, the entries of the block the run is leaving, moved together once the run has left it: until then they
+wait in a block the scheduler keeps) move into the run's free slots, every head's entry of a touched slot written
+through vLLM's own writing op. Moving a few entries instead of shifting the run keeps the cost to the moved entries'
+count; a slot's order does not matter to attention. The blocks wholly before the run go back to vLLM's pool
 (:meth:`~attnkit.vllm.plan.Plan.freeable`); the layer's count is checked against the plan after every call.
 
 Steps that cannot compress, of a method whose decode step between two compressions only appends its entry, attends
