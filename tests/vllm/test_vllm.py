@@ -6,7 +6,7 @@ whose requests choose their method through ``extra_args`` (every supported metho
 chunks prompts (1024 tokens a step, so 1k-3k prompts span steps and share them), keeps prefix caching on, and has
 room for about 12k tokens, so that a burst of long requests is preempted and recomputed. Its engine core runs in
 the test process (on two cores a child engine process's busy loop takes a core from the model's threads: the
-module ran in 1.8x the time); plain vLLM's runs in a child process, vLLM's default, as do the server's and the
+small-budget tests took 1.8x the time); plain vLLM's runs in a child process, vLLM's default, as do the server's and the
 tensor-parallel engine's in their modules.
 """
 
