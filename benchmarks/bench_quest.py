@@ -129,8 +129,7 @@ def decode_steps(args) -> tuple[list[tuple[str, float]], dict, dict]:
                                          lambda pos, s=session: Step(s, "decode", pos))
                         tokens[label] = logits_of(model, hidden).argmax(-1)
                     times[label].append(args.timer() - start)
-                used[label] = "; ".join(f"{k.removeprefix('native_')}: {v}" for k, v in guard.report(mark).items()
-                                        ) or "-"
+                used[label] = guard.summary(mark)
         position += args.steps
     stats = {label: s.method.run_stats(s) for label, s in sessions.items()}
     return [(label, statistics.median(t)) for label, t in times.items()], stats, used

@@ -87,7 +87,7 @@ def bench_length(model, length: int, methods: list[str], repeats: int, seed: int
         mark = guard.mark()
         with native.settings(*setting(which)):
             t = prefill_seconds(model, ids, spec, clock)
-        used[label] = "; ".join(f"{k.removeprefix('native_')}: {v}" for k, v in guard.report(mark).items()) or "-"
+        used[label] = guard.summary(mark)
         return t
 
     for label, spec, which in runs if warmup else ():  # warm-up (the noise tables, the allocator, the guard)

@@ -129,6 +129,9 @@ def test_a_slower_kernel_is_left_off(fresh, monkeypatch):
     report = guard.report()
     assert set(report) == {"native_scoring", "native_paged", "native_sparse"}
     assert all(text.startswith("off, ") and "not faster than torch here" in text for text in report.values())
+    line = guard.summary()  # the benchmarks' one-line form
+    assert line.split("; ") == [f"{kernel}: {report['native_' + kernel]}" for kernel in ("paged", "scoring", "sparse")]
+    assert guard.summary(guard.mark()) == "-"
 
 
 def test_a_runs_statistics_say_which_kernels_ran(small_llama, monkeypatch):

@@ -54,16 +54,10 @@ def vllm_engines():
     from vllm import LLM
 
     plain = LLM(**COMMON)
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # this engine's core in this process (module docstring)
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # this engine's core in this process (module docstring)
         ours = LLM(**COMMON, max_num_batched_tokens=1024, num_gpu_blocks_override=BLOCKS, disable_log_stats=False,
                    additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
-    finally:
-        if before is None:
-            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
     ours.watch = SchedulerWatch.attach(ours)  # vLLM's own scheduler statistics of this engine
     yield plain, ours
     for llm in (plain, ours):  # end the engines' processes now, not when the test run ends

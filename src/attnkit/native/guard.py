@@ -158,6 +158,12 @@ def report(since: int = 0) -> dict[str, str]:
             for kernel in sorted(found)}
 
 
+def summary(since: int = 0) -> str:
+    """:func:`report` in one line for a benchmark's table: ``<kernel>: on|off, <isa>, <why>`` joined by ``; ``, or
+    ``-`` where no kernel was consulted."""
+    return "; ".join(f"{k.removeprefix('native_')}: {v}" for k, v in report(since).items()) or "-"
+
+
 def forget() -> None:
     """Drops the choices this process holds (not the file's): the next consultation reads the file again."""
     with _lock:
