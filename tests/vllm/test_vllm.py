@@ -18,6 +18,7 @@ import attnkit
 from attnkit.calibrate.patterns import dumps_config, search_patterns
 from attnkit.errors import AttnkitError
 from attnkit.eval.data.task_registry import get_task
+from attnkit.methods.base import resolve_method
 from attnkit.vllm.stats import SchedulerWatch
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
@@ -125,6 +126,64 @@ def test_unlimited_budgets_give_plain_vllm_tokens(engine, plain, prompts):
         assert tokens(engine.generate(prompts, [params(spec)] * len(prompts), use_tqdm=False)) == expected, spec
 
 
+def test_seeded_sampling_follows_the_method(engine, plain, model):
+    """Sampling (temperature, top-p, a seed per request) in vLLM's own sampler: at an unlimited budget the same tokens
+    as plain vLLM; at small budgets every sampled token's log-probability, as vLLM reports it, is the one attnkit's
+    method gives that token when the same text is fed through it (attnkit's teacher_force), so vLLM samples from
+    attnkit's distribution at every step, across compressions. (Two short prompts per batch, each prefilled in one
+    chunk: vLLM's CPU sampler fails on a seeded request whose prompt is chunked, its generator having no offset.)"""
+    import torch
+    from vllm import SamplingParams
+
+    from attnkit.continuation import teacher_force
+
+    prompts = [get_task("passkey").make(model.tokenizer, n, seed=60 + i).prompt for i, n in enumerate((300, 400))]
+
+    def sampling(spec, seed):
+        extra = {} if spec is None else {"extra_args": {"attnkit": spec}}
+        return SamplingParams(max_tokens=NEW, temperature=0.8, top_p=0.9, seed=seed, logprobs=0, ignore_eos=True,
+                              **extra)
+
+    expected = tokens(plain.generate(prompts, [sampling(None, s) for s in (1, 2)], use_tqdm=False))
+    assert expected != tokens(plain.generate(prompts, params(), use_tqdm=False))  # it sampled
+    got = tokens(engine.generate(prompts, [sampling("snapkv:budget=1.0", s) for s in (1, 2)], use_tqdm=False))
+    assert got == expected
+    for spec in ("snapkv:budget_tokens=256,decode_every=8", "h2o:budget_tokens=256"):
+        for out in engine.generate(prompts, [sampling(spec, s) for s in (1, 2)], use_tqdm=False):
+            sample = out.outputs[0]
+            reported = torch.tensor([step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs)])
+            forced = teacher_force(model, [out.prompt_token_ids], [list(sample.token_ids)], spec)[0]
+            torch.testing.assert_close(reported, -forced.nll, rtol=0, atol=2e-3)
+
+
+def test_unlimited_budgets_through_attnkit_host_give_plain_vllm_tokens(engine, plain, prompts, monkeypatch):
+    """The same specs with the routing that hands a request with nothing to evict to vLLM's kernel switched off: every
+    request runs through attnkit's host (its prompt through the method's own hooks, its decoding over the slots its
+    plan shows), one batch of all of them, and still gives plain vLLM's tokens."""
+    import dataclasses
+
+    from attnkit.methods.window import Window
+    from attnkit.vllm import plan as plans
+
+    make_plan = plans.make_plan
+
+    def through_host(method, *args):
+        plan = make_plan(method, *args)
+        if not plan.plain:
+            return plan
+        if isinstance(plans.cache_part(method), Window):  # a window masks by itself: the host's windowed reads
+            return dataclasses.replace(plan, window=plans.cache_part(method).window, dense_prompt=False)
+        return dataclasses.replace(plan, hooks=True)
+
+    expected = tokens(plain.generate(prompts, params(), use_tqdm=False))
+    monkeypatch.setattr(plans, "make_plan", through_host)
+    monkeypatch.setattr(plans, "_PLANS", {})
+    batch = [(spec, j % len(prompts)) for j, spec in enumerate(UNLIMITED)]
+    assert not any(plans.plan_for(resolve_method(s), 100, NEW, 6).plain for s, _ in batch)
+    out = tokens(engine.generate([prompts[i] for _, i in batch], [params(s) for s, _ in batch], use_tqdm=False))
+    assert out == [expected[i] for _, i in batch]
+
+
 SMALL = ["snapkv:budget=0.3", "snapkv:budget_tokens=256,window_size=16,kernel_size=5", "keydiff:budget=0.2",
          "expected_attention:budget=0.25", "streaming:budget_tokens=256",
          "streaming:budget_tokens=2000,sinks=8", "window:window=200", "a_shape:n_init=64,n_local=512", "minference",
@@ -216,6 +275,28 @@ def test_compression_hands_blocks_back_to_vllm(engine, model):
     assert freed == pytest.approx(expected, abs=0.6 / BLOCKS), (usage, n)
 
 
+def test_the_scheduler_gets_each_plan_without_the_prefix_lookup(engine, model, monkeypatch):
+    """The scheduler notes a request's method when it gives the request slots, which no request runs without: with
+    the prefix-cache lookup's wrapper removed (as if vLLM stopped calling it), a compressed request still frees its
+    prompt's blocks by its plan and gives attnkit's tokens."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    monkeypatch.setattr(KVCacheManager, "prefix_cache_lookup_enabled",
+                        KVCacheManager.prefix_cache_lookup_enabled.__wrapped__)
+    prompt = get_task("passkey").make(model.tokenizer, 3000, seed=8).prompt  # shares no prefix with other tests'
+    n = len(model.tokenizer(prompt).input_ids)
+    spec = "snapkv:budget_tokens=256"
+    core, seen, used = engine.llm_engine, [], None
+    core.add_request("no-lookup", prompt, params(spec, max_tokens=8))
+    while core.has_unfinished_requests():
+        for out in core.step():
+            seen = list(out.outputs[0].token_ids)
+        if len(seen) >= 2 and used is None:
+            used = blocks_in_use(engine)
+    assert used <= 256 // 128 + 2 < n // 128  # the run of 256 kept entries and the next block, not the prompt's
+    assert_same_tokens([seen], model, [prompt], spec, max_tokens=8)
+
+
 def blocks_in_use(engine):
     return round(engine.watch.kv_cache_usage * BLOCKS)
 
@@ -225,7 +306,6 @@ def test_compression_while_decoding_hands_blocks_back_to_vllm(engine, model):
     block every 128 tokens; with h2o (one entry out per token) it stays at the blocks spanning the 256 kept entries,
     and with snapkv re-compressing every 128 tokens it falls back after a compression. At no step does the request
     hold more blocks than its plan's run spans."""
-    from attnkit.methods.base import resolve_method
     from attnkit.vllm.plan import plan_for
 
     prompt = get_task("passkey").make(model.tokenizer, 300, seed=9).prompt
@@ -312,7 +392,9 @@ def test_a_recipe_file_that_does_not_parse(tmp_path):
 
 @pytest.mark.parametrize("spec, message", [("kvzip:budget=0.3", "not supported"), ("snapkv:budget=2", "budget"),
                                            ("snapkv:budget=0.01", "observation window"),  # 10 slots of 1,024
-                                           ("streaming:budget=0.001,sinks=4", "sinks=4"), ("window", None)])
+                                           ("streaming:budget=0.001,sinks=4", "sinks=4"), ("window", None),
+                                           (["snapkv:budget=0.3"], "spec string"), ({"method": "snapkv"}, "spec string"),
+                                           (0.3, "spec string")])
 def test_bad_request_specs_fail_that_request_only(engine, plain, prompts, spec, message):
     from vllm.exceptions import VLLMValidationError
 
@@ -320,8 +402,9 @@ def test_bad_request_specs_fail_that_request_only(engine, plain, prompts, spec, 
         with pytest.raises(VLLMValidationError, match="without attnkit"):
             plain.generate(prompts[:1], [params(spec)], use_tqdm=False)
         return
-    with pytest.raises(VLLMValidationError, match=message):
+    with pytest.raises(VLLMValidationError, match=message) as info:
         engine.generate(prompts[:1], [params(spec)], use_tqdm=False)
+    assert "\n" not in str(info.value)
     assert len(tokens(engine.generate(prompts[:1], [params()], use_tqdm=False))[0]) == NEW  # the engine lives on
 
 

@@ -1,15 +1,18 @@
 """The vLLM host's layout logic on plain tensors (no engine): plans, the layout map of the paged cache, and one
 request's attention over a paged store, against attnkit's own runner."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
+import attnkit
 from attnkit.cache import KVCache
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import resolve_method
 from attnkit.rope import Rope
 from attnkit.session import Session, Step
-from attnkit.vllm import host, live, paged
+from attnkit.vllm import host, paged
 from attnkit.vllm.config import EngineConfig
 from attnkit.vllm.plan import plan_for
 from attnkit.vllm.requests import Row
@@ -90,6 +93,8 @@ class DictStore:
 
 
 N, NEW = 80, 20
+ENGINE = dict(model=str(Path(attnkit.__file__).parent / "assets" / "tiny"), dtype="float32", enforce_eager=True,
+              max_model_len=4096)
 
 
 def assert_host_outputs(row, got, expected):
@@ -127,9 +132,10 @@ def test_a_recomputed_request_crossing_its_prompt_end_gets_attnkit_outputs(spec)
     store = DictStore(kv, d, n + new)
     store.write(torch.arange(n + new), k, v)  # vLLM stores the step's keys at their slots before attention
     row = Row("r", method, plan_for(method, n, new, 1), new, 0, n + new)
-    got = host.row_attention(row, host.LayerCall(0, 1, 0.25, None), q, k, v, store.request())
+    state = host.WorkerState()
+    got = host.row_attention(row, host.LayerCall(0, 1, 0.25, None, state), q, k, v, store.request())
     assert_host_outputs(row, got, expected)
-    assert "r" not in host.PREFILLS.open  # the prompt's session closed after its last layer
+    assert "r" not in state.prefills.open  # the prompt's session closed after its last layer
 
 
 def flash_store(key, value, key_cache, value_cache, slots):
@@ -143,14 +149,19 @@ def flash_store(key, value, key_cache, value_cache, slots):
 def flash_request(kv_cache, block_row, monkeypatch):
     """One request's slots in a FlashAttention-layout cache, through attnkit's FlashAttention backend's own layout
     pieces (vLLM's CUDA op replaced by :func:`flash_store`)."""
+    import inspect
     from types import SimpleNamespace
 
-    from vllm.v1.attention.backends import flash_attn
+    from vllm import _custom_ops as ops
 
     from attnkit.vllm.flash import AttnkitFlashImpl
 
-    monkeypatch.setattr(flash_attn, "reshape_and_cache_flash",
-                        lambda k, v, kc, vc, slots, dtype, ks, vs: flash_store(k, v, kc, vc, slots), raising=False)
+    # the op attnkit calls must exist in the installed vLLM with the arguments it passes (only its CUDA kernel is
+    # missing here): a renamed or reshaped op fails these tests
+    assert list(inspect.signature(ops.reshape_and_cache_flash).parameters) == [
+        "key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype", "k_scale", "v_scale"]
+    monkeypatch.setattr(ops, "reshape_and_cache_flash",
+                        lambda k, v, kc, vc, slots, dtype, ks, vs: flash_store(k, v, kc, vc, slots))
     impl = SimpleNamespace(kv_cache_dtype="auto")
     layer = SimpleNamespace(_k_scale=1.0, _v_scale=1.0)
     key_cache, value_cache, layout, store = AttnkitFlashImpl.cache_layout(impl, layer, kv_cache)
@@ -185,7 +196,7 @@ def test_the_host_in_flashattention_layout_gets_attnkit_outputs(spec, monkeypatc
     request = flash_request(torch.zeros(12, kv, 16, 2 * d), torch.tensor([7, 2, 9, 0, 11, 5, 3]), monkeypatch)
     request.write(torch.arange(n + new), k, v)
     row = Row("f", method, plan_for(method, n, new, 1), new, 0, n + new)
-    got = host.row_attention(row, host.LayerCall(0, 1, 0.25, None), q, k, v, request)
+    got = host.row_attention(row, host.LayerCall(0, 1, 0.25, None, host.WorkerState()), q, k, v, request)
     assert_host_outputs(row, got, expected)
 
 
@@ -200,20 +211,20 @@ LIVE_SPECS = ["h2o:budget_tokens=40", "tova:budget_tokens=40", "keyformer:budget
 ROPE16 = Rope(inv_freq=1.0 / (100.0 ** (torch.arange(0, 16, 2).float() / 16)))  # expected_attention un-rotates
 
 
-def live_calls(row_of, store, q, k, v, chunks, block_size=1):
+def live_calls(row_of, store, q, k, v, chunks, state, block_size=1):
     """Run a live request's layer calls over `chunks` (``(start, end)``, one forward each), as vLLM does: the call's
     keys written at their slots first, every block of `block_size` slots wholly before the plan's run poisoned after
     each call (a read of a freed slot would show), the outputs of each call kept."""
     outs = []
     for start, end in chunks:
-        live.LIVE.begin_forward({"r"})
+        state.begin_forward({"r"})
         store.write(torch.arange(start, end), k[:, :, start:end], v[:, :, start:end])
         row = row_of(start, end - start)
         if row.kept_queries is not None:  # a step that cannot compress: plain attention, the method told later
             outs.append(host.visible_attention(row.plan, start, q[:, :, start:end], store.request(), 0.25))
-            live.LIVE.skipped("r", 0, start, q[0, :, start] if row.kept_queries else None)
+            state.live.skipped("r", 0, start, q[0, :, start] if row.kept_queries else None)
         else:
-            outs.append(host.row_attention(row, host.LayerCall(0, 1, 0.25, ROPE16), q[:, :, start:end],
+            outs.append(host.row_attention(row, host.LayerCall(0, 1, 0.25, ROPE16, state), q[:, :, start:end],
                                            k[:, :, start:end], v[:, :, start:end], store.request(block_size)))
         for lo, hi in row.plan.freeable(end):
             lo, hi = -(-lo // block_size) * block_size, hi // block_size * block_size
@@ -237,9 +248,10 @@ def test_a_method_acting_while_decoding_gets_attnkit_outputs(spec, chunking):
     assert plan.live
     store = DictStore(kv, d, n + new)
     chunks = [(0, n + new)] if chunking == "recomputed" else [(0, 50), (50, n)] + [(p, p + 1) for p in range(n, n + new)]
-    got = live_calls(lambda s, t: Row("r", method, plan, new, s, t), store, q, k, v, chunks, block_size)
+    state = host.WorkerState()
+    got = live_calls(lambda s, t: Row("r", method, plan, new, s, t), store, q, k, v, chunks, state, block_size)
     assert_host_outputs(Row("r", method, plan, new, 0, 1), got, expected)
-    entry = live.LIVE.open["r"]
+    entry = state.live.open["r"]
     state, held = entry.layers[0], plan.held(n + new)
     if chunking != "recomputed" and plan.every > 1 and getattr(method, "decode_queries_kept", lambda: None)() is not None:
         # the steps that cannot compress ran as plain attention: the layer's state is that of the last compression
@@ -270,3 +282,146 @@ def test_live_plans_count_what_each_method_holds():
     assert snap.freeable(89) == [(0, 48)]
     assert not plan_for(resolve_method("snapkv:budget_tokens=100,decode_every=8"), 80, 20, 6).live  # never evicts
     assert plan_for(resolve_method("rkv:budget_tokens=40"), 80, 200, 6).every == 128
+
+
+def test_runs_read_in_place_by_vllms_windowed_kernel_equal_the_gathered_attention():
+    """Decode rows whose plan shows one run of slots ending at their own (compacted and windowed requests) are read in
+    place by vLLM's CPU kernel with a sliding window of the run's length: the same outputs as attnkit's gathered
+    attention over exactly those slots, with stale entries just before each run and NaN in freed blocks."""
+    from types import SimpleNamespace
+
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from attnkit.vllm.cpu import AttnkitCPUImpl, AttnkitCPUMetadataBuilder
+
+    torch.manual_seed(0)
+    blocks, kv, size, d, heads = 40, 2, 16, 32, 8
+    isa = _get_attn_isa(torch.float32, size, d)
+    cache = torch.zeros(blocks, kv, size, 2 * d)
+    k_cache, v_cache = paged.split_cache(cache)
+    slots = torch.arange(blocks * size)
+    ops.cpu_attn_reshape_and_cache(torch.randn(len(slots), kv, d), torch.randn(len(slots), kv, d), k_cache, v_cache,
+                                   slots, isa)
+    cache[0] = float("nan")  # the block freed blocks point to
+    ends = [70, 95, 41, 128, 77]  # each request's query position; its run: [end + 1 - length, end + 1)
+    lengths = [30, 30, 17, 64, 78]
+    table = torch.zeros(len(ends), 9, dtype=torch.int32)
+    for r, (end, length) in enumerate(zip(ends, lengths)):
+        held = torch.arange((end + 1 - length) // size, end // size + 1)
+        table[r, held] = torch.randperm(blocks - 1)[: len(held)].int() + 1  # freed blocks stay 0
+    query = torch.randn(len(ends), heads, d)
+    builder = SimpleNamespace(num_heads=heads, num_kv_heads=kv, head_dim=d, dtype=torch.float32, isa=isa,
+                              kv_cache_dtype="auto")
+    impl = SimpleNamespace(scale=d ** -0.5, alibi_slopes=None, logits_soft_cap=0.0, sinks=None, kv_cache_dtype="auto")
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    cm = SimpleNamespace(query_start_loc=torch.arange(len(ends) + 1, dtype=torch.int32), block_table_tensor=table,
+                         seq_lens=torch.tensor(ends, dtype=torch.int32) + 1)
+    layout = paged.learn_layout(("cpu", isa, size, d, kv, torch.float32), lambda *a: ops.cpu_attn_reshape_and_cache(
+        *a, isa), paged.split_cache, size, d, kv, torch.float32)
+    qsl = list(range(len(ends) + 1))
+    for length in sorted(set(lengths)):
+        members = [r for r, n in enumerate(lengths) if n == length]
+        run = AttnkitCPUMetadataBuilder.window(builder, cm, members, qsl, length)
+        out = torch.empty(len(members), heads, d)
+        AttnkitCPUImpl.windowed_attention(impl, layer, query[run.index], k_cache, v_cache, run, out)
+        entries = paged.PaddedEntries.of([table[r] for r in members],
+                                         [torch.arange(ends[r] + 1 - length, ends[r] + 1) for r in members], size)
+        keys, values = entries.gather(k_cache, v_cache, layout)
+        assert not keys.isnan().any()
+        expected = host.batched_decode(query[members].unsqueeze(2), keys, values, entries.valid, d ** -0.5)
+        torch.testing.assert_close(out, expected.squeeze(2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget_tokens=40", "expected_attention:budget_tokens=40",
+                                  "h2o:budget_tokens=40"])
+def test_a_request_sitting_out_steps_in_the_middle_of_its_prompt_keeps_its_state(spec):
+    """vLLM may schedule no tokens of a partly prefilled request for a step (its token budget taken by others): the
+    worker keeps the method's state (SnapKV's window queries, Expected Attention's moments) until the request is gone,
+    so the prompt's second chunk, steps later, gives attnkit's outputs; a request the runner no longer holds is
+    forgotten."""
+    n, new, kv, d = N, NEW, 2, 16
+    method = resolve_method(spec)
+    q, k, v, expected = session_reference(method, 3, ROPE16)
+    plan = plan_for(method, n, new, 1)
+    store, state, outs = DictStore(kv, d, n + new), host.WorkerState(), []
+    for start, end in [(0, 70), (0, 0), (0, 0), (70, n)] + [(p, p + 1) for p in range(n, n + new)]:
+        state.begin_forward({"r", "other"})
+        if start == end:  # a step without this request's rows
+            continue
+        store.write(torch.arange(start, end), k[:, :, start:end], v[:, :, start:end])
+        row = Row("r", method, plan, new, start, end - start)
+        if row.kept_queries is not None:
+            outs.append(host.visible_attention(plan, start, q[:, :, start:end], store.request(), 0.25))
+            state.live.skipped("r", 0, start, q[0, :, start] if row.kept_queries else None)
+            continue
+        outs.append(host.row_attention(row, host.LayerCall(0, 1, 0.25, ROPE16, state), q[:, :, start:end],
+                                       k[:, :, start:end], v[:, :, start:end], store.request()))
+    assert_host_outputs(Row("r", method, plan, new, 0, 1), torch.cat(outs, dim=2), expected)
+    state.begin_forward({"other"})
+    assert "r" not in state.prefills.open and "r" not in state.live.open
+
+
+def test_each_engine_keeps_its_own_requests():
+    """Two engines in one process (a plain one beside an attnkit one, as in notebooks): each model runner has its own
+    worker state and each scheduler its own notes, so a step of one never drops or judges the other's requests."""
+    from types import SimpleNamespace
+
+    from attnkit.vllm import requests
+
+    runners = [SimpleNamespace(requests={}), SimpleNamespace(requests={})]
+    states = []
+    for runner in runners:
+        token = requests.set_runner(runner)
+        try:
+            states.append(requests.runner_state(host.WorkerState))
+            assert requests.runner_state(host.WorkerState) is states[-1]
+        finally:
+            requests.reset_runner(token)
+    assert states[0] is not states[1]
+    states[0].prefills.open["a"] = object()
+    states[1].begin_forward(set())  # the other engine's step, holding none of the first's requests
+    assert "a" in states[0].prefills.open
+    engine = EngineConfig.parse({"attnkit": {"recipe": "snapkv:budget_tokens=64"}})
+    first, second = requests.ScheduledRequests(engine), requests.ScheduledRequests(engine)
+    first.record(SimpleNamespace(request_id="0", sampling_params=None))
+    assert not first.plan("0", 300).plain
+    with pytest.raises(RuntimeError, match="'0' reached the KV-cache manager without"):
+        second.plan("0", 300)  # another engine's request "0" is not this one's
+
+
+def test_a_recipe_file_is_read_once_at_engine_start(tmp_path, monkeypatch):
+    """The process that configures the engine reads the recipe file and hands on a mapping: the scheduler, workers and
+    request checks never read it again (a file changed or removed later changes nothing)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import attnkit.vllm.plugin
+    from attnkit.vllm.config import engine_of
+
+    attnkit.vllm.plugin.register()
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text('{"method": "snapkv", "params": {"budget_tokens": 64}}')
+    config = EngineArgs(**ENGINE, additional_config={"attnkit": {"recipe": str(recipe)}}).create_engine_config()
+    recipe.unlink()
+    handed_on = config.additional_config["attnkit"]
+    assert isinstance(handed_on["recipe"], dict) and handed_on["allow"] == ["full", "snapkv"]
+    assert engine_of(config).method.name == "snapkv"
+
+
+def test_an_untested_vllm_gets_nothing_registered_and_refuses_attnkit_engines(monkeypatch):
+    """On a vLLM version the plugin is not tested with, registering installs nothing but the engine check: no
+    backend, spec or wrapper of vLLM's internals; an engine asking for attnkit is refused in one line naming the
+    tested versions, a plain one is configured as vLLM's own."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import attnkit.vllm.plugin
+    from attnkit.vllm import patches, versions
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", EngineArgs.create_engine_config)  # restored afterwards
+    monkeypatch.setattr(versions, "vllm_version", lambda: "0.99.1")
+    monkeypatch.setattr(patches, "apply", lambda: pytest.fail("an untested vLLM got the plugin's wrappers"))
+    attnkit.vllm.plugin.register()
+    with pytest.raises(AttnkitError) as info:
+        EngineArgs(**ENGINE, additional_config={"attnkit": {"recipe": "snapkv:budget=0.3"}}).create_engine_config()
+    assert "tested with vLLM 0.32.x; this is vLLM 0.99.1" in str(info.value) and "\n" not in str(info.value)
+    assert "attnkit" not in (EngineArgs(**ENGINE).create_engine_config().additional_config or {})

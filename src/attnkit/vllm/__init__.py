@@ -10,7 +10,7 @@ point is :func:`attnkit.vllm.plugin.register`. The pieces:
 :mod:`~attnkit.vllm.config` (the configuration), :mod:`~attnkit.vllm.requests` (which request a row is),
 :mod:`~attnkit.vllm.host` (attention of attnkit's rows over paged slots), :mod:`~attnkit.vllm.paged` (vLLM's
 CPU cache layout), :mod:`~attnkit.vllm.manager` (the KV-cache spec and the manager that frees blocks),
-:mod:`~attnkit.vllm.backend` (the attention backend) and :mod:`~attnkit.vllm.patches` (three wrapped vLLM
-methods where no interface exists). vLLM is imported only by the last three and by
+:mod:`~attnkit.vllm.backend` (the attention backend) and :mod:`~attnkit.vllm.patches` (wrapped vLLM methods where no
+interface exists). vLLM is imported only by the last three and by
 :mod:`~attnkit.vllm.plugin`, which vLLM loads itself; this package's ``__init__`` imports nothing.
 """

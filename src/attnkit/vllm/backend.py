@@ -9,8 +9,11 @@ defers to its vLLM parent. With it:
 - the metadata builder (:class:`AttnkitBuilderMixin`) sorts a step's rows: requests whose plan is plain full
   attention (:attr:`attnkit.vllm.plan.Plan.plain`) keep vLLM's kernel and metadata, built for them alone; the
   others are listed with their rows' tokens and block tables (``metadata.attnkit``);
-- the attention (:class:`AttnkitImplMixin`) computes the plain rows with vLLM's kernel and the others with
-  :mod:`attnkit.vllm.host`, reading and writing their slots through :mod:`attnkit.vllm.paged`. What differs
+- the attention (:class:`AttnkitImplMixin`) computes the plain rows with vLLM's kernel; a decode row whose plan
+  shows it one run of slots ending at its own (a compacted or windowed request between its method's calls) with
+  vLLM's kernel too where the backend can window it (:attr:`AttnkitBuilderMixin.windowed`: the run read in place
+  through a sliding window of the run's length, one kernel call per distinct length, instead of gathered); the
+  others with :mod:`attnkit.vllm.host`, reading and writing their slots through :mod:`attnkit.vllm.paged`. What differs
   between backends is only the cache layout: how a layer's tensor splits into keys and values, vLLM's op that
   writes entries, and the map from an entry to where it lies (:meth:`AttnkitImplMixin.cache_layout`).
 """
@@ -26,20 +29,14 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from attnkit.rope import Rope
-from attnkit.vllm import host, live, paged, requests
-from attnkit.vllm.config import EngineConfig
+from attnkit.vllm import host, paged, requests
+from attnkit.vllm.config import EngineConfig, engine_of
 from attnkit.vllm.manager import AttnkitSpec
 
 
 @functools.lru_cache(maxsize=8)
 def _engine_from(text: str) -> EngineConfig | None:
     return EngineConfig.from_json(text) if text else None
-
-
-def engine_config(vllm_config) -> EngineConfig | None:
-    """The checked attnkit configuration of an engine (None: attnkit is off)."""
-    engine = EngineConfig.parse(getattr(vllm_config, "additional_config", None))
-    return None if engine is None else _engine_from(engine.to_json())
 
 
 # the engine this worker process serves, noted when its attention layers are built (vLLM asks the backend for
@@ -68,10 +65,14 @@ class StepPart:
     rows: list  # (first token, end token, Row, block table row)
     # rows decoding one token over their visible slots: their tokens, and their entries (paged.PaddedEntries)
     decode: tuple | None
+    # rows decoding one token over one run of slots that ends at their own, read in place by vLLM's kernel through
+    # a sliding window of the run's length: one Window per distinct length
+    windows: list
     # live rows among them whose methods catch up later: (token, request id, position, queries kept)
     skipped: list
     n_layers: int
     rope: Rope | None
+    state: host.WorkerState
     plain: object = None  # vLLM's metadata of the plain rows (None: there are none)
     plain_index: torch.Tensor | None = None  # the plain rows' tokens
 
@@ -111,26 +112,31 @@ class AttnkitBuilderMixin:
         positions = cm.positions.cpu()
         starts = [int(positions[a]) if n else 0 for a, n in zip(qsl[:-1], tokens)]
         rows = requests.batch_rows(self.engine, self.n_layers, starts, tokens)
-        host.PREFILLS.retain({r.request_id for r in rows})
-        live.LIVE.begin_forward(requests.known_requests())
+        state = requests.runner_state(host.WorkerState)
+        state.begin_forward(requests.known_requests())
         if all(r.plan.plain for r in rows):
             meta.attnkit = None
             return meta
         # vLLM's kernel: the plain rows, and the prompt chunks whose outputs are dense attention (their methods
         # observe and compress beside it)
         plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])]
-        part = StepPart([], None, [], self.n_layers, self.rope)
-        decode = []
+        part = StepPart([], None, [], [], self.n_layers, self.rope, state)
+        decode, runs = [], {}
         for i, r in enumerate(rows):
             if r.plan.plain or not tokens[i]:
                 continue
             kept = r.kept_queries
             if tokens[i] == 1 and not (r.plan.hooks and r.in_prompt) and (not r.plan.live or kept is not None):
-                decode.append((qsl[i], host.decode_slots(r.plan, r.start), cm.block_table_tensor[i]))
+                visible = r.plan.visible(r.start)
+                if len(visible) == 1 and self.windowed:
+                    runs.setdefault(r.start + 1 - visible[0][0], []).append(i)
+                else:
+                    decode.append((qsl[i], host.decode_slots(r.plan, r.start), cm.block_table_tensor[i]))
                 if kept is not None:
                     part.skipped.append((qsl[i], r.request_id, r.start, kept))
             else:
                 part.rows.append((qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]))
+        part.windows = [self.window(cm, sorted(members), qsl, length) for length, members in runs.items()]
         if decode:
             entries = paged.PaddedEntries.of([d[2] for d in decode], [d[1] for d in decode], self.page_block_size)
             part.decode = (torch.tensor([d[0] for d in decode], device=cm.query_start_loc.device), entries)
@@ -149,6 +155,23 @@ class AttnkitBuilderMixin:
         meta.attnkit = part
         return meta
 
+    windowed = False  # whether this backend reads a run of slots in place (:meth:`window`)
+
+    def window(self, cm, members: list[int], qsl: list[int], length: int) -> Window:
+        """The rows `members` of the step (one query each) as a batch for vLLM's kernel with a sliding window of
+        `length` slots (a subclass that sets :attr:`windowed` builds its kernel's metadata)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class Window:
+    """Rows that each read the `length` slots ending at their own query's, as one call of vLLM's kernel: their tokens
+    in the step (``index``), and the backend's metadata for them alone (``meta``)."""
+
+    length: int
+    index: torch.Tensor
+    meta: object
+
 
 class AttnkitImplMixin:
     """Put before a vLLM attention implementation class: its forward for vLLM's rows, attnkit's for the others.
@@ -158,13 +181,19 @@ class AttnkitImplMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        _SERVING[0] = engine_config(get_current_vllm_config())
+        _SERVING[0] = engine_of(get_current_vllm_config())
 
     def cache_layout(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, paged.Layout, object]:
         """``(key cache, value cache, layout, store)``: the layer's cache split as this backend's kernels split it
         (each ``[num_blocks, kv_heads, block_size, head_dim]``), where an entry lies inside a block
         (:class:`~attnkit.vllm.paged.Layout`), and ``store(key, value, key_cache, value_cache, slots)``: vLLM's op
         writing entries ``[n, kv_heads, head_dim]`` to physical slots."""
+        raise NotImplementedError
+
+    def windowed_attention(self, layer, query, key_cache, value_cache, run: Window, out) -> None:
+        """Outputs `out` ``[rows, heads, head_dim]`` of `query` (one per row of `run`), each over the ``run.length``
+        slots ending at its own, computed by vLLM's kernel reading the cache in place (backends whose builder sets
+        ``windowed``)."""
         raise NotImplementedError
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -182,15 +211,19 @@ class AttnkitImplMixin:
             output[index] = out
         key_cache, value_cache, layout, store = self.cache_layout(layer, kv_cache)
         block_size = key_cache.shape[2]
-        call = host.LayerCall(self.layer_index, part.n_layers, self.scale, part.rope)
+        call = host.LayerCall(self.layer_index, part.n_layers, self.scale, part.rope, part.state)
+        for run in part.windows:  # rows reading one run of slots in place: vLLM's kernel, windowed
+            out = output.new_empty((run.index.shape[0],) + tuple(query.shape[1:]))
+            self.windowed_attention(layer, query[run.index], key_cache, value_cache, run, out)
+            output[run.index] = out.reshape(output[run.index].shape)
         if part.decode is not None:  # rows decoding one token over their visible slots: one gather, one attention
             firsts, entries = part.decode
             keys, values = entries.gather(key_cache, value_cache, layout)
             out = host.batched_decode(query[firsts].unsqueeze(2), keys, values, entries.valid, self.scale)
             output[firsts] = out.squeeze(2).reshape(output[firsts].shape).to(output.dtype)
-            for first, request_id, position, kept in part.skipped:
-                q = query[first].reshape(-1, keys.shape[-1]).clone() if kept else None
-                live.LIVE.skipped(request_id, self.layer_index, position, q)
+        for first, request_id, position, kept in part.skipped:
+            q = query[first].reshape(-1, key_cache.shape[-1]).clone() if kept else None
+            part.state.live.skipped(request_id, self.layer_index, position, q)
         for first, end, row, block_row in part.rows:
             request = paged.request_slots(key_cache, value_cache, layout, block_row, block_size, store)
             q = query[first:end].transpose(0, 1).unsqueeze(0)

@@ -91,13 +91,19 @@ class EngineConfig:
         """The method of a request: its own spec (``extra_args['attnkit']``) when it gives one, else the engine's."""
         if spec is None:
             return self.method
+        if not isinstance(spec, str):
+            raise AttnkitError(f"{REQUEST_SOURCE} must be a method spec string such as 'snapkv:budget=0.3', got "
+                               f"{spec!r} ({type(spec).__name__})")
         return _request_method(spec, self.allow)
+
+    def resolved(self) -> dict:
+        """This configuration as ``additional_config['attnkit']`` with the recipe read: what the process that starts
+        the engine hands on, so that no other process reads a recipe file again."""
+        return {"recipe": self.recipe, "allow": "*" if self.allow is None else list(self.allow)}
 
 
 @functools.lru_cache(maxsize=256)
-def _request_method(spec, allow: tuple[str, ...] | None) -> Method:
-    if not isinstance(spec, str):
-        raise AttnkitError(f"{REQUEST_SOURCE} must be a method spec string such as 'snapkv:budget=0.3', got {spec!r}")
+def _request_method(spec: str, allow: tuple[str, ...] | None) -> Method:
     method = method_of(spec, REQUEST_SOURCE)
     check_supported(method, REQUEST_SOURCE)
     refused = sorted(method_names(method) - set(allow or ()))
@@ -106,3 +112,21 @@ def _request_method(spec, allow: tuple[str, ...] | None) -> Method:
                            f"allowed: {', '.join(allow)} (additional_config['attnkit']['allow'] widens it; the "
                            f"plugin supports {SUPPORTED})")
     return method
+
+
+def engine_of(vllm_config) -> EngineConfig | None:
+    """The checked attnkit configuration of an engine (None: attnkit is off), parsed once per distinct configuration
+    (after engine start its recipe is a mapping: :meth:`EngineConfig.resolved`)."""
+    raw = getattr(vllm_config, "additional_config", None)
+    if not isinstance(raw, dict) or KEY not in raw:
+        return None
+    try:
+        text = json.dumps(raw[KEY], sort_keys=True)
+    except TypeError:  # not JSON: parse says what is wrong with it
+        return EngineConfig.parse(raw)
+    return _parsed(text)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(text: str) -> EngineConfig:
+    return EngineConfig.parse({KEY: json.loads(text)})

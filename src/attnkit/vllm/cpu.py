@@ -6,7 +6,9 @@ an entry to where it lies is learnt from vLLM's own writing op (:func:`attnkit.v
 
 from __future__ import annotations
 
+import torch
 from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -14,11 +16,22 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from attnkit.vllm import paged
-from attnkit.vllm.backend import AttnkitBuilderMixin, AttnkitImplMixin, attnkit_backend
+from attnkit.vllm.backend import AttnkitBuilderMixin, AttnkitImplMixin, Window, attnkit_backend
 
 
 class AttnkitCPUMetadataBuilder(AttnkitBuilderMixin, CPUAttentionMetadataBuilder):
-    pass
+    windowed = True
+
+    def window(self, cm, members, qsl, length):
+        index = torch.tensor([qsl[i] for i in members], device=cm.query_start_loc.device)
+        seq_lens = cm.seq_lens[torch.tensor(members, device=cm.seq_lens.device)].to(torch.int32)
+        starts = torch.arange(len(members) + 1, dtype=torch.int32, device=cm.query_start_loc.device)
+        schedule = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(members), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            seq_lens=seq_lens, dtype=self.dtype, query_start_loc=starts, causal=True, sliding_window_size=length,
+            isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
+        block_table = cm.block_table_tensor[torch.tensor(members, device=cm.block_table_tensor.device)]
+        return Window(length, index, (starts, seq_lens, block_table, schedule))
 
 
 class AttnkitCPUImpl(AttnkitImplMixin, CPUAttentionBackendImpl):
@@ -33,6 +46,14 @@ class AttnkitCPUImpl(AttnkitImplMixin, CPUAttentionBackendImpl):
                                     paged.split_cache, block_size, width // 2, heads, kv_cache.dtype)
         key_cache, value_cache = paged.split_cache(kv_cache)
         return key_cache, value_cache, layout, store
+
+    def windowed_attention(self, layer, query, key_cache, value_cache, run, out):
+        starts, seq_lens, block_table, schedule = run.meta
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+            seq_lens=seq_lens, scale=self.scale, causal=True, alibi_slopes=self.alibi_slopes, sliding_window=run.length,
+            block_table=block_table, softcap=self.logits_soft_cap, scheduler_metadata=schedule, s_aux=self.sinks,
+            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
 
 
 AttnkitCPUBackend = attnkit_backend(CPUAttentionBackend, AttnkitCPUImpl, AttnkitCPUMetadataBuilder, "AttnkitCPUBackend")

@@ -5,7 +5,8 @@ reach the GPU machines this project is lent). An engine that runs it warns once 
 FlashAttention's cache of a layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``, keys in the first half of
 each entry's row and values in the second (vLLM splits it as ``kv_cache.transpose(1, 2).split(head_dim, -1)``), so
 an entry ``(slot, dim)`` lies at row ``slot``, column ``dim`` of its block (:func:`attnkit.vllm.paged.identity_layout`);
-entries are written by vLLM's ``reshape_and_cache_flash``. CUDA graphs cannot capture attnkit's rows (their
+entries are written by vLLM's ``reshape_and_cache_flash`` (``vllm._custom_ops``, the op its FlashAttention backend
+calls on CUDA). CUDA graphs cannot capture attnkit's rows (their
 gathers depend on each request's plan), so an engine with attnkit on this backend must run eagerly
 (:func:`attnkit.vllm.patches.check_engine`).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from vllm.v1.attention.backends import flash_attn
+from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -49,8 +50,8 @@ class AttnkitFlashImpl(AttnkitImplMixin, FlashAttentionImpl):
 
     def cache_layout(self, layer, kv_cache):
         def store(key, value, key_cache, value_cache, slots):
-            flash_attn.reshape_and_cache_flash(key, value, key_cache.transpose(1, 2), value_cache.transpose(1, 2),
-                                               slots, self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+            ops.reshape_and_cache_flash(key, value, key_cache.transpose(1, 2), value_cache.transpose(1, 2), slots,
+                                        self.kv_cache_dtype, layer._k_scale, layer._v_scale)
 
         key_cache, value_cache = flash_split(kv_cache)
         return key_cache, value_cache, paged.identity_layout(kv_cache.shape[2], kv_cache.shape[-1] // 2), store

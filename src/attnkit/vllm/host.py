@@ -14,7 +14,7 @@ attention. Nothing here knows vLLM's layout: the :class:`PagedRequest` given rea
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,7 +73,8 @@ class Prefills:
         self.open: dict[str, Prefill] = {}
 
     def retain(self, request_ids) -> None:
-        """Forget prompts of requests that left the batch (finished, aborted or preempted)."""
+        """Forget prompts of requests the model runner no longer holds (finished or aborted); a request that sits out
+        a step in the middle of its prompt keeps its session (statistics carried across chunks)."""
         for rid in [r for r in self.open if r not in request_ids]:
             del self.open[rid]
 
@@ -96,18 +97,30 @@ class Prefills:
         self.open.pop(row.request_id, None)
 
 
-PREFILLS = Prefills()
+@dataclass
+class WorkerState:
+    """What one model runner (one engine's worker) keeps between forwards: its prompts in progress and its live
+    requests. Kept per runner, so that two engines in one process never see each other's requests."""
+
+    prefills: Prefills = field(default_factory=Prefills)
+    live: live.LiveRequests = field(default_factory=live.LiveRequests)
+
+    def begin_forward(self, known) -> None:
+        """A new forward; `known`: the ids of every request the runner holds (running, waiting or preempted)."""
+        self.prefills.retain(known)
+        self.live.begin_forward(known)
 
 
 @dataclass(frozen=True)
 class LayerCall:
-    """One attention layer's call in the host: its index among the model's `n_layers`, its softmax scale, and the
-    model's rotary frequencies."""
+    """One attention layer's call in the host: its index among the model's `n_layers`, its softmax scale, the
+    model's rotary frequencies, and the worker's state."""
 
     layer: int
     n_layers: int
     scaling: float
     rope: object
+    state: WorkerState
 
 
 def row_attention(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> torch.Tensor:
@@ -131,7 +144,7 @@ def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> tor
     """A prompt chunk through the method's own hooks; the prompt's last chunk writes back what the method kept."""
     plan, start, layer = row.plan, row.start, call.layer
     end = start + q.shape[2]
-    step = PREFILLS.step(row, call.n_layers, start, end, call.rope)
+    step = call.state.prefills.step(row, call.n_layers, start, end, call.rope)
     held = LayerKV.allocate(1, k.shape[1], plan.prompt_len, k.shape[-1], k.dtype, k.device)
     if start:
         keys, values = paged.gather(torch.arange(start))
@@ -149,7 +162,7 @@ def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> tor
     finally:
         cache.layers[layer] = None
     if step.last_chunk and layer == call.n_layers - 1:
-        PREFILLS.close(row)
+        call.state.prefills.close(row)
     return out
 
 

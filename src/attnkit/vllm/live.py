@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnkit.attention import sdpa
 from attnkit.cache import KVCache, LayerKV
 from attnkit.session import LayerContext, Session, Step
 from attnkit.vllm.requests import Row
@@ -114,18 +115,38 @@ class LiveRequests:
 
 
 def steps_of(session: Session, row: Row) -> list[tuple[Step, int, int]]:
-    """The steps of `row`'s tokens: its prompt part as one prefill step, then one decode step per generated token."""
-    n, start, end = row.plan.prompt_len, row.start, row.start + row.tokens
+    """The steps of `row`'s tokens: its prompt part as one prefill step, then one decode step per generated token;
+    for a method whose steps between compressions only append (:attr:`Row.kept_queries`'s methods), the generated
+    tokens between two compressions (a recomputed request's) as one appending step (:func:`appending`)."""
+    plan = row.plan
+    n, start, end = plan.prompt_len, row.start, row.start + row.tokens
     steps = []
     if start < n:
         stop = min(end, n)
         steps.append((Step(session, "prefill", torch.arange(start, stop), last_chunk=stop == n), 0, stop - start))
-    for t in range(max(start, n), end):
-        steps.append((Step(session, "decode", torch.tensor([t])), t - start, t - start + 1))
+    appends = plan.every > 1 and getattr(row.method, "decode_queries_kept", lambda: None)() is not None
+    t = max(start, n)
+    while t < end:
+        stop = t + 1
+        if appends and not plan.compresses_at(t):
+            while stop < end and not plan.compresses_at(stop):
+                stop += 1
+        steps.append((Step(session, "decode", torch.arange(t, stop)), t - start, stop - start))
+        t = stop
     return steps
 
 
-LIVE = LiveRequests()
+def appending(step: Step, layer: int, scaling: float, q, k, v) -> torch.Tensor:
+    """Decode steps between two compressions of a method whose such steps only append (its ``skip_appends``): each
+    token attends densely over what the layer holds and the tokens before it, then the tokens are appended and
+    their queries noted, as the method's own steps would, one by one."""
+    ctx = LayerContext(step, layer, scaling, None, device=k.device)
+    held_k, held_v, _ = ctx.kv.view()
+    count, held = q.shape[2], held_k.shape[2]
+    allowed = torch.ones(count, held + count, dtype=torch.bool, device=q.device).tril(held)
+    out = sdpa(q, torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2), scaling, mask=allowed[None, None])
+    step.session.method.skip_appends(ctx, k, v, q, step.q_pos)
+    return out
 
 
 def hydrate(layer: LiveLayer, gather) -> LayerKV:
@@ -225,14 +246,16 @@ def attention(row: Row, make_method, call, q, k, v, paged) -> torch.Tensor:
     """Outputs ``[1, heads, tokens, d]`` of a live row's tokens in one layer (see the module docstring); `call` is
     the :class:`attnkit.vllm.host.LayerCall`, `paged` the request's :class:`attnkit.vllm.host.PagedRequest`,
     ``make_method(row)`` the method a new session runs."""
-    entry = LIVE.enter(row, make_method, call.n_layers, call.rope)
+    entry = call.state.live.enter(row, make_method, call.n_layers, call.rope)
     session, index = entry.session, call.layer
     old = entry.layers[index]
     session.cache.layers[index] = None if old is None else hydrate(old, paged.gather)
     try:
         if old is not None and old.end < row.start:
             catch_up(entry, call, old.end, row.start, paged.gather)
-        outs = [step.attention(index, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], call.scaling, None)
+        outs = [appending(step, index, call.scaling, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
+                if step.phase == "decode" and b - a > 1 else
+                step.attention(index, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], call.scaling, None)
                 for step, a, b in entry.steps]
         kv = session.cache.layers[index]
         end = row.start + row.tokens

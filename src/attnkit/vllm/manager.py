@@ -43,13 +43,12 @@ class AttnkitManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec: AttnkitSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
-        self.engine = EngineConfig.from_json(kv_cache_spec.config)
-        requests.set_scheduler_engine(self.engine)
+        self.scheduled = requests.ScheduledRequests(EngineConfig.from_json(kv_cache_spec.config))
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
-        plan = requests.scheduler_plan(self.engine, request_id, num_prompt_tokens)
+        plan = self.scheduled.plan(request_id, num_prompt_tokens)
         if plan is None or plan.plain:
             return
         bs = self.block_size
@@ -58,9 +57,19 @@ class AttnkitManager(FullAttentionManager):
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
-        requests.forget_request(request_id)
+        self.scheduled.forget(request_id)
 
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
-        plan = requests.scheduler_plan(self.engine, request.request_id, request.num_prompt_tokens)
+        plan = self.scheduled.plan(request.request_id, request.num_prompt_tokens)
         if plan is None or plan.plain:
             super().cache_blocks(request, num_tokens, *args, **kwargs)
+
+
+def scheduled_requests(kv_cache_manager) -> list[requests.ScheduledRequests]:
+    """The attnkit bookkeeping of an engine's KV-cache manager (vLLM's ``KVCacheManager``): one per attnkit layer group,
+    none for a plain engine (found once, kept on the manager)."""
+    found = getattr(kv_cache_manager, "_attnkit_scheduled", None)
+    if found is None:
+        managers = kv_cache_manager.coordinator.single_type_managers
+        found = kv_cache_manager._attnkit_scheduled = [m.scheduled for m in managers if isinstance(m, AttnkitManager)]
+    return found

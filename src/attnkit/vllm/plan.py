@@ -5,7 +5,7 @@ vLLM adapter needs to store a request in vLLM's paged blocks, on both sides of t
 
 - the scheduler's KV-cache manager frees whole blocks that no later query reads (:meth:`Plan.freeable`);
 - the worker's attention computes each request's outputs over the slots it may read (:meth:`Plan.visible`),
-  and runs the method's own hooks on the prompt (:mod:`attnkit.vllm.prefill`).
+  and runs the method's own hooks on the prompt (:mod:`attnkit.vllm.host`).
 
 The layout in paged slots (vLLM writes position ``p`` to slot ``p`` of the request's block table, and we keep
 that: no slot mapping is rewritten). A prompt compressed to ``B`` entries per kv head is *compacted into the

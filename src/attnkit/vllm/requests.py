@@ -4,11 +4,14 @@ vLLM tells neither its KV-cache managers nor its attention backends which reques
 managers see a request id and a prompt length, the attention metadata sees rows. Two small hooks
 (:mod:`attnkit.vllm.patches`) fill that in:
 
-- scheduler: when the scheduler looks a request up in the prefix cache (every request does, once per
-  admission), :func:`record_request` notes its ``extra_args['attnkit']``, and :func:`scheduler_plan` gives
-  the managers the request's plan from its id;
+- scheduler: when the scheduler looks a request up in the prefix cache, and every time it gives a request slots
+  (no request runs without), the engine's :class:`ScheduledRequests` notes its ``extra_args['attnkit']``, and
+  gives the managers the request's plan from its id (a request it never noted is an error);
 - worker: while the model runner builds a step's attention metadata, :func:`batch_rows` reads the runner's
   own table of the batch's requests (id, prompt, sampling parameters) row by row.
+
+Both sides keep their state on vLLM's own objects (the scheduler's KV-cache managers, the model runner), never in
+module globals, so that two engines in one process never judge each other's requests.
 """
 
 from __future__ import annotations
@@ -23,10 +26,6 @@ from attnkit.vllm.plan import Plan, plan_for
 # generated tokens of a request that sets no max_tokens
 UNBOUNDED = 1 << 40
 
-# request id -> (its extra_args['attnkit'] (None: the engine's recipe), its max_tokens): whether a method evicts at
-# all may depend on how many tokens a request generates, so both sides plan with the same count
-_scheduled: dict[str, tuple] = {}
-_engine: list[EngineConfig] = []  # the scheduler's engine config, set by its KV-cache manager
 _runner = contextvars.ContextVar("attnkit_vllm_runner", default=None)
 
 
@@ -40,33 +39,39 @@ def max_tokens_of(sampling_params) -> int:
     return UNBOUNDED if value is None else value
 
 
-def record_request(request) -> None:
-    """Note the attnkit spec and the token count a request gives (scheduler side)."""
-    _scheduled[request.request_id] = (request_spec(request.sampling_params), max_tokens_of(request.sampling_params))
+class ScheduledRequests:
+    """The scheduler's side of one engine: each request's ``extra_args['attnkit']`` (None: the engine's recipe) and
+    its token count, noted when the scheduler looks it up in the prefix cache and again whenever it gives it slots
+    (:mod:`attnkit.vllm.patches`), so that no request is scheduled without them; whether a method evicts at all may
+    depend on how many tokens a request generates, so both sides plan with the same count."""
 
+    def __init__(self, engine: EngineConfig):
+        self.engine = engine
+        self.known: dict[str, tuple] = {}
 
-def forget_request(request_id: str) -> None:
-    _scheduled.pop(request_id, None)
+    def record(self, request) -> None:
+        self.known[request.request_id] = (request_spec(request.sampling_params),
+                                          max_tokens_of(request.sampling_params))
 
+    def forget(self, request_id: str) -> None:
+        self.known.pop(request_id, None)
 
-def set_scheduler_engine(engine: EngineConfig) -> None:
-    _engine[:] = [engine]
+    def plan(self, request_id: str, prompt_len: int | None) -> Plan | None:
+        """The plan the scheduler frees a request's blocks by (None before its prompt length is known). A request
+        the scheduler never noted is an error, not a plain request: its blocks would never be freed."""
+        if prompt_len is None:
+            return None
+        if request_id not in self.known:
+            raise RuntimeError(f"attnkit: request {request_id!r} reached the KV-cache manager without passing the "
+                               f"wrapped slot allocation (vLLM took it by a path the plugin does not wrap); its plan "
+                               f"is unknown")
+        spec, max_tokens = self.known[request_id]
+        return plan_for(self.engine.request_method(spec), prompt_len, max_tokens, n_layers=1)
 
-
-def refuses_prefix_hit(request) -> bool:
-    """Whether a request's plan compacts or frees its blocks, so that it must not take cached ones."""
-    if not _engine:
-        return False
-    plan = scheduler_plan(_engine[0], request.request_id, request.num_prompt_tokens)
-    return plan is not None and not plan.plain
-
-
-def scheduler_plan(engine: EngineConfig, request_id: str, prompt_len: int | None) -> Plan | None:
-    """The plan the scheduler frees a request's blocks by (None: the request is unknown to attnkit)."""
-    if prompt_len is None or request_id not in _scheduled:
-        return None
-    spec, max_tokens = _scheduled[request_id]
-    return plan_for(engine.request_method(spec), prompt_len, max_tokens, n_layers=1)
+    def refuses_prefix_hit(self, request) -> bool:
+        """Whether a request's plan compacts or frees its blocks, so that it must not take cached ones."""
+        plan = self.plan(request.request_id, request.num_prompt_tokens)
+        return plan is not None and not plan.plain
 
 
 @dataclass(frozen=True)
@@ -109,20 +114,32 @@ def reset_runner(token) -> None:
     _runner.reset(token)
 
 
-def known_requests() -> set[str]:
-    """The ids of every request the model runner holds (running, waiting for a step or preempted), so that a
-    worker keeps a request's state while it sits out a step and drops it once the request is gone."""
+def runner_state(make):
+    """The attnkit state of the model runner building this step's metadata (``make()`` the first time): kept on the
+    runner, so that each engine's worker has its own."""
+    runner = _current_runner()
+    state = getattr(runner, "_attnkit_state", None)
+    if state is None:
+        state = runner._attnkit_state = make()
+    return state
+
+
+def _current_runner():
     runner = _runner.get()
     if runner is None:
         raise RuntimeError("attnkit: attention metadata built outside the model runner's _build_attention_metadata")
-    return set(runner.requests)
+    return runner
+
+
+def known_requests() -> set[str]:
+    """The ids of every request the model runner holds (running, waiting for a step or preempted), so that a
+    worker keeps a request's state while it sits out a step and drops it once the request is gone."""
+    return set(_current_runner().requests)
 
 
 def batch_rows(engine: EngineConfig, n_layers: int, starts: list[int], tokens: list[int]) -> list[Row]:
     """The rows of the step whose metadata is being built (the runner's batch order), with their plans."""
-    runner = _runner.get()
-    if runner is None:
-        raise RuntimeError("attnkit: attention metadata built outside the model runner's _build_attention_metadata")
+    runner = _current_runner()
     ids = runner.input_batch.req_ids
     rows = []
     for i, (start, count) in enumerate(zip(starts, tokens)):
