@@ -154,3 +154,22 @@ def test_teacher_force_at_an_unlimited_budget_equals_full(model, spec):
     for g, f in zip(got, full):
         assert torch.allclose(g.nll, f.nll, atol=1e-5), spec
         assert g.stats.new_tokens == 24 and g.stats.prompt_tokens == len(CONTEXT)
+
+
+def test_teacher_force_takes_the_chunks_a_serving_engine_chose(model):
+    """The prompt fed in given chunk lengths (a serving engine's scheduler's) is the prompt fed in those chunks:
+    equal chunks match chunk_size; a greedy continuation has a margin of 0 at every token, any other token a negative
+    one; chunk lengths that do not sum to the prompt are one line."""
+    n = len(CONTEXT)
+    cont = attnkit.generate(model, CONTEXT, "snapkv:budget_tokens=64", max_new_tokens=8, stop_at_eos=False,
+                            chunk_size=100).token_ids
+    by_size = continuation.teacher_force(model, [CONTEXT], [cont], "snapkv:budget_tokens=64", chunk_size=100)[0]
+    lengths = [100] * (n // 100) + ([n % 100] if n % 100 else [])
+    by_list = continuation.teacher_force(model, [CONTEXT], [cont], "snapkv:budget_tokens=64", chunk_size=lengths)[0]
+    assert torch.equal(by_size.nll, by_list.nll) and not by_list.margin.any()
+    other = list(cont)
+    other[3] = (other[3] + 1) % 4096
+    assert float(continuation.teacher_force(model, [CONTEXT], [other], "snapkv:budget_tokens=64")[0].margin[3]) < 0
+    with pytest.raises(AttnkitError, match=f"summing to the prompt's {n} tokens") as err:
+        continuation.teacher_force(model, [CONTEXT], [cont], "full", chunk_size=[100, n])
+    assert "\n" not in str(err.value)

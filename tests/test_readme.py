@@ -8,7 +8,8 @@ The README's fenced blocks are taken in document order and replayed in one tempo
   joined) runs as ``attnkit ARGS``: the command-line entry point ``attnkit.cli.main`` called in this
   process with the same arguments (what the venv's ``attnkit`` script does, without a Python start-up per
   command) and must return 0. ``./run test`` is the suite itself and is skipped; ``./run demo`` is
-  skipped as too slow for this file (it evaluates 120 samples, many times the rest of the README together).
+  skipped as too slow for this file (it runs 144 generations, many times the rest of the README together);
+  ``attnkit serve`` serves until stopped: ``tests/vllm/test_vllm_server.py`` runs it as written.
 
 Files a command reads (``long.txt``, ``recipe.yaml``...) must be created by an earlier block of the README,
 so the README is self-sufficient.
@@ -28,7 +29,7 @@ import pytest
 README = Path(__file__).resolve().parent.parent / "README.md"
 SKIPPED = {
     ("test",): "the test suite itself",
-    ("demo",): "120 samples: many times the rest of the README together, too slow for this file",
+    ("demo",): "144 generations: many times the rest of the README together, too slow for this file",
 }
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.M | re.S)
 
@@ -80,6 +81,8 @@ def test_readme_example(kind, payload, workdir, monkeypatch, capsys):
     args = shlex.split(payload)
     if tuple(args) in SKIPPED:
         pytest.skip(SKIPPED[tuple(args)])
+    if args[0] == "serve":  # it serves until stopped: the vLLM tests start it as written and query it
+        pytest.skip("tests/vllm/test_vllm_server.py runs this command and queries it with the OpenAI client")
     from attnkit.cli import main
 
     err = io.StringIO()

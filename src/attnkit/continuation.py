@@ -190,16 +190,19 @@ def generate_after(model: LoadedModel, context, questions, method: str | Method 
 @dataclass
 class Forced:
     """One sequence of :func:`teacher_force`: each continuation token's negative log-likelihood (nats, float32 on
-    the CPU, ``[n]``) given the prompt and the continuation before it, and the run's statistics (``new_tokens``
-    counts the continuation's tokens, ``decode_tokens_per_s`` the tokens fed per second of decoding)."""
+    the CPU, ``[n]``) given the prompt and the continuation before it, how far each token's log-probability lies
+    below the step's most likely token's (``margin``, ``[n]``, 0 where the token is the greedy choice), and the
+    run's statistics (``new_tokens`` counts the continuation's tokens, ``decode_tokens_per_s`` the tokens fed per
+    second of decoding)."""
 
     nll: torch.Tensor
     stats: GenerationStats
+    margin: torch.Tensor
 
 
 @torch.inference_mode()
 def teacher_force(model: LoadedModel, prompts, continuations, method: str | Method | None = "full", *,
-                  params: dict | None = None, chunk_size: int | None = None) -> list[Forced]:
+                  params: dict | None = None, chunk_size: int | list[int] | None = None) -> list[Forced]:
     """Prefill each prompt with `method` (compressed as any prompt), then feed its reference continuation one token
     per decoding step through the method's decode hooks, exactly as a generated token is fed, so eviction and
     decode-time selection act as they would while generating; the logits before each step score the token fed in
@@ -207,7 +210,8 @@ def teacher_force(model: LoadedModel, prompts, continuations, method: str | Meth
 
     `prompts` is a batch of token-id lists and `continuations` one id list per prompt, all of one length.
     Prompts of one length are rows of one session (one per prompt where the method keeps one sequence per
-    session), so every step is one forward over them.
+    session), so every step is one forward over them. `chunk_size`: the prompt fed in chunks of that many tokens, or
+    of the given lengths (the chunks a serving engine's scheduler chose, to compare with its outputs).
     """
     model = check_loaded_model(model)
     method = resolve_method(method, params)
@@ -230,13 +234,14 @@ def teacher_force(model: LoadedModel, prompts, continuations, method: str | Meth
         sync(model.device)
         t0 = time.perf_counter()
         hidden = prefill(model, session, torch.stack([prompts[i] for i in idx]), chunk_size)
-        nll = [_nll(model, hidden[:, -1], rows[:, 0])]
+        scored = [_scores(model, hidden[:, -1], rows[:, 0])]
         sync(model.device)
         prefill_s = time.perf_counter() - t0
         for t in range(n - 1):
             hidden = decode_step(model, session, rows[:, t:t + 1], start + t)
-            nll.append(_nll(model, hidden[:, -1], rows[:, t + 1]))
-        nll = torch.stack(nll, dim=1).float().cpu()
+            scored.append(_scores(model, hidden[:, -1], rows[:, t + 1]))
+        nll = torch.stack([a for a, _ in scored], dim=1).float().cpu()
+        margin = torch.stack([b for _, b in scored], dim=1).float().cpu()
         sync(model.device)
         decode_s = time.perf_counter() - t0 - prefill_s
         cache = session.cache
@@ -246,11 +251,13 @@ def teacher_force(model: LoadedModel, prompts, continuations, method: str | Meth
                 decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                 peak_kv_bytes=cache.peak_row_bytes, final_kv_bytes=cache.row_nbytes(), peak_rss_bytes=peak_rss_bytes(),
                 finish_reason="length", method_stats=method.run_stats(session), batch_size=len(prompts))
-            out[i] = Forced(nll[r], stats)
+            out[i] = Forced(nll[r], stats, margin[r])
     return out
 
 
-def _nll(model: LoadedModel, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """NLL (nats) of `target` ``[rows]`` under the logits of `hidden` ``[rows, hidden]``."""
-    logits = logits_of(model, hidden).float()
-    return torch.nn.functional.cross_entropy(logits, target.to(logits.device), reduction="none")
+def _scores(model: LoadedModel, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NLL (nats) of `target` ``[rows]`` under the logits of `hidden` ``[rows, hidden]``, and its log-probability
+    minus the largest one (``<= 0``)."""
+    logp = torch.log_softmax(logits_of(model, hidden).float(), dim=-1)
+    chosen = logp.gather(-1, target.to(logp.device)[:, None])[:, 0]
+    return -chosen, chosen - logp.max(dim=-1).values

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from attnkit import validate
+from attnkit.errors import AttnkitError
 from attnkit.model import LoadedModel
 from attnkit.session import Session, Step
 
@@ -86,12 +87,26 @@ def logits_of(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     return model.hf.lm_head(hidden).float()
 
 
-def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size: int | None = None,
+def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size: int | Sequence[int] | None = None,
             all_positions: bool = False) -> torch.Tensor:
     """Feed the prompt `ids` ``[n]`` (or the prompts ``[rows, n]`` of a session's rows) in chunks of
-    `chunk_size` tokens if given; final hidden states of the last position ``[1, hidden]``, or of every
+    `chunk_size` tokens if given, or of the chunk lengths given (:func:`chunk_bounds`); final hidden states of the last position ``[1, hidden]``, or of every
     position ``[n, hidden]`` (with a leading ``rows`` axis for ``[rows, n]``)."""
     return prefill_steps(model, ids, lambda pos, last: Step(session, "prefill", pos, last), chunk_size, all_positions)
+
+
+def chunk_bounds(n: int, chunk_size) -> list[tuple[int, int]]:
+    """``(start, end)`` of the chunks an `n`-token prompt is fed in: one chunk (None), chunks of `chunk_size` tokens,
+    or the given chunk lengths (a list summing to `n`: the chunks a serving engine's scheduler chose)."""
+    if isinstance(chunk_size, (list, tuple)):
+        if not chunk_size or sum(chunk_size) != n or any(not isinstance(c, int) or c < 1 for c in chunk_size):
+            raise AttnkitError(f"chunk_size={list(chunk_size)}: chunk lengths must be positive integers summing to "
+                               f"the prompt's {n} tokens")
+        ends = [sum(chunk_size[:i + 1]) for i in range(len(chunk_size))]
+        return list(zip([0] + ends[:-1], ends))
+    validate.optional_whole("chunk_size", chunk_size, 1)
+    chunk = chunk_size or n
+    return [(start, min(n, start + chunk)) for start in range(0, n, chunk)]
 
 
 def prefill_steps(model: LoadedModel, ids: torch.Tensor, make_step: Callable[[torch.Tensor, bool], Step],
@@ -99,11 +114,8 @@ def prefill_steps(model: LoadedModel, ids: torch.Tensor, make_step: Callable[[to
     """:func:`prefill` with the step of each chunk from ``make_step(positions, last_chunk)`` (a step-like
     object that feeds several sessions from one forward, for speculative decoding's shared prefill)."""
     n = ids.shape[-1]
-    validate.optional_whole("chunk_size", chunk_size, 1)
-    chunk = chunk_size or n
     outputs = []
-    for start in range(0, n, chunk):
-        end = min(n, start + chunk)
+    for start, end in chunk_bounds(n, chunk_size):
         hidden = forward(model, ids[..., start:end], start, lambda pos, last=(end == n): make_step(pos, last),
                          all_positions)
         if all_positions or end == n:

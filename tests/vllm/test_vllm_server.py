@@ -1,21 +1,29 @@
-"""attnkit's recipe through vLLM's OpenAI-compatible server (what ``vllm serve`` runs), over loopback with the
-OpenAI client: streamed and not, the engine's recipe and a per-request method (``vllm_xargs``), and a bad
-per-request method answered with a 400 while the server serves on."""
+"""attnkit's recipe through vLLM's OpenAI-compatible server, started by ``attnkit serve`` exactly as the README
+writes it (a recipe file as ``attnkit tune`` writes, vLLM's own options passed through), over loopback with the
+OpenAI client: streamed and not, the engine's recipe and a per-request method (``vllm_xargs``), a bad per-request
+method answered with a 400 while the server serves on, and bad configurations ended in one line."""
 
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import attnkit
 from attnkit.eval.data.task_registry import get_task
+from attnkit.recipe import as_recipe
 
-TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
+MODEL = "tiny"  # the name attnkit serve gives a bundled model
+README = Path(__file__).resolve().parents[2] / "README.md"
 NEW = 24
+# what this machine's tests add to the README's command: a small KV space, no CUDA-graph capture, loopback
+TEST_OPTIONS = ["--enforce-eager", "--max-model-len", "4096", "--num-gpu-blocks-override", "96", "--host", "127.0.0.1"]
 
 
 def free_port() -> int:
@@ -24,20 +32,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def readme_serve_command() -> list[str]:
+    """The README's ``attnkit serve`` command, as arguments after ``attnkit``."""
+    line = next(m.group(0) for m in re.finditer(r"^attnkit serve .*$", README.read_text(), re.M))
+    return shlex.split(line.split("  #")[0])[1:]
+
+
+def attnkit_cli(args, **kwargs):
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    return subprocess.Popen([sys.executable, "-m", "attnkit.cli", *args], env=env, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     import openai
 
-    recipe = tmp_path_factory.mktemp("serve") / "recipe.yaml"
-    recipe.write_text("cache: {method: snapkv, params: {budget: 0.3}}\n")
+    work = tmp_path_factory.mktemp("serve")
+    args = readme_serve_command()
+    recipe = work / args[args.index("--recipe") + 1]  # where the README's tune command wrote it
+    recipe.parent.mkdir(parents=True, exist_ok=True)
+    recipe.write_text(json.dumps(as_recipe("snapkv:budget=0.3").to_dict(), indent=1) + "\n")
     port = free_port()
-    config = json.dumps({"attnkit": {"recipe": str(recipe), "allow": ["streaming", "full"]}})
-    log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w")
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", TINY,
-                             "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--host", "127.0.0.1",
-                             "--port", str(port), "--num-gpu-blocks-override", "96", "--additional-config", config],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    args[args.index("--port") + 1] = str(port)
+    log = open(work / "server.log", "w")
+    proc = attnkit_cli(args + TEST_OPTIONS, cwd=work, stdout=log, stderr=subprocess.STDOUT)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
     deadline = time.time() + 240
     while True:
@@ -71,9 +89,9 @@ def test_completions_give_attnkit_tokens(server, model, spec):
         extra["vllm_xargs"] = {"attnkit": spec}
     expected = [g.token_ids for g in attnkit.generate(model, prompts, spec or "snapkv:budget=0.3", max_new_tokens=NEW)]
     for prompt, want in zip(prompts, expected):
-        plain = server.completions.create(model=TINY, prompt=prompt, max_tokens=NEW, temperature=0, extra_body=extra)
+        plain = server.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, extra_body=extra)
         assert list(plain.choices[0].token_ids) == want
-        stream = server.completions.create(model=TINY, prompt=prompt, max_tokens=NEW, temperature=0, stream=True,
+        stream = server.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, stream=True,
                                            extra_body=extra)
         streamed = [t for chunk in stream for c in chunk.choices for t in (c.token_ids or [])]
         assert streamed == want
@@ -84,7 +102,56 @@ def test_a_method_the_server_does_not_allow_is_a_400(server, model):
 
     prompt = get_task("passkey").make(model.tokenizer, 600, seed=3).prompt
     with pytest.raises(openai.BadRequestError, match="not allowed by this engine"):
-        server.completions.create(model=TINY, prompt=prompt, max_tokens=4, extra_body={"vllm_xargs": {
+        server.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"vllm_xargs": {
             "attnkit": "window:window=128"}})
-    ok = server.completions.create(model=TINY, prompt=prompt, max_tokens=4, temperature=0)
+    ok = server.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tiny", "--recipe", "nosuch:budget=0.3"], "unknown method 'nosuch'"),
+    (["tiny", "--recipe", "quest:token_budget=64"], "not supported inside vLLM"),
+    (["tiny", "--recipe", "snapkv:budget=0.3", "--additional-config", "{}"], "sets --additional-config itself"),
+])
+def test_a_bad_recipe_for_serve_is_one_line(args, message, capsys):
+    """Refused before vLLM is started: exit status 2 and one line naming the bad value."""
+    from attnkit.cli import main
+
+    assert main(["serve", *args, "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("attnkit: error:") and message in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-model-len", "many"], "--max-model-len"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
+     "speculative"),
+])
+def test_a_bad_vllm_option_or_setting_ends_serve_in_one_line(args, message):
+    """A vLLM option its server refuses, or a setting the plugin cannot honour (found when vLLM configures the
+    engine): the command ends with exit status 2, one line naming it, no traceback, no server."""
+    proc = attnkit_cli(["serve", "tiny", "--recipe", "snapkv:budget=0.3", *args, "--dtype", "float32", "--port",
+                        str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=240)
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert errors[-1].startswith("attnkit: error:") and message in errors[-1], err[-3000:]
+
+
+def test_metrics_show_attnkit_figures(server, model):
+    """vLLM's Prometheus endpoint shows attnkit's figures from the engine's processes: requests per method, blocks
+    handed back, compressions and the entries they kept, compaction time."""
+    import urllib.request
+
+    prompt = get_task("passkey").make(model.tokenizer, 1200, seed=5).prompt
+    server.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)  # the recipe: snapkv
+    text = urllib.request.urlopen(str(server.base_url).replace("/v1/", "/metrics"), timeout=30).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("attnkit_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = values.get(name, 0.0) + float(value)
+    assert values.get('attnkit_requests_total{method="snapkv"}', 0) >= 1, values
+    assert values.get("attnkit_blocks_freed_total", 0) >= (1200 - 360) // 128, values  # budget 0.3 of the prompt
+    assert values.get("attnkit_compressions_total", 0) >= 6 and values.get("attnkit_kv_entries_kept_total", 0) > 0
+    assert values.get("attnkit_compaction_seconds_count", 0) == values["attnkit_compressions_total"]

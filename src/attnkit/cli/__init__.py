@@ -1,4 +1,4 @@
-"""The ``attnkit`` command: methods, generate, eval, tune, bench, calibrate, report, demo.
+"""The ``attnkit`` command: methods, generate, eval, tune, bench, calibrate, report, serve, demo.
 
 :func:`main` turns what a user can get wrong into one line on stderr: bad input (an :class:`AttnkitError`,
 argparse's usage errors included) exits 2, a failed read or write exits 1, Ctrl-C exits 130, and a reader
@@ -12,6 +12,7 @@ import sys
 
 from attnkit.cli.options import int_list, name_list
 from attnkit.cli.parser import build_parser
+from attnkit.cli.serve import split_passthrough
 from attnkit.errors import AttnkitError
 from attnkit.validate import whole
 
@@ -44,7 +45,7 @@ def _silence_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one ``attnkit`` command; the exit status."""
     try:
-        args = build_parser().parse_args(argv)
+        args = split_passthrough(build_parser(), argv)
         _set_threads(getattr(args, "threads", None))
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, rather than at exit

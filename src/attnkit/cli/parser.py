@@ -5,6 +5,7 @@ from __future__ import annotations
 from attnkit.cli.commands import cmd_bench, cmd_generate, cmd_methods
 from attnkit.cli.evaluate import cmd_calibrate, cmd_demo, cmd_eval, cmd_report
 from attnkit.cli.options import Parser
+from attnkit.cli.serve import add_serve_parser
 from attnkit.cli.speculation import add_speculation_options
 from attnkit.cli.tune import cmd_tune
 from attnkit.eval.data.long_output import DEFAULT_CONTINUATION_TOKENS, DEFAULT_STRETCH_TOKENS
@@ -44,9 +45,12 @@ def build_parser() -> Parser:
     p.add_argument("--out", default=None, help="the HTML file to write (default DIR/report.html)")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("demo", help="the main job: a short evaluation of the bundled model")
+    add_serve_parser(sub)
+
+    p = sub.add_parser("demo", help="the main job: full attention against a window, SnapKV and Quest on the bundled "
+                                    "model (scores, KV memory, speed)")
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
-    p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
+    p.add_argument("--samples", type=int, default=6, help="prompts per task and length")
     p.add_argument("--out", default="attnkit-results/demo", help="directory for results.jsonl and the report")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -114,6 +114,8 @@ class AttnkitBuilderMixin:
         rows = requests.batch_rows(self.engine, self.n_layers, starts, tokens)
         state = requests.runner_state(host.WorkerState)
         state.begin_forward(requests.known_requests())
+        for r in rows:
+            state.note_prompt(r.request_id, r.plan.prompt_len, r.start, r.tokens)
         if all(r.plan.plain for r in rows):
             meta.attnkit = None
             return meta

@@ -13,6 +13,8 @@ attention. Nothing here knows vLLM's layout: the :class:`PagedRequest` given rea
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +25,7 @@ from attnkit.cache import KVCache, LayerKV
 from attnkit.methods.base import Method
 from attnkit.methods.compose import Compose
 from attnkit.session import LayerContext, Session, Step
-from attnkit.vllm import live
+from attnkit.vllm import live, metrics
 from attnkit.vllm.plan import Plan
 from attnkit.vllm.requests import Row
 
@@ -97,6 +99,9 @@ class Prefills:
         self.open.pop(row.request_id, None)
 
 
+RECENT = 1024  # requests whose prompt chunks a worker remembers
+
+
 @dataclass
 class WorkerState:
     """What one model runner (one engine's worker) keeps between forwards: its prompts in progress and its live
@@ -104,11 +109,24 @@ class WorkerState:
 
     prefills: Prefills = field(default_factory=Prefills)
     live: live.LiveRequests = field(default_factory=live.LiveRequests)
+    # the chunk lengths vLLM fed each recent request's prompt in (its last feeding, after a preemption the recompute's),
+    # by request id: attnkit's runner given the same chunks computes the same prompt (chunk_size=...)
+    prompt_chunks: OrderedDict = field(default_factory=OrderedDict)
 
     def begin_forward(self, known) -> None:
         """A new forward; `known`: the ids of every request the runner holds (running, waiting or preempted)."""
         self.prefills.retain(known)
         self.live.begin_forward(known)
+
+    def note_prompt(self, request_id: str, prompt_len: int, start: int, tokens: int) -> None:
+        """A row of a step feeding `tokens` tokens from position `start` (kept: :attr:`prompt_chunks`)."""
+        if start >= prompt_len or not tokens:
+            return
+        chunks = [] if start == 0 else self.prompt_chunks.pop(request_id, [])
+        chunks.append(min(start + tokens, prompt_len) - start)
+        self.prompt_chunks[request_id] = chunks
+        while len(self.prompt_chunks) > RECENT:
+            self.prompt_chunks.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,7 @@ def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> tor
         held.append(keys, values, torch.arange(start, device=k.device))
     cache = step.session.cache
     cache.layers[layer] = held
+    started = time.perf_counter()
     try:
         out = step.attention(layer, q, k, v, call.scaling, None)
         if step.last_chunk and plan.kept is not None:
@@ -159,6 +178,7 @@ def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> tor
                 raise RuntimeError(f"attnkit: layer {layer} kept {keys.shape[2]} entries per kv head, the plan "
                                    f"{plan.kept}")
             paged.write(torch.arange(plan.base, plan.prompt_len), keys, values)
+            metrics.compacted(time.perf_counter() - started, plan.kept)
     finally:
         cache.layers[layer] = None
     if step.last_chunk and layer == call.n_layers - 1:

@@ -32,6 +32,7 @@ what it would have in attnkit's runner while most steps cost what a plain decode
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ import torch
 from attnkit.attention import sdpa
 from attnkit.cache import KVCache, LayerKV
 from attnkit.session import LayerContext, Session, Step
+from attnkit.vllm import metrics
 from attnkit.vllm.requests import Row
 
 META = torch.device("meta")
@@ -246,6 +248,7 @@ def attention(row: Row, make_method, call, q, k, v, paged) -> torch.Tensor:
     """Outputs ``[1, heads, tokens, d]`` of a live row's tokens in one layer (see the module docstring); `call` is
     the :class:`attnkit.vllm.host.LayerCall`, `paged` the request's :class:`attnkit.vllm.host.PagedRequest`,
     ``make_method(row)`` the method a new session runs."""
+    started = time.perf_counter()
     entry = call.state.live.enter(row, make_method, call.n_layers, call.rope)
     session, index = entry.session, call.layer
     old = entry.layers[index]
@@ -274,4 +277,8 @@ def attention(row: Row, make_method, call, q, k, v, paged) -> torch.Tensor:
         dehydrate(kv)
     finally:
         session.cache.layers[index] = None
+    plan = row.plan
+    if (plan.kept is not None and row.start < plan.prompt_len <= end) or any(
+            plan.compresses_at(t) for t in range(max(row.start, plan.prompt_len), end)):
+        metrics.compacted(time.perf_counter() - started, expected)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -22,7 +22,7 @@ import dataclasses
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from attnkit.vllm import requests
+from attnkit.vllm import metrics, requests
 from attnkit.vllm.config import EngineConfig
 
 
@@ -51,9 +51,11 @@ class AttnkitManager(FullAttentionManager):
         plan = self.scheduled.plan(request_id, num_prompt_tokens)
         if plan is None or plan.plain:
             return
-        bs = self.block_size
+        bs, free = self.block_size, self.block_pool.get_num_free_blocks()
         for start, end in plan.freeable(processed_computed_tokens):
             self._remove_blocks_in_range(request_id, -(-start // bs), end // bs)
+        if self.block_pool.get_num_free_blocks() > free:
+            metrics.BLOCKS_FREED.inc(self.block_pool.get_num_free_blocks() - free)
 
     def free(self, request_id: str) -> None:
         super().free(request_id)

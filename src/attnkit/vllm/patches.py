@@ -36,7 +36,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from attnkit.errors import AttnkitError
 from attnkit.rope import Rope
-from attnkit.vllm import requests
+from attnkit.vllm import metrics, requests
 from attnkit.vllm.config import KEY, EngineConfig, engine_of
 from attnkit.vllm.manager import scheduled_requests
 from attnkit.vllm.plan import check_parallel, check_prompt
@@ -105,6 +105,7 @@ def check_request(vllm_config, request, rope) -> None:
     except AttnkitError as error:
         raise VLLMValidationError(f"attnkit: {error}", parameter="extra_args" if spec is not None else None,
                                   value=spec) from None
+    metrics.REQUESTS.labels(metrics.method_label(method)).inc()
 
 
 def apply() -> None:

@@ -1,0 +1,34 @@
+"""attnkit's figures among vLLM's Prometheus metrics (``/metrics`` of its OpenAI server), from the scheduler and the
+workers: requests per method, blocks handed back to vLLM's pool, KV entries kept by compressions, compaction time.
+
+They are ``prometheus_client`` metrics, which vLLM itself uses. The server's ``/metrics`` shows metrics of other
+processes (the engine core, its workers) when ``PROMETHEUS_MULTIPROC_DIR`` names a directory for them before vLLM
+starts: ``attnkit serve`` sets one (a temporary directory) unless it is already set; vLLM sets one itself only for
+several API servers. In-process engines (``vllm.LLM``) count them in the process's default registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+REQUESTS = Counter("attnkit_requests", "Requests whose method the attnkit plugin runs, by method", ["method"])
+BLOCKS_FREED = Counter("attnkit_blocks_freed", "KV-cache blocks attnkit's plans handed back to vLLM's pool")
+COMPRESSIONS = Counter("attnkit_compressions", "Compressions of one layer of one request (after the prompt or "
+                                               "while decoding)")
+ENTRIES_KEPT = Counter("attnkit_kv_entries_kept", "KV entries per kv head kept by those compressions, summed")
+COMPACTION = Histogram("attnkit_compaction_seconds", "Time of one layer's compression of one request in the worker "
+                                                    "(the method's hooks and the moves of its entries)",
+                       buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0))
+
+
+def method_label(method) -> str:
+    """``snapkv``, ``minference+snapkv``: the names of a (composed) method."""
+    parts = [getattr(method, "prefill_method", None), getattr(method, "cache_method", None)]
+    return "+".join(p.name for p in parts) if all(parts) else method.name
+
+
+def compacted(seconds: float, kept: int) -> None:
+    """One layer's call that compressed a request to `kept` entries per kv head took `seconds`."""
+    COMPACTION.observe(seconds)
+    COMPRESSIONS.inc()
+    ENTRIES_KEPT.inc(kept)
