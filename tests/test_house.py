@@ -90,10 +90,16 @@ def test_imports_go_down_the_layers():
     assert not bad, "\n".join(bad)
 
 
+# modules that may defer imports, and why (the cycle check below sees their deferred imports too)
+DEFERRING = {"attnkit.vllm.plugin": "vLLM loads it in every process: on a vLLM version the plugin is not tested "
+                                    "with it must not import the modules that import vLLM's internals"}
+
+
 def test_no_attnkit_import_inside_functions():
-    """A function-level import hides a cycle; only the CLI may defer imports (for its start-up time)."""
+    """A function-level import hides a cycle; only the CLI may defer imports (for its start-up time), and the modules
+    of DEFERRING for their reason."""
     bad = [f"{module}:{line} imports {target} inside a function"
-           for module, path in MODULES.items() if layer(module) != RANK["cli"]
+           for module, path in MODULES.items() if layer(module) != RANK["cli"] and module not in DEFERRING
            for target, inside, line in imports(path) if inside]
     assert not bad, "\n".join(bad)
 

@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 
 from attnkit.errors import AttnkitError
@@ -94,10 +95,11 @@ def cmd_serve(args) -> int:
 
 
 def split_passthrough(parser: argparse.ArgumentParser, argv: list[str] | None):
-    """``(args, unknown)`` of `argv`: options a passthrough command (``serve``) does not know are kept for vLLM,
-    any other command's are an error."""
+    """The parsed `argv` (the command line's when None); for ``serve``, the options it does not know are kept for
+    vLLM's server (``args.vllm_args``), for any other command they are an error, as argparse says."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] != ["serve"]:
+        return parser.parse_args(argv)
     args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "passthrough", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.vllm_args = unknown
     return args
