@@ -11,7 +11,7 @@ PACKAGE = SRC / "attnkit"
 
 # bottom to top: a module may import modules of its own layer or the layers below
 LAYERS = [
-    ("errors", "validate", "config_file", "version", "native"),
+    ("errors", "validate", "config_file", "version", "native", "environment"),
     ("tokenizer", "rope", "masks", "sampling"),
     ("attention",),
     ("model", "cache", "placement", "quant"),
