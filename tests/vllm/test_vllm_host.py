@@ -320,13 +320,17 @@ def test_runs_read_in_place_by_vllms_windowed_kernel_equal_the_gathered_attentio
     layout = paged.learn_layout(("cpu", isa, size, d, kv, torch.float32), lambda *a: ops.cpu_attn_reshape_and_cache(
         *a, isa), paged.split_cache, size, d, kv, torch.float32)
     qsl = list(range(len(ends) + 1))
-    for length in sorted(set(lengths)):
-        members = [r for r, n in enumerate(lengths) if n == length]
-        run = AttnkitCPUMetadataBuilder.window(builder, cm, members, qsl, length)
+    runs = {length: [r for r, n in enumerate(lengths) if n == length] for length in set(lengths)}
+    builder.window = lambda *args: AttnkitCPUMetadataBuilder.window(builder, *args)
+    windows = AttnkitCPUMetadataBuilder.windows(builder, cm, runs, qsl)
+    assert [run.length for run in windows.runs] == sorted(runs)
+    for run in windows.runs:
+        members = windows.index[run.first:run.end].tolist()
+        assert members == runs[run.length]
         out = torch.empty(len(members), heads, d)
-        AttnkitCPUImpl.windowed_attention(impl, layer, query[run.index], k_cache, v_cache, run, out)
+        AttnkitCPUImpl.windowed_attention(impl, layer, query[members], k_cache, v_cache, run, out)
         entries = paged.PaddedEntries.of([table[r] for r in members],
-                                         [torch.arange(ends[r] + 1 - length, ends[r] + 1) for r in members], size)
+                                         [torch.arange(ends[r] + 1 - run.length, ends[r] + 1) for r in members], size)
         keys, values = entries.gather(k_cache, v_cache, layout)
         assert not keys.isnan().any()
         expected = host.batched_decode(query[members].unsqueeze(2), keys, values, entries.valid, d ** -0.5)

@@ -112,24 +112,24 @@ def test_a_method_the_server_does_not_allow_is_a_400(server, model):
     (["tiny", "--recipe", "nosuch:budget=0.3"], "unknown method 'nosuch'"),
     (["tiny", "--recipe", "quest:token_budget=64"], "not supported inside vLLM"),
     (["tiny", "--recipe", "snapkv:budget=0.3", "--additional-config", "{}"], "sets --additional-config itself"),
+    (["tiny", "--recipe", "snapkv:budget=0.3", "--max-model-len", "many"], "--max-model-len"),  # vLLM's parser
 ])
-def test_a_bad_recipe_for_serve_is_one_line(args, message, capsys):
-    """Refused before vLLM is started: exit status 2 and one line naming the bad value."""
+def test_a_bad_recipe_or_option_for_serve_is_one_line(args, message, capsys):
+    """Refused before vLLM starts serving: exit status 2 and one line naming the bad value, no metrics directory
+    left set."""
     from attnkit.cli import main
 
     assert main(["serve", *args, "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("attnkit: error:") and message in err
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-model-len", "many"], "--max-model-len"),
-    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
-     "speculative"),
-])
-def test_a_bad_vllm_option_or_setting_ends_serve_in_one_line(args, message):
-    """A vLLM option its server refuses, or a setting the plugin cannot honour (found when vLLM configures the
-    engine): the command ends with exit status 2, one line naming it, no traceback, no server."""
+def test_a_setting_the_plugin_refuses_ends_serve_in_one_line():
+    """A setting the plugin cannot honour, found when vLLM configures the engine inside its server: the command
+    ends with exit status 2, one line naming it, no traceback, no server."""
+    args = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}']
+    message = "speculative"
     proc = attnkit_cli(["serve", "tiny", "--recipe", "snapkv:budget=0.3", *args, "--dtype", "float32", "--port",
                         str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=240)

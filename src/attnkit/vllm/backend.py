@@ -66,8 +66,8 @@ class StepPart:
     # rows decoding one token over their visible slots: their tokens, and their entries (paged.PaddedEntries)
     decode: tuple | None
     # rows decoding one token over one run of slots that ends at their own, read in place by vLLM's kernel through
-    # a sliding window of the run's length: one Window per distinct length
-    windows: list
+    # a sliding window of the run's length (None: there are none)
+    windows: Windows | None
     # live rows among them whose methods catch up later: (token, request id, position, queries kept)
     skipped: list
     n_layers: int
@@ -122,7 +122,7 @@ class AttnkitBuilderMixin:
         # vLLM's kernel: the plain rows, and the prompt chunks whose outputs are dense attention (their methods
         # observe and compress beside it)
         plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])]
-        part = StepPart([], None, [], [], self.n_layers, self.rope, state)
+        part = StepPart(rows=[], decode=None, windows=None, skipped=[], n_layers=self.n_layers, rope=self.rope, state=state)
         decode, runs = [], {}
         for i, r in enumerate(rows):
             if r.plan.plain or not tokens[i]:
@@ -138,7 +138,8 @@ class AttnkitBuilderMixin:
                     part.skipped.append((qsl[i], r.request_id, r.start, kept))
             else:
                 part.rows.append((qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]))
-        part.windows = [self.window(cm, sorted(members), qsl, length) for length, members in runs.items()]
+        if runs:
+            part.windows = self.windows(cm, runs, qsl)
         if decode:
             entries = paged.PaddedEntries.of([d[2] for d in decode], [d[1] for d in decode], self.page_block_size)
             part.decode = (torch.tensor([d[0] for d in decode], device=cm.query_start_loc.device), entries)
@@ -159,20 +160,44 @@ class AttnkitBuilderMixin:
 
     windowed = False  # whether this backend reads a run of slots in place (:meth:`window`)
 
-    def window(self, cm, members: list[int], qsl: list[int], length: int) -> Window:
-        """The rows `members` of the step (one query each) as a batch for vLLM's kernel with a sliding window of
-        `length` slots (a subclass that sets :attr:`windowed` builds its kernel's metadata)."""
+    def windows(self, cm, runs: dict[int, list[int]], qsl: list[int]) -> Windows:
+        """The step's rows ``runs[length]`` (one query each, reading the `length` slots ending at their own), in
+        order of length, with one :meth:`window` per length over their requests' sequence lengths and block tables
+        (gathered once)."""
+        order = [(length, i) for length in sorted(runs) for i in runs[length]]
+        device = cm.query_start_loc.device
+        rows = torch.tensor([i for _, i in order], device=cm.seq_lens.device)
+        seq_lens, tables = cm.seq_lens[rows].to(torch.int32), cm.block_table_tensor[rows.to(cm.block_table_tensor.device)]
+        groups, first = [], 0
+        for length in sorted(runs):
+            end = first + len(runs[length])
+            groups.append(Window(first, end, length, self.window(length, seq_lens[first:end], tables[first:end])))
+            first = end
+        return Windows(torch.tensor([qsl[i] for _, i in order], device=device), groups)
+
+    def window(self, length: int, seq_lens: torch.Tensor, block_table: torch.Tensor):
+        """The kernel's metadata for requests of sequence lengths `seq_lens` and block table rows `block_table`, one
+        query each, with a sliding window of `length` slots (a subclass that sets :attr:`windowed` builds it)."""
         raise NotImplementedError
 
 
 @dataclasses.dataclass
 class Window:
-    """Rows that each read the `length` slots ending at their own query's, as one call of vLLM's kernel: their tokens
-    in the step (``index``), and the backend's metadata for them alone (``meta``)."""
+    """Rows ``first:end`` of a step's :class:`Windows` (each reading the `length` slots ending at its own query's) as
+    one call of vLLM's kernel, with the backend's metadata for them alone (``meta``)."""
 
+    first: int
+    end: int
     length: int
-    index: torch.Tensor
     meta: object
+
+
+@dataclasses.dataclass
+class Windows:
+    """A step's rows read in place through a window: their tokens in the step (``index``), grouped by run length."""
+
+    index: torch.Tensor
+    runs: list[Window]
 
 
 class AttnkitImplMixin:
@@ -214,10 +239,14 @@ class AttnkitImplMixin:
         key_cache, value_cache, layout, store = self.cache_layout(layer, kv_cache)
         block_size = key_cache.shape[2]
         call = host.LayerCall(self.layer_index, part.n_layers, self.scale, part.rope, part.state)
-        for run in part.windows:  # rows reading one run of slots in place: vLLM's kernel, windowed
-            out = output.new_empty((run.index.shape[0],) + tuple(query.shape[1:]))
-            self.windowed_attention(layer, query[run.index], key_cache, value_cache, run, out)
-            output[run.index] = out.reshape(output[run.index].shape)
+        if part.windows is not None:  # rows reading one run of slots in place: vLLM's kernel, windowed
+            index = part.windows.index
+            queries = query[index]
+            out = torch.empty_like(queries)
+            for run in part.windows.runs:
+                self.windowed_attention(layer, queries[run.first:run.end], key_cache, value_cache, run,
+                                        out[run.first:run.end])
+            output[index] = out.reshape((index.shape[0],) + tuple(output.shape[1:])).to(output.dtype)
         if part.decode is not None:  # rows decoding one token over their visible slots: one gather, one attention
             firsts, entries = part.decode
             keys, values = entries.gather(key_cache, value_cache, layout)

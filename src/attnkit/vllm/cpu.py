@@ -16,22 +16,20 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from attnkit.vllm import paged
-from attnkit.vllm.backend import AttnkitBuilderMixin, AttnkitImplMixin, Window, attnkit_backend
+from attnkit.vllm.backend import AttnkitBuilderMixin, AttnkitImplMixin, attnkit_backend
 
 
 class AttnkitCPUMetadataBuilder(AttnkitBuilderMixin, CPUAttentionMetadataBuilder):
     windowed = True
 
-    def window(self, cm, members, qsl, length):
-        index = torch.tensor([qsl[i] for i in members], device=cm.query_start_loc.device)
-        seq_lens = cm.seq_lens[torch.tensor(members, device=cm.seq_lens.device)].to(torch.int32)
-        starts = torch.arange(len(members) + 1, dtype=torch.int32, device=cm.query_start_loc.device)
+    def window(self, length, seq_lens, block_table):
+        starts = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
         schedule = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(members), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            seq_lens=seq_lens, dtype=self.dtype, query_start_loc=starts, causal=True, sliding_window_size=length,
-            isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
-        block_table = cm.block_table_tensor[torch.tensor(members, device=cm.block_table_tensor.device)]
-        return Window(length, index, (starts, seq_lens, block_table, schedule))
+            num_reqs=seq_lens.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype, query_start_loc=starts, causal=True,
+            sliding_window_size=length, isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=self.kv_cache_dtype)
+        return starts, seq_lens, block_table, schedule
 
 
 class AttnkitCPUImpl(AttnkitImplMixin, CPUAttentionBackendImpl):
