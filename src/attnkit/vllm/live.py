@@ -5,7 +5,8 @@ A method decides and a host stores (DESIGN.md). For a request whose plan is live
 attnkit :class:`~attnkit.session.Session` from its first prompt chunk to its end, and every layer call runs the
 method's hooks exactly as attnkit's runner does: the prompt through ``prefill_attention`` / ``after_prefill``, each
 generated token through ``decode_attention`` / ``after_decode`` (one step per token, also when vLLM recomputes a
-preempted request's generated tokens in one chunk). Between calls a layer's :class:`~attnkit.cache.LayerKV` keeps
+preempted request's generated tokens in one chunk; a re-compressing method's tokens between two compressions there
+as one appending step, :func:`appending`). Between calls a layer's :class:`~attnkit.cache.LayerKV` keeps
 only what the method keeps beside the entries (their positions, its per-entry statistics): its keys and values live
 in vLLM's blocks alone, and the worker remembers which slot holds each of the layer's entries, per kv head.
 

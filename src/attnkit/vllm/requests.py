@@ -1,7 +1,7 @@
 """Which request each row of a batch is, and the plan of each, on both sides of the engine (no vLLM import).
 
 vLLM tells neither its KV-cache managers nor its attention backends which request carries which method: the
-managers see a request id and a prompt length, the attention metadata sees rows. Two small hooks
+managers see a request id and a prompt length, the attention metadata sees rows. Small hooks
 (:mod:`attnkit.vllm.patches`) fill that in:
 
 - scheduler: when the scheduler looks a request up in the prefix cache, and every time it gives a request slots
