@@ -9,6 +9,7 @@ functions, so no method needs the runner.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -90,8 +91,9 @@ def logits_of(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
 def prefill(model: LoadedModel, session: Session, ids: torch.Tensor, chunk_size: int | Sequence[int] | None = None,
             all_positions: bool = False) -> torch.Tensor:
     """Feed the prompt `ids` ``[n]`` (or the prompts ``[rows, n]`` of a session's rows) in chunks of
-    `chunk_size` tokens if given, or of the chunk lengths given (:func:`chunk_bounds`); final hidden states of the last position ``[1, hidden]``, or of every
-    position ``[n, hidden]`` (with a leading ``rows`` axis for ``[rows, n]``)."""
+    `chunk_size` tokens if given, or of the chunk lengths given (:func:`chunk_bounds`); final hidden states of the
+    last position ``[1, hidden]``, or of every position ``[n, hidden]`` (with a leading ``rows`` axis for
+    ``[rows, n]``)."""
     return prefill_steps(model, ids, lambda pos, last: Step(session, "prefill", pos, last), chunk_size, all_positions)
 
 
@@ -102,7 +104,7 @@ def chunk_bounds(n: int, chunk_size) -> list[tuple[int, int]]:
         if not chunk_size or sum(chunk_size) != n or any(not isinstance(c, int) or c < 1 for c in chunk_size):
             raise AttnkitError(f"chunk_size={list(chunk_size)}: chunk lengths must be positive integers summing to "
                                f"the prompt's {n} tokens")
-        ends = [sum(chunk_size[:i + 1]) for i in range(len(chunk_size))]
+        ends = list(itertools.accumulate(chunk_size))
         return list(zip([0] + ends[:-1], ends))
     validate.optional_whole("chunk_size", chunk_size, 1)
     chunk = chunk_size or n

@@ -212,12 +212,16 @@ ROPE16 = Rope(inv_freq=1.0 / (100.0 ** (torch.arange(0, 16, 2).float() / 16)))  
 
 
 def live_calls(row_of, store, q, k, v, chunks, state, block_size=1):
-    """Run a live request's layer calls over `chunks` (``(start, end)``, one forward each), as vLLM does: the call's
+    """Run a live request's layer calls over `chunks` (``(start, end)``, one forward each; None: a forward without
+    the request), as vLLM does: the call's
     keys written at their slots first, every block of `block_size` slots wholly before the plan's run poisoned after
     each call (a read of a freed slot would show), the outputs of each call kept."""
     outs = []
-    for start, end in chunks:
+    for chunk in chunks:
         state.begin_forward({"r"})
+        if chunk is None:  # a forward without this request's rows (it sits the step out)
+            continue
+        start, end = chunk
         store.write(torch.arange(start, end), k[:, :, start:end], v[:, :, start:end])
         row = row_of(start, end - start)
         if row.kept_queries is not None:  # a step that cannot compress: plain attention, the method told later
@@ -348,20 +352,10 @@ def test_a_request_sitting_out_steps_in_the_middle_of_its_prompt_keeps_its_state
     method = resolve_method(spec)
     q, k, v, expected = session_reference(method, 3, ROPE16)
     plan = plan_for(method, n, new, 1)
-    store, state, outs = DictStore(kv, d, n + new), host.WorkerState(), []
-    for start, end in [(0, 70), (0, 0), (0, 0), (70, n)] + [(p, p + 1) for p in range(n, n + new)]:
-        state.begin_forward({"r", "other"})
-        if start == end:  # a step without this request's rows
-            continue
-        store.write(torch.arange(start, end), k[:, :, start:end], v[:, :, start:end])
-        row = Row("r", method, plan, new, start, end - start)
-        if row.kept_queries is not None:
-            outs.append(host.visible_attention(plan, start, q[:, :, start:end], store.request(), 0.25))
-            state.live.skipped("r", 0, start, q[0, :, start] if row.kept_queries else None)
-            continue
-        outs.append(host.row_attention(row, host.LayerCall(0, 1, 0.25, ROPE16, state), q[:, :, start:end],
-                                       k[:, :, start:end], v[:, :, start:end], store.request()))
-    assert_host_outputs(Row("r", method, plan, new, 0, 1), torch.cat(outs, dim=2), expected)
+    state = host.WorkerState()
+    chunks = [(0, 70), None, None, (70, n)] + [(p, p + 1) for p in range(n, n + new)]
+    got = live_calls(lambda s, t: Row("r", method, plan, new, s, t), DictStore(kv, d, n + new), q, k, v, chunks, state)
+    assert_host_outputs(Row("r", method, plan, new, 0, 1), got, expected)
     state.begin_forward({"other"})
     assert "r" not in state.prefills.open and "r" not in state.live.open
 

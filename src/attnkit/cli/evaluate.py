@@ -196,9 +196,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(format_table(rows))
     print("\nper method, over the cells (ratios to full; medians of speed and memory):")
     print(f"{'method':28s} {'score':>7s} {'KV memory':>10s} {'decode speed':>13s}")
+    def ratio(v):
+        return "-" if v is None else f"{v:.2f}x"
+
     for s in summarize(enrich(rows)[0]):
-        def ratio(v, suffix="x"):
-            return "-" if v is None else f"{v:.2f}{suffix}"
         print(f"{s['label']:28s} {ratio(s['score_rel_full']):>7s} {ratio(s['peak_kv_ratio']):>10s} "
               f"{ratio(s['decode_speedup']):>13s}")
     if args.out:

@@ -44,21 +44,20 @@ def server_args(args) -> list[str]:
     """The argument list of vLLM's server: the model, attnkit's checked configuration, then vLLM's own options."""
     from attnkit.model import BUNDLED, bundled_path
     from attnkit.vllm.config import KEY, EngineConfig
-    from attnkit.vllm.plan import method_of
 
-    for arg in args.vllm_args:
-        if arg.split("=")[0] in OWN:
-            raise AttnkitError(f"attnkit serve sets {arg.split('=')[0]} itself (the model is its first argument, "
-                               f"the recipe --recipe)")
-    method_of(args.recipe, "--recipe")  # a bad recipe named as the user gave it
+    options = [arg.split("=")[0] for arg in args.vllm_args]
+    clash = [option for option in OWN if option in options]
+    if clash:
+        raise AttnkitError(f"attnkit serve sets {clash[0]} itself (the model is its first argument, the recipe "
+                           f"--recipe)")
     raw = {"recipe": args.recipe}
     if args.allow is not None:
         raw["allow"] = "*" if args.allow == "*" else [a.strip() for a in args.allow.split(",") if a.strip()]
-    engine = EngineConfig.parse({KEY: raw})
+    engine = EngineConfig.parse({KEY: raw}, recipe_source="--recipe")
     own = ["--model", args.model, "--additional-config", json.dumps({KEY: engine.resolved()})]
     if args.model in BUNDLED:  # served under its short name unless vLLM's option says otherwise
         own[1] = str(bundled_path(args.model))
-        if not any(a.split("=")[0] == "--served-model-name" for a in args.vllm_args):
+        if "--served-model-name" not in options:
             own += ["--served-model-name", args.model]
     return own + args.vllm_args
 

@@ -122,7 +122,8 @@ class AttnkitBuilderMixin:
         # vLLM's kernel: the plain rows, and the prompt chunks whose outputs are dense attention (their methods
         # observe and compress beside it)
         plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])]
-        part = StepPart(rows=[], decode=None, windows=None, skipped=[], n_layers=self.n_layers, rope=self.rope, state=state)
+        part = StepPart(rows=[], decode=None, windows=None, skipped=[], n_layers=self.n_layers, rope=self.rope,
+                        state=state)
         decode, runs = [], {}
         for i, r in enumerate(rows):
             if r.plan.plain or not tokens[i]:
@@ -167,7 +168,8 @@ class AttnkitBuilderMixin:
         order = [(length, i) for length in sorted(runs) for i in runs[length]]
         device = cm.query_start_loc.device
         rows = torch.tensor([i for _, i in order], device=cm.seq_lens.device)
-        seq_lens, tables = cm.seq_lens[rows].to(torch.int32), cm.block_table_tensor[rows.to(cm.block_table_tensor.device)]
+        seq_lens = cm.seq_lens[rows].to(torch.int32)
+        tables = cm.block_table_tensor[rows.to(cm.block_table_tensor.device)]
         groups, first = [], 0
         for length in sorted(runs):
             end = first + len(runs[length])

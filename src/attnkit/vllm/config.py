@@ -46,8 +46,9 @@ class EngineConfig:
     allow: tuple[str, ...] | None  # None: every supported method
 
     @classmethod
-    def parse(cls, additional_config) -> EngineConfig | None:
-        """The attnkit part of vLLM's ``additional_config`` (None when it has none), checked."""
+    def parse(cls, additional_config, recipe_source: str | None = None) -> EngineConfig | None:
+        """The attnkit part of vLLM's ``additional_config`` (None when it has none), checked; `recipe_source` names
+        the recipe in errors where the user gave it elsewhere (``attnkit serve --recipe``)."""
         if not isinstance(additional_config, dict) or KEY not in additional_config:
             return None
         raw = additional_config[KEY]
@@ -61,8 +62,9 @@ class EngineConfig:
                                f"{', '.join(KEYS)}")
         if "recipe" not in raw:
             raise AttnkitError(f"{source} needs a 'recipe': a method spec, a recipe mapping or a recipe file")
-        recipe = read_recipe(raw["recipe"], f"{source}['recipe']")
-        method = method_of(recipe, f"{source}['recipe']")
+        recipe_source = recipe_source or f"{source}['recipe']"
+        recipe = read_recipe(raw["recipe"], recipe_source)
+        method = method_of(recipe, recipe_source)
         allow = raw.get("allow")
         if allow == "*":
             names = None

@@ -54,8 +54,9 @@ class AttnkitManager(FullAttentionManager):
         bs, free = self.block_size, self.block_pool.get_num_free_blocks()
         for start, end in plan.freeable(processed_computed_tokens):
             self._remove_blocks_in_range(request_id, -(-start // bs), end // bs)
-        if self.block_pool.get_num_free_blocks() > free:
-            metrics.BLOCKS_FREED.inc(self.block_pool.get_num_free_blocks() - free)
+        freed = self.block_pool.get_num_free_blocks() - free
+        if freed:
+            metrics.BLOCKS_FREED.inc(freed)
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
