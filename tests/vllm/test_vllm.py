@@ -6,7 +6,7 @@ whose requests choose their method through ``extra_args`` (every supported metho
 chunks prompts (1024 tokens a step, so 1k-3k prompts span steps and share them), keeps prefix caching on, and has
 room for about 12k tokens, so that a burst of long requests is preempted and recomputed. Both engines' cores run in
 the test process, side by side (on two cores a child engine process's busy loop takes a core from the model's
-threads: the small-budget tests took 1.8x the time), as the server's does not.
+threads), as the server's does not.
 """
 
 import os
