@@ -150,7 +150,8 @@ def test_plugin_is_inert_without_its_key(plain, engine, model, prompts):
 UNLIMITED = ["snapkv:budget=1.0", "knorm:budget_tokens=4096", "keydiff:budget=1.0", "expected_attention:budget=1.0",
              "streaming:budget_tokens=8192", "window:window=8192", "a_shape",  # a_shape's default covers 4k tokens
              "a_shape+snapkv:budget=1.0", "knorm:budget_tokens=4096,chunk_length=16", "h2o:budget=1.0",
-             "keyformer:budget=1.0", "snapkv:budget=1.0,decode_every=8"]
+             "keyformer:budget=1.0", "snapkv:budget=1.0,decode_every=8",
+             "quest:page_size=128,token_budget=4096,dense_layers=0"]
 
 
 def test_unlimited_budgets_give_plain_vllm_tokens(engine, plain, prompts):
@@ -198,6 +199,7 @@ def test_unlimited_budgets_through_attnkit_host_give_plain_vllm_tokens(engine, p
     plan shows), one batch of all of them, and still gives plain vLLM's tokens."""
     import dataclasses
 
+    from attnkit.methods.quest import Quest
     from attnkit.methods.window import Window
     from attnkit.vllm import plan as plans
 
@@ -209,6 +211,8 @@ def test_unlimited_budgets_through_attnkit_host_give_plain_vllm_tokens(engine, p
             return plan
         if isinstance(plans.cache_part(method), Window):  # a window masks by itself: the host's windowed reads
             return dataclasses.replace(plan, window=plans.cache_part(method).window, dense_prompt=False)
+        if isinstance(method, Quest):  # every decode query through the page choice (covering every page)
+            return dataclasses.replace(plan, pages=True)
         return dataclasses.replace(plan, hooks=True)
 
     expected = tokens(plain.generate(prompts, params(), use_tqdm=False))
@@ -226,7 +230,9 @@ SMALL = ["snapkv:budget=0.3", "snapkv:budget_tokens=256,window_size=16,kernel_si
          "minference:pattern=vertical_slash,dense_above=1", "minference:config={patterns}",
          "minference_static:config={patterns}", "minference+snapkv:budget=0.3",
          "minference:config={patterns}+snapkv:budget_tokens=400",
-         "a_shape:n_init=64,n_local=512+streaming:budget_tokens=300", "snapkv:budget=0.3,chunk_length=16"]
+         "a_shape:n_init=64,n_local=512+streaming:budget_tokens=300", "snapkv:budget=0.3,chunk_length=16",
+         "quest:page_size=128,token_budget=512,dense_layers=0",
+         "quest:page_size=128,budget=0.2,dense_layers=1,per_query_head=true"]
 
 
 @pytest.mark.parametrize("spec", SMALL)
@@ -370,17 +376,27 @@ def test_compression_while_decoding_hands_blocks_back_to_vllm(engine, model):
     assert any(b < a for a, b in zip(snap, snap[1:]))  # usage falls after a compression
 
 
-def test_preempted_requests_recompute_to_the_same_tokens(engine, model):
+def test_preempted_requests_recompute_to_the_same_tokens(engine, model, monkeypatch):
     """A burst larger than the cache: vLLM preempts and recomputes requests (prompt and generated tokens in one
-    prefill, compressed at the prompt's end); each still gives attnkit's tokens."""
+    prefill, compressed at the prompt's end; quest's generated queries each choosing its pages again); each still
+    gives attnkit's tokens."""
+    from attnkit.vllm.backend import AttnkitBuilderMixin
+
+    recomputed, quest_step = [], AttnkitBuilderMixin.quest_step
+
+    def noting(self, cm, queries):  # several queries of one quest request in a step: its recompute
+        recomputed.append(len({q.row for q in queries}) < len(queries))
+        return quest_step(self, cm, queries)
+
+    monkeypatch.setattr(AttnkitBuilderMixin, "quest_step", noting)
     prompts = [get_task("passkey").make(model.tokenizer, 3000, seed=20 + i).prompt for i in range(6)]
     specs = ["full", "h2o:budget_tokens=512", "streaming:budget_tokens=512", "full",
-             "snapkv:budget=0.3,decode_every=64", "full"]
+             "snapkv:budget=0.3,decode_every=64", "quest:page_size=128,token_budget=384,dense_layers=0"]
     # 400 new tokens each: the whole requests' 3 x 27 blocks beside the compressed ones' 18 overflow the 96
     news = [400] * len(specs)
     before = engine.watch.preemptions
     out = tokens(engine.generate(prompts, [params(s, max_tokens=n) for s, n in zip(specs, news)], use_tqdm=False))
-    assert engine.watch.preemptions > before
+    assert engine.watch.preemptions > before and any(recomputed)
     for spec in dict.fromkeys(specs):  # attnkit's tokens of a spec's prompts in one batch
         mine = [i for i, s in enumerate(specs) if s == spec]
         assert_same_tokens([out[i] for i in mine], model, [prompts[i] for i in mine], spec, max_tokens=news[mine[0]],
@@ -389,12 +405,14 @@ def test_preempted_requests_recompute_to_the_same_tokens(engine, model):
 
 def test_prefix_caching_never_shares_compressed_blocks(engine, model):
     prompt = get_task("passkey").make(model.tokenizer, 2048, seed=31).prompt
-    order = ["h2o:budget_tokens=256", "full", "full", "snapkv:budget=0.3,decode_every=16"]
+    order = ["h2o:budget_tokens=256", "full", "full", "snapkv:budget=0.3,decode_every=16",
+             "quest:page_size=128,token_budget=384,dense_layers=0"]
     outs = [engine.generate([prompt], [params(s)], use_tqdm=False)[0] for s in order]
     cached = [o.num_cached_tokens or 0 for o in outs]
     assert cached[0] == 0 and cached[1] == 0  # the compacted request published nothing
     assert cached[2] > 0  # plain requests share their prefix as usual
     assert cached[3] == 0  # and a compressed request never takes one
+    assert cached[4] > 0  # quest keeps every entry: it takes the prefix, its blocks' summaries with it
     for o, spec in zip(outs, order):
         assert_same_tokens(tokens([o]), model, [prompt], spec, engine=engine)
 

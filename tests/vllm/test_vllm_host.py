@@ -423,3 +423,72 @@ def test_an_untested_vllm_gets_nothing_registered_and_refuses_attnkit_engines(mo
         EngineArgs(**ENGINE, additional_config={"attnkit": {"recipe": "snapkv:budget=0.3"}}).create_engine_config()
     assert "tested with vLLM 0.32.x; this is vLLM 0.99.1" in str(info.value) and "\n" not in str(info.value)
     assert "attnkit" not in (EngineArgs(**ENGINE).create_engine_config().additional_config or {})
+
+
+@pytest.mark.parametrize("size, store_kind", [(16, "vllm"), (32, "vllm"), (16, "transposed")])
+def test_quest_pages_in_vllm_blocks_choose_and_read_what_attnkit_quest_does(size, store_kind):
+    """Quest in vLLM (:mod:`attnkit.vllm.pages`): block summaries kept as vLLM's write op stores keys (prompt chunks,
+    then one token at a time, into blocks reused from an earlier request whose stale summaries must not count),
+    bounds and choice per kv head or per query head, the chosen blocks read where they lie: the outputs of attnkit's
+    own Quest (its page summaries, choice and gathered attention) over each request's keys in position order."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from attnkit.methods.quest_pages import choose_pages, gathered_attention, page_bounds
+    from attnkit.vllm import pages
+
+    torch.manual_seed(1)
+    blocks, kv, d, heads = 48, 2, 32, 8
+    isa = _get_attn_isa(torch.float32, size, d)
+    store = transposed_store if store_kind == "transposed" else lambda *a: ops.cpu_attn_reshape_and_cache(*a, isa)
+    layout = paged.learn_layout((store_kind, isa, size, d, kv, torch.float32), store, paged.split_cache, size, d, kv,
+                                torch.float32)
+    cache = torch.zeros(blocks, kv, size, 2 * d)
+    k_cache, v_cache = paged.split_cache(cache)
+    summaries = pages.Summaries(k_cache)
+
+    def write(k, v, slots):
+        store(k, v, k_cache, v_cache, slots)
+        summaries.update(k, slots)
+
+    # an earlier request filled every block with large keys: their summaries are stale once a block is reused
+    every = torch.arange(blocks * size)
+    write(torch.randn(len(every), kv, d) * 50, torch.randn(len(every), kv, d), every)
+    lengths = [7 * size + 3, 11 * size, 5 * size + 1, 9 * size + size // 2]
+    specs = [f"quest:page_size={size},token_budget={3 * size},dense_layers=0",
+             f"quest:page_size={size},token_budget={4 * size},dense_layers=0,per_query_head=true",
+             f"quest:page_size={size},budget=0.5,dense_layers=0",
+             f"quest:page_size={size},token_budget={2 * size},dense_layers=0,per_query_head=true"]
+    free = torch.randperm(blocks)
+    tables, keys, values = torch.zeros(len(lengths), 12, dtype=torch.int32), [], []
+    for r, n in enumerate(lengths):
+        own = free[: -(-n // size)]
+        free = free[len(own):]
+        tables[r, : len(own)] = own.int()
+        k, v = torch.randn(n, kv, d), torch.randn(n, kv, d)
+        keys.append(k)
+        values.append(v)
+        physical = own[torch.arange(n) // size] * size + torch.arange(n) % size
+        cut = n - 5  # a prompt in two chunks, then tokens one by one
+        for a, b in [(0, cut // 2), (cut // 2, cut)] + [(t, t + 1) for t in range(cut, n)]:
+            write(k[a:b], v[a:b], physical[a:b])
+    q = torch.randn(len(lengths), heads, d)
+    queries = [pages.Query(r, n - 1, r, resolve_method(s)) for r, (n, s) in enumerate(zip(lengths, specs))]
+    (dense, groups), = pages.layer_groups(queries, 1, size)
+    assert dense == () and sorted(g.per_query_head for g in groups) == [False, True]
+    for group in groups:
+        got = pages.sparse_attention(q[group.rows], k_cache, v_cache, layout, summaries, tables[group.rows],
+                                     torch.tensor(lengths)[group.rows], group, d ** -0.5)
+        for j, r in enumerate(group.rows.tolist()):
+            method, n = queries[r].method, lengths[r]
+            k, v = keys[r].transpose(0, 1)[None], values[r].transpose(0, 1)[None]
+            count = -(-n // size)
+            padded = torch.cat([k, k[:, :, :1].expand(-1, -1, count * size - n, -1)], dim=2)
+            low = torch.stack([padded[:, :, p * size:min((p + 1) * size, n)].amin(2) for p in range(count)], dim=2)
+            high = torch.stack([padded[:, :, p * size:min((p + 1) * size, n)].amax(2) for p in range(count)], dim=2)
+            chosen = choose_pages(page_bounds(q[r][None, :, None], low, high), method.pages_read(n),
+                                  method.per_query_head, None, size)
+            expected = gathered_attention(q[r][None, :, None], k, v, chosen, size, n, d ** -0.5)
+            torch.testing.assert_close(got[j], expected[0, :, 0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(AttnkitError, match="page_size"):
+        pages.layer_groups([pages.Query(0, 100, 0, resolve_method("quest:token_budget=64,page_size=8"))], 1, size)

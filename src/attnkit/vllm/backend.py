@@ -29,7 +29,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from attnkit.rope import Rope
-from attnkit.vllm import host, paged, requests
+from attnkit.vllm import host, paged, pages, requests
 from attnkit.vllm.config import EngineConfig, engine_of
 from attnkit.vllm.manager import AttnkitSpec
 
@@ -75,6 +75,7 @@ class StepPart:
     state: host.WorkerState
     plain: object = None  # vLLM's metadata of the plain rows (None: there are none)
     plain_index: torch.Tensor | None = None  # the plain rows' tokens
+    quest: pages.QuestStep | None = None  # quest requests' decode queries (None: there are none)
 
 
 def attnkit_backend(base, impl, builder, name: str):
@@ -121,12 +122,20 @@ class AttnkitBuilderMixin:
             return meta
         # vLLM's kernel: the plain rows, and the prompt chunks whose outputs are dense attention (their methods
         # observe and compress beside it)
-        plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])]
+        # (and a quest request's prompt chunks)
+        plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])
+                 or (r.plan.pages and tokens[i] and r.start + tokens[i] <= r.plan.prompt_len)]
         part = StepPart(rows=[], decode=None, windows=None, skipped=[], n_layers=self.n_layers, rope=self.rope,
                         state=state)
-        decode, runs = [], {}
+        decode, runs, quest = [], {}, []
         for i, r in enumerate(rows):
-            if r.plan.plain or not tokens[i]:
+            if r.plan.plain or not tokens[i] or (r.plan.pages and r.start + tokens[i] <= r.plan.prompt_len):
+                continue
+            if r.plan.pages:  # Quest: each generated position's query chooses its pages
+                if r.in_prompt:  # a recomputed request: its prompt queries dense (the others are overwritten)
+                    part.rows.append((qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]))
+                first = max(r.start, r.plan.prompt_len)
+                quest += [pages.Query(qsl[i] + p - r.start, p, i, r.method) for p in range(first, r.start + tokens[i])]
                 continue
             kept = r.kept_queries
             if tokens[i] == 1 and not (r.plan.hooks and r.in_prompt) and (not r.plan.live or kept is not None):
@@ -141,6 +150,8 @@ class AttnkitBuilderMixin:
                 part.rows.append((qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]))
         if runs:
             part.windows = self.windows(cm, runs, qsl)
+        if quest:
+            part.quest = self.quest_step(cm, quest)
         if decode:
             entries = paged.PaddedEntries.of([d[2] for d in decode], [d[1] for d in decode], self.page_block_size)
             part.decode = (torch.tensor([d[0] for d in decode], device=cm.query_start_loc.device), entries)
@@ -158,6 +169,26 @@ class AttnkitBuilderMixin:
             part.plain, part.plain_index = super().build(0, sub, fast_build), index.to(cm.slot_mapping.device)
         meta.attnkit = part
         return meta
+
+    def quest_step(self, cm, queries: list[pages.Query]) -> pages.QuestStep:
+        """The step's quest queries (:mod:`attnkit.vllm.pages`), with the kernel's metadata for each set of them a
+        layer computes densely: a window as long as the longest (vLLM's kernel in place), or their slots gathered."""
+        lengths = torch.tensor([q.position + 1 for q in queries])
+        tables = cm.block_table_tensor[torch.tensor([q.row for q in queries], device=cm.block_table_tensor.device)]
+        layers = pages.layer_groups(queries, self.n_layers, self.page_block_size)
+        dense = {}
+        for rows, _ in layers:
+            if rows and rows not in dense:
+                index = torch.tensor(rows)
+                if self.windowed:
+                    length = int(lengths[index].max())
+                    meta = self.window(length, lengths[index].to(torch.int32).to(cm.seq_lens.device), tables[index])
+                    dense[rows] = Window(0, len(rows), length, meta)
+                else:
+                    dense[rows] = paged.PaddedEntries.of(list(tables[index]), [torch.arange(n) for n in lengths[index]],
+                                                         self.page_block_size)
+        index = torch.tensor([q.token for q in queries], device=cm.query_start_loc.device)
+        return pages.QuestStep(index, lengths, tables, layers, dense)
 
     windowed = False  # whether this backend reads a run of slots in place (:meth:`window`)
 
@@ -210,7 +241,14 @@ class AttnkitImplMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        _SERVING[0] = engine_of(get_current_vllm_config())
+        engine = _SERVING[0] = engine_of(get_current_vllm_config())
+        self.keeps_pages = engine is not None and engine.may_run(pages.Quest.name)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self.keeps_pages:  # Quest's block summaries follow every key written
+            key_cache = self.cache_layout(layer, kv_cache)[0]
+            pages.summaries_of(self, key_cache).update(key, slot_mapping)
 
     def cache_layout(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, paged.Layout, object]:
         """``(key cache, value cache, layout, store)``: the layer's cache split as this backend's kernels split it
@@ -268,4 +306,29 @@ class AttnkitImplMixin:
                 first, out = first + skip, out[:, :, skip:]
             if first < end:
                 output[first:end] = out[0].transpose(0, 1).reshape(output[first:end].shape).to(output.dtype)
+        if part.quest is not None:  # after the rows: a recomputed quest request's generated queries overwritten
+            self.quest_attention(layer, query, key_cache, value_cache, layout, part.quest, output)
         return output
+
+    def quest_attention(self, layer, query, key_cache, value_cache, layout, step: pages.QuestStep, output) -> None:
+        """Outputs of the step's quest queries at this layer: the dense ones by vLLM's kernel (a window covering
+        them) or a gather, the others over the blocks they choose (:func:`attnkit.vllm.pages.sparse_attention`)."""
+        rows, groups = step.layers[self.layer_index]
+        queries = query[step.index]
+        out = torch.empty_like(queries)
+        if rows:
+            index = torch.tensor(rows, device=queries.device)
+            dense, got = step.dense[rows], torch.empty_like(queries[index])
+            if isinstance(dense, Window):
+                self.windowed_attention(layer, queries[index], key_cache, value_cache, dense, got)
+            else:
+                keys, values = dense.gather(key_cache, value_cache, layout)
+                got = host.batched_decode(queries[index].unsqueeze(2), keys, values, dense.valid, self.scale)
+            out[index] = got.reshape(out[index].shape)
+        summaries = pages.summaries_of(self, key_cache) if groups else None
+        for group in groups:
+            index = group.rows.to(queries.device)
+            out[index] = pages.sparse_attention(queries[index], key_cache, value_cache, layout, summaries,
+                                                step.tables[group.rows], step.lengths[group.rows], group,
+                                                self.scale).reshape(out[index].shape)
+        output[step.index] = out.reshape((step.index.shape[0],) + tuple(output.shape[1:])).to(output.dtype)

@@ -98,6 +98,10 @@ class EngineConfig:
                                f"{spec!r} ({type(spec).__name__})")
         return _request_method(spec, self.allow)
 
+    def may_run(self, name: str) -> bool:
+        """Whether a request of this engine may run the method called `name` (the recipe's, or allowed)."""
+        return self.allow is None or name in self.allow or name in method_names(self.method)
+
     def resolved(self) -> dict:
         """This configuration as ``additional_config['attnkit']`` with the recipe read: what the process that starts
         the engine hands on, so that no other process reads a recipe file again."""

@@ -64,7 +64,7 @@ class AttnkitManager(FullAttentionManager):
 
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         plan = self.scheduled.plan(request.request_id, request.num_prompt_tokens)
-        if plan is None or plan.plain:
+        if plan is None or plan.shares_prefix:
             super().cache_blocks(request, num_tokens, *args, **kwargs)
 
 

@@ -146,6 +146,19 @@ def _span(half: torch.Tensor, order, blocks: torch.Tensor, first: int, count: in
     return chunk.reshape(kv, -1, dim)[:, first:first + count]
 
 
+def head_blocks(half: torch.Tensor, order, blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks.shape + [block_size, head_dim]``: whole blocks of one half of the cache, in slot order, where
+    ``blocks[:, h, ...]`` are the block ids read for kv head ``h`` (copies)."""
+    nb, kv, size, dim = half.shape
+    heads = torch.arange(kv, device=blocks.device).view(1, kv, *([1] * (blocks.dim() - 2)))
+    if order is None:
+        return half[blocks, heads]
+    if isinstance(order, str):  # TRANSPOSED
+        stored = half.as_strided((nb, kv, dim, size), (half.stride(0), half.stride(1), size, 1))
+        return stored[blocks, heads].transpose(-1, -2)
+    return half[blocks, heads].flatten(-2)[..., order.to(half.device)].unflatten(-1, (size, dim))
+
+
 def gather(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Layout, block_row: torch.Tensor,
            slots) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[1, kv_heads, len(slots), head_dim]`` of a request's `slots` (copies): a tensor of slots, or

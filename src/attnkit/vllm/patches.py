@@ -39,7 +39,7 @@ from attnkit.rope import Rope
 from attnkit.vllm import metrics, requests
 from attnkit.vllm.config import KEY, EngineConfig, engine_of
 from attnkit.vllm.manager import scheduled_requests
-from attnkit.vllm.plan import check_parallel, check_prompt
+from attnkit.vllm.plan import check_pages, check_parallel, check_prompt
 from attnkit.vllm.versions import tested, untested_error, wrap
 
 
@@ -58,6 +58,7 @@ def check_engine(config) -> None:
         raise AttnkitError(f"the attnkit vLLM plugin stores keys in the model's dtype; kv_cache_dtype="
                            f"{config.cache_config.cache_dtype!r} is not supported (use 'auto')")
     check_parallel(engine.method, config.parallel_config.tensor_parallel_size, "additional_config['attnkit']['recipe']")
+    check_pages(engine.method, config.cache_config.block_size, "additional_config['attnkit']['recipe']")
     window = getattr(config.model_config.hf_text_config, "sliding_window", None)
     if window is not None:
         raise AttnkitError(f"the attnkit vLLM plugin does not yet serve models with their own sliding window "
@@ -101,6 +102,7 @@ def check_request(vllm_config, request, rope) -> None:
         prompt_len = length_from_prompt_token_ids_or_embeds(request.prompt_token_ids, request.prompt_embeds)
         n_layers = vllm_config.model_config.get_total_num_hidden_layers()
         check_parallel(method, vllm_config.parallel_config.tensor_parallel_size, "extra_args['attnkit']")
+        check_pages(method, vllm_config.cache_config.block_size, "extra_args['attnkit']")
         check_prompt(method, prompt_len, params.max_tokens, n_layers, rope)
     except AttnkitError as error:
         raise VLLMValidationError(f"attnkit: {error}", parameter="extra_args" if spec is not None else None,

@@ -27,6 +27,9 @@ Methods (each kv head choosing its own entries, uniform budget per kv head and l
 - sparse prefill (``a_shape``, ``minference_static``, ``minference``): the prompt's outputs from the method,
   the cache whole (decode is vLLM's own kernel).
 - ``PREFILL+CACHE``: a sparse prefill's outputs with one of the cache policies above.
+- ``quest``: nothing evicted or moved; vLLM's blocks are Quest's pages (``page_size`` must be the engine's block
+  size), their key bounds kept beside the cache, and each decode step reads the blocks it chooses
+  (:mod:`attnkit.vllm.pages`); the prompt is vLLM's dense kernel, and the request shares prefixes as a plain one.
 
 Methods that act while decoding (:attr:`Plan.live`): the prompt scorers with ``decode_every=N`` (and ``rkv``,
 whose default is 128), and ``h2o``, ``tova``, ``keyformer`` (one entry out per generated token, or with
@@ -56,6 +59,7 @@ from attnkit.methods.h2o import H2O
 from attnkit.methods.keyformer import Keyformer
 from attnkit.methods.minference import SparsePrefill
 from attnkit.methods.prompt_scorer import PromptScorer
+from attnkit.methods.quest import Quest
 from attnkit.methods.snapkv import SnapKV
 from attnkit.methods.streaming import Streaming
 from attnkit.methods.tova import TOVA
@@ -65,8 +69,9 @@ from attnkit.session import Session, layer_contexts, planned_slots
 
 SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, expected_attention, rkv (a budget "
              "or budget_tokens, one value for every layer and kv head; decode_every re-compresses while decoding), "
-             "h2o, tova, keyformer (per step, or buffered with decode_every), a_shape, minference_static, minference, "
-             "and PREFILL+CACHE of a sparse prefill with one of those cache methods")
+             "h2o, tova, keyformer (per step, or buffered with decode_every), quest (page_size = the engine's block "
+             "size), a_shape, minference_static, minference, and PREFILL+CACHE of a sparse prefill with one of those "
+             "cache methods but quest")
 PER_STEP = (H2O, TOVA, Keyformer)  # evict while decoding by their own statistics (one per token, or buffered)
 RECIPE_SUFFIXES = (".json", ".yaml", ".yml")
 
@@ -110,6 +115,11 @@ def check_supported(method: Method, source: str) -> None:
             raise _unsupported(method, source, " (window computes its own prefill)")
     if isinstance(cache, (Full, SparsePrefill, Window)):
         return
+    if isinstance(cache, Quest):
+        if cache is not method:
+            raise _unsupported(method, source, " (quest's decode steps read pages of the whole cache, which a "
+                                               "prefill method's plan does not keep)")
+        return
     if isinstance(cache, Streaming):
         if cache.positions != "original":
             raise _unsupported(cache, source, " (keys are stored at their original positions; use positions=original)")
@@ -132,6 +142,14 @@ def check_supported(method: Method, source: str) -> None:
                                           "blocks)")
     if cache.budget is None and cache.budget_tokens is None:
         raise AttnkitError(f"{source}: {cache.describe()} needs a budget (budget=FRACTION or budget_tokens=N)")
+
+
+def check_pages(method: Method, block_size: int | None, source: str) -> None:
+    """Refuse, in one line, Quest pages other than the engine's blocks (vLLM's blocks are its pages)."""
+    cache = cache_part(method)
+    if isinstance(cache, Quest) and block_size is not None and cache.page_size != block_size:
+        raise AttnkitError(f"{source}: quest:page_size={cache.page_size} must be the engine's block size "
+                           f"({block_size}; vLLM's blocks are quest's pages): use quest:page_size={block_size}")
 
 
 def crosses_kv_heads(method: Method) -> bool:
@@ -170,6 +188,7 @@ class Plan:
     dense_prompt: bool = True  # the prompt's queries read every earlier prompt token (all but `window`)
     budget: int | None = None  # B of a method acting while decoding (live)
     every: int = 0  # generated tokens between its compressions back to B (1: per step); 0: not live
+    pages: bool = False  # Quest: every slot kept, each decode step reads the blocks its query chooses
 
     @property
     def live(self) -> bool:
@@ -198,7 +217,13 @@ class Plan:
     @property
     def plain(self) -> bool:
         """Nothing differs from full attention: vLLM's own kernel serves the request."""
-        return not self.hooks and self.window is None
+        return not self.hooks and self.window is None and not self.pages
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Its blocks hold every entry at its own position (plain, or Quest's pages): it may publish and take a
+        cached prefix."""
+        return self.plain or self.pages
 
     def visible(self, position: int) -> list[tuple[int, int]]:
         """Slot ranges ``[start, end)`` a query at `position` reads."""
@@ -257,6 +282,8 @@ def make_plan(method: Method, prompt_len: int, max_tokens: int, n_layers: int) -
         return Plan(prompt_len, window=cache.window, dense_prompt=False)
     if isinstance(cache, (Full, SparsePrefill)):
         return Plan(prompt_len, hooks=prefill_sparse)
+    if isinstance(cache, Quest):  # a step over every page is full attention's: plain when the budget covers all
+        return Plan(prompt_len, pages=cache.pages_read(total) < -(-total // cache.page_size))
     budget = cache.budget_of_layer(0, n_layers, prompt_len)
     kept = budget if budget < prompt_len else None
     if isinstance(cache, Streaming):

@@ -71,7 +71,7 @@ class ScheduledRequests:
     def refuses_prefix_hit(self, request) -> bool:
         """Whether a request's plan compacts or frees its blocks, so that it must not take cached ones."""
         plan = self.plan(request.request_id, request.num_prompt_tokens)
-        return plan is not None and not plan.plain
+        return plan is not None and not plan.shares_prefix
 
 
 @dataclass(frozen=True)

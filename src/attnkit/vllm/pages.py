@@ -1,0 +1,158 @@
+"""Quest in vLLM: vLLM's blocks are Quest's pages (Tang, Zhao, Zhu, Xiao, Kasikci, Han, 2024, "Quest: Query-Aware
+Sparsity for Efficient Long-Context LLM Inference", arXiv 2406.10774; the method: :mod:`attnkit.methods.quest`).
+
+Nothing is evicted or moved: a quest request's blocks hold every entry at its own position, as a plain request's.
+
+- **Summaries** (:class:`Summaries`): per layer, per physical block and kv head, the element-wise minimum ``m`` and
+  maximum ``M`` of the keys written to the block, kept beside vLLM's cache and updated where vLLM writes keys (the
+  backend's ``do_kv_cache_update``: every prompt chunk and generated token of every request of an engine that may
+  run quest, so a block a request takes from the prefix cache carries its summary). A block fills from its first
+  slot (just allocated, or its request recomputed), so writing that slot restarts the block's summary.
+- **Choice** (:func:`sparse_attention`): each decode query of a quest request (one per row; each generated position
+  of a recomputed row) ranks its request's blocks by Quest's bound ``U = sum_i max(q_i m_i, q_i M_i)`` (Section 3.2,
+  Algorithm 1), forces the first and the current block as attnkit's Quest does, takes ``Quest.pages_read`` of them,
+  and attends over the chosen blocks, read where they lie. At a layer its method keeps dense (``dense_layers``), or
+  a step whose budget covers every block, the query is vLLM's own kernel's (:func:`layer_groups`).
+
+So a request gives attnkit's tokens for ``quest:page_size=<the engine's block size>``: the same pages, bounds and
+choice, over the same entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.methods.quest import Quest
+from attnkit.methods.quest_pages import page_bounds
+from attnkit.vllm import paged
+
+
+class Summaries:
+    """Each physical block's key minimum and maximum per kv head (``low``, ``high``: ``[num_blocks, kv_heads, d]``)
+    for one layer's cache."""
+
+    def __init__(self, key_cache: torch.Tensor):
+        blocks, heads, self.block_size, dim = key_cache.shape
+        self.low = key_cache.new_full((blocks, heads, dim), float("inf"))
+        self.high = key_cache.new_full((blocks, heads, dim), float("-inf"))
+        self.owner = key_cache.data_ptr()
+
+    def update(self, key: torch.Tensor, slots: torch.Tensor) -> None:
+        """Fold keys ``[tokens, kv_heads, d]`` written to physical `slots` (negative: padding) into their blocks."""
+        slots = slots.long()
+        key = key[:slots.shape[0]]
+        if bool((slots < 0).any()):
+            key, slots = key[slots >= 0], slots[slots >= 0]
+        blocks = slots // self.block_size
+        fresh = blocks[slots % self.block_size == 0]
+        self.low[fresh] = float("inf")
+        self.high[fresh] = float("-inf")
+        key = key.to(self.low.dtype)
+        self.low.index_reduce_(0, blocks, key, "amin")
+        self.high.index_reduce_(0, blocks, key, "amax")
+
+
+def summaries_of(impl, key_cache: torch.Tensor) -> Summaries:
+    """The summaries kept for `impl`'s layer cache (made on first use, again if vLLM allocated the cache anew)."""
+    found = getattr(impl, "_attnkit_summaries", None)
+    if found is None or found.owner != key_cache.data_ptr():
+        found = impl._attnkit_summaries = Summaries(key_cache)
+    return found
+
+
+@dataclass(frozen=True)
+class Query:
+    """One decode query of a quest request in a step: its token in the step, its position, its row of the step."""
+
+    token: int
+    position: int
+    row: int
+    method: Quest
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """Queries ``rows`` (of the step's :class:`QuestStep`) choosing pages at one layer: each reads ``counts[r]``
+    blocks; each query head its own (``per_query_head``) or its kv group's."""
+
+    rows: torch.Tensor
+    counts: torch.Tensor
+    per_query_head: bool
+
+
+@dataclass
+class QuestStep:
+    """A step's quest queries: their tokens (``index``), the entries each reads up to (``lengths``: position + 1),
+    their requests' block table rows; per layer the queries vLLM's kernel computes (a key of ``dense``, the backend's
+    metadata for them alone, or None) and those choosing pages (:class:`Sparse` groups)."""
+
+    index: torch.Tensor
+    lengths: torch.Tensor
+    tables: torch.Tensor
+    layers: list[tuple[tuple[int, ...], list[Sparse]]]
+    dense: dict
+
+
+def layer_groups(queries: list[Query], n_layers: int, block_size: int) -> list[tuple[tuple[int, ...], list[Sparse]]]:
+    """Per layer, the queries computed densely (a layer before their method's ``dense_layers``, or a step whose
+    budget covers every block) and the groups choosing pages."""
+    counts, dense_below = [], []
+    for q in queries:
+        if q.method.page_size != block_size:
+            raise AttnkitError(f"quest:page_size={q.method.page_size} in an engine of {block_size}-token blocks")
+        n = q.position + 1
+        count = q.method.pages_read(n)
+        counts.append(count)
+        dense_below.append(n_layers if count >= -(-n // block_size) else q.method.dense_layers)
+    layers = []
+    for layer in range(n_layers):
+        dense = tuple(r for r, below in enumerate(dense_below) if layer < below)
+        groups = []
+        for flag in (False, True):
+            rows = [r for r, q in enumerate(queries) if layer >= dense_below[r] and q.method.per_query_head == flag]
+            if rows:
+                groups.append(Sparse(torch.tensor(rows), torch.tensor([counts[r] for r in rows]), flag))
+        layers.append((dense, groups))
+    return layers
+
+
+def sparse_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: paged.Layout,
+                     summaries: Summaries, tables: torch.Tensor, lengths: torch.Tensor, group: Sparse,
+                     scale: float) -> torch.Tensor:
+    """Outputs ``[queries, heads, d]`` of one query per row `q` ``[queries, heads, d]`` over the blocks each chooses
+    (see the module docstring); `tables` ``[queries, blocks]`` are their requests' block table rows, `lengths` the
+    entries each reads up to."""
+    rows, heads, dim = q.shape
+    kv = key_cache.shape[1]
+    size = summaries.block_size
+    device = q.device
+    counts, lengths = group.counts.to(device), lengths.to(device)
+    pages = (lengths + size - 1) // size
+    most = int(pages.max())
+    table = tables[:, :most].to(device).long()
+    low = summaries.low[table].transpose(1, 2)  # [queries, kv, pages, d]
+    high = summaries.high[table].transpose(1, 2)
+    bounds = page_bounds(q.unsqueeze(2), low, high)  # [queries, kv, groups, pages]
+    scores = bounds if group.per_query_head else bounds.amax(2, keepdim=True)
+    page = torch.arange(most, device=device)
+    scores = scores.masked_fill((page >= pages[:, None])[:, None, None], float("-inf"))
+    forced = (page == 0) | (page == pages[:, None] - 1)  # the first and the current page, as attnkit's Quest
+    scores = scores.masked_fill(forced[:, None, None], float("inf"))
+    ranked = scores.topk(int(counts.max()), dim=-1).indices  # highest first
+    taken = torch.arange(ranked.shape[-1], device=device) < counts[:, None, None, None]
+    chosen = ranked.masked_fill(~taken, most).sort(dim=-1).values  # ascending; past a query's count: `most`, last
+    taken = chosen < most
+    chosen = chosen.clamp(max=most - 1)
+    blocks = table[torch.arange(rows, device=device)[:, None, None, None], chosen]  # [queries, kv, c, count]
+    keys = paged.head_blocks(key_cache, layout.key_order, blocks).flatten(3, 4)  # [queries, kv, c, count*size, d]
+    values = paged.head_blocks(value_cache, layout.value_order, blocks).flatten(3, 4)
+    slots = (chosen.unsqueeze(-1) * size + torch.arange(size, device=device)).flatten(3)
+    valid = taken.repeat_interleave(size, dim=-1) & (slots < lengths[:, None, None, None])
+    c = chosen.shape[2]
+    queries = q.view(rows, kv, 1, heads // kv, dim) if c == 1 else q.view(rows, kv, heads // kv, 1, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
+                                                           attn_mask=valid.unsqueeze(-2), scale=scale)
+    return out.reshape(rows, heads, -1)
