@@ -5,6 +5,7 @@
     python benchmarks/bench_vllm.py prefill --model tiny:yarn=8 --lengths 32000 --specs "minference;minference:dense_above=1"
     python benchmarks/bench_vllm.py off --repeats 3
     python benchmarks/bench_vllm.py reasoning --requests 32 --blocks 100 --budgets 512
+    python benchmarks/bench_vllm.py decode --model tiny:yarn=8 --lengths 32000 --requests 4 --new 64
     python benchmarks/bench_vllm.py steps --requests 32 --specs "h2o:budget_tokens=256;h2o:budget_tokens=256,decode_every=64"
 
 ``capacity``: 16 requests of about 3.3k tokens (passkey prompts for ``tiny``) and 256 new tokens each (``ignore_eos``)
@@ -37,6 +38,12 @@ preempts later, so the peak alone flatters an engine short of KV space), preempt
 tokens and 200 new ones, room for all, each spec (``;``-separated) in turn, then plain again: the median time of an
 engine step once every request decodes (the first third of the steps left out), and its ratio to plain's.
 
+``decode``: decode steps at a long context (Quest's pages in vLLM): ``--requests`` prompts of the first of
+``--lengths`` tokens and ``--new`` new tokens each, plain vLLM and each of ``--specs`` (default
+``quest:page_size=128,budget=0.0625,dense_layers=0``: 1/16 of the blocks read) stepped in turn, one engine step
+each, ``--repeats`` times: the median step once every request decodes, the ratio, the fraction of the context's
+blocks a step reads, and whether vLLM gives attnkit's own tokens (``--check-new``).
+
 ``off``: generation throughput of plain vLLM in two child processes, one with attnkit's plugin loaded and no
 ``attnkit`` key, one with ``VLLM_PLUGINS=""`` (no plugin), alternating, ``--repeats`` times each.
 """
@@ -59,6 +66,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import attnkit  # noqa: E402
 from attnkit.eval.data.task_registry import get_task  # noqa: E402
+from attnkit.methods.base import resolve_method  # noqa: E402
 from attnkit.vllm.stats import SchedulerWatch  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
@@ -183,6 +191,52 @@ def steps(args):
         print(f"{name:60s} {1000 * statistics.median(values):7.1f} ms  ({statistics.median(values) / plain:.2f}x plain's)")
 
 
+def decode(args):
+    """Decode steps at a long context: plain vLLM and each spec on the attnkit engine, stepped in turn."""
+    from vllm import SamplingParams
+
+    length = int(args.lengths.split(",")[0])
+    specs = (args.specs or "quest:page_size=128,budget=0.0625,dense_layers=0").split(";")
+    context = length + args.new + 128
+    path, model = model_dir(args.model, context)
+    # prefix caching on: a repeat's prompts come from the cache (quest takes cached blocks with their summaries)
+    kwargs = dict(model=path, max_model_len=context, max_num_batched_tokens=context, skip_tokenizer_init=True)
+    plain, ours = llm(**kwargs), llm(**kwargs, additional_config=ON)
+    prompts = [{"prompt_token_ids": prompt_ids(model, length, seed)} for seed in range(args.requests)]
+    print(f"model {args.model}; {args.requests} request(s) of {length} tokens, {args.new} new each; the median engine "
+          f"step once every request decodes, plain vLLM and the spec stepped in turn")
+    times = {name: [] for name in ["plain"] + specs}
+    for r in range(args.repeats):
+        for spec in specs:
+            pair = {"plain": (plain, {}), spec: (ours, {"extra_args": {"attnkit": spec}})}
+            for name, (engine, extra) in pair.items():
+                for j, prompt in enumerate(prompts):
+                    engine.llm_engine.add_request(f"{r}-{name}-{j}", prompt, SamplingParams(
+                        max_tokens=args.new, temperature=0, ignore_eos=True, **extra))
+            step = 0
+            while any(engine.llm_engine.has_unfinished_requests() for engine, _ in pair.values()):
+                for name, (engine, _) in pair.items():
+                    if engine.llm_engine.has_unfinished_requests():
+                        start = time.perf_counter()
+                        engine.llm_engine.step()
+                        if step > args.requests + 2:  # the prompts' steps and a warm-up left out
+                            times[name].append(time.perf_counter() - start)
+                step += 1
+    base = statistics.median(times["plain"])
+    print(f"plain vLLM: median decode step {1000 * base:.1f} ms")
+    for spec in specs:
+        method = resolve_method(spec)
+        n = length + args.new // 2
+        read = method.pages_read(n) / -(-n // method.page_size) if hasattr(method, "pages_read") else 1.0
+        got = ours.generate(prompts[:1], SamplingParams(max_tokens=args.check_new, temperature=0,
+                                                        extra_args={"attnkit": spec}), use_tqdm=False)
+        want = attnkit.generate(model, prompts[0]["prompt_token_ids"], spec, max_new_tokens=args.check_new).token_ids
+        print(f"{spec}: median decode step {1000 * statistics.median(times[spec]):.1f} ms, "
+              f"{base / statistics.median(times[spec]):.2f}x faster than plain's; blocks read per step: {read:.3f} of "
+              f"the context's; its {args.check_new} tokens equal attnkit's: {list(got[0].outputs[0].token_ids) == want}",
+              flush=True)
+
+
 def model_dir(spec: str, context: int):
     """The model `spec` (``random:``: tiny's geometry with `context` positions) saved for vLLM; ids in, ids out."""
     if spec == "random":
@@ -266,7 +320,8 @@ def off(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["capacity", "prefill", "off", "reasoning", "steps", "throughput-child"])
+    parser.add_argument("what", choices=["capacity", "prefill", "off", "reasoning", "steps", "decode",
+                                             "throughput-child"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--length", type=int, default=3300)
@@ -283,7 +338,7 @@ def main():
     parser.add_argument("--new-max", type=int, default=3500)
     args = parser.parse_args()
     modes = {"capacity": capacity, "prefill": prefill, "off": off, "reasoning": reasoning, "steps": steps,
-             "throughput-child": throughput_child}
+             "decode": decode, "throughput-child": throughput_child}
     modes[args.what](args)
 
 

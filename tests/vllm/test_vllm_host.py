@@ -425,7 +425,7 @@ def test_an_untested_vllm_gets_nothing_registered_and_refuses_attnkit_engines(mo
     assert "attnkit" not in (EngineArgs(**ENGINE).create_engine_config().additional_config or {})
 
 
-@pytest.mark.parametrize("size, store_kind", [(16, "vllm"), (32, "vllm"), (16, "transposed")])
+@pytest.mark.parametrize("size, store_kind", [(16, "vllm"), (32, "vllm"), (16, "transposed"), (16, "flash")])
 def test_quest_pages_in_vllm_blocks_choose_and_read_what_attnkit_quest_does(size, store_kind):
     """Quest in vLLM (:mod:`attnkit.vllm.pages`): block summaries kept as vLLM's write op stores keys (prompt chunks,
     then one token at a time, into blocks reused from an earlier request whose stale summaries must not count),
@@ -440,11 +440,19 @@ def test_quest_pages_in_vllm_blocks_choose_and_read_what_attnkit_quest_does(size
     torch.manual_seed(1)
     blocks, kv, d, heads = 48, 2, 32, 8
     isa = _get_attn_isa(torch.float32, size, d)
-    store = transposed_store if store_kind == "transposed" else lambda *a: ops.cpu_attn_reshape_and_cache(*a, isa)
-    layout = paged.learn_layout((store_kind, isa, size, d, kv, torch.float32), store, paged.split_cache, size, d, kv,
-                                torch.float32)
     cache = torch.zeros(blocks, kv, size, 2 * d)
-    k_cache, v_cache = paged.split_cache(cache)
+    if store_kind == "flash":  # FlashAttention's cache convention (vLLM's CUDA op stood in for)
+        from attnkit.vllm.flash import flash_split
+
+        def store(k, v, kc, vc, slots):
+            flash_store(k, v, kc.transpose(1, 2), vc.transpose(1, 2), slots)
+
+        layout, (k_cache, v_cache) = paged.identity_layout(size, d), flash_split(cache)
+    else:
+        store = transposed_store if store_kind == "transposed" else lambda *a: ops.cpu_attn_reshape_and_cache(*a, isa)
+        layout = paged.learn_layout((store_kind, isa, size, d, kv, torch.float32), store, paged.split_cache, size, d,
+                                    kv, torch.float32)
+        k_cache, v_cache = paged.split_cache(cache)
     summaries = pages.Summaries(k_cache)
 
     def write(k, v, slots):
@@ -474,11 +482,10 @@ def test_quest_pages_in_vllm_blocks_choose_and_read_what_attnkit_quest_does(size
             write(k[a:b], v[a:b], physical[a:b])
     q = torch.randn(len(lengths), heads, d)
     queries = [pages.Query(r, n - 1, r, resolve_method(s)) for r, (n, s) in enumerate(zip(lengths, specs))]
-    (dense, groups), = pages.layer_groups(queries, 1, size)
+    (dense, groups), = pages.layer_groups(queries, 1, size, tables, torch.tensor(lengths))
     assert dense == () and sorted(g.per_query_head for g in groups) == [False, True]
     for group in groups:
-        got = pages.sparse_attention(q[group.rows], k_cache, v_cache, layout, summaries, tables[group.rows],
-                                     torch.tensor(lengths)[group.rows], group, d ** -0.5)
+        got = pages.sparse_attention(q[group.rows], k_cache, v_cache, layout, summaries, group, d ** -0.5)
         for j, r in enumerate(group.rows.tolist()):
             method, n = queries[r].method, lengths[r]
             k, v = keys[r].transpose(0, 1)[None], values[r].transpose(0, 1)[None]
@@ -491,4 +498,5 @@ def test_quest_pages_in_vllm_blocks_choose_and_read_what_attnkit_quest_does(size
             expected = gathered_attention(q[r][None, :, None], k, v, chosen, size, n, d ** -0.5)
             torch.testing.assert_close(got[j], expected[0, :, 0], rtol=1e-5, atol=1e-5)
     with pytest.raises(AttnkitError, match="page_size"):
-        pages.layer_groups([pages.Query(0, 100, 0, resolve_method("quest:token_budget=64,page_size=8"))], 1, size)
+        pages.layer_groups([pages.Query(0, 100, 0, resolve_method("quest:token_budget=64,page_size=8"))], 1, size,
+                           tables[:1], torch.tensor([101]))

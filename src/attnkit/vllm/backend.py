@@ -175,7 +175,7 @@ class AttnkitBuilderMixin:
         layer computes densely: a window as long as the longest (vLLM's kernel in place), or their slots gathered."""
         lengths = torch.tensor([q.position + 1 for q in queries])
         tables = cm.block_table_tensor[torch.tensor([q.row for q in queries], device=cm.block_table_tensor.device)]
-        layers = pages.layer_groups(queries, self.n_layers, self.page_block_size)
+        layers = pages.layer_groups(queries, self.n_layers, self.page_block_size, tables, lengths)
         dense = {}
         for rows, _ in layers:
             if rows and rows not in dense:
@@ -188,7 +188,7 @@ class AttnkitBuilderMixin:
                     dense[rows] = paged.PaddedEntries.of(list(tables[index]), [torch.arange(n) for n in lengths[index]],
                                                          self.page_block_size)
         index = torch.tensor([q.token for q in queries], device=cm.query_start_loc.device)
-        return pages.QuestStep(index, lengths, tables, layers, dense)
+        return pages.QuestStep(index, lengths, layers, dense)
 
     windowed = False  # whether this backend reads a run of slots in place (:meth:`window`)
 
@@ -328,7 +328,6 @@ class AttnkitImplMixin:
         summaries = pages.summaries_of(self, key_cache) if groups else None
         for group in groups:
             index = group.rows.to(queries.device)
-            out[index] = pages.sparse_attention(queries[index], key_cache, value_cache, layout, summaries,
-                                                step.tables[group.rows], step.lengths[group.rows], group,
+            out[index] = pages.sparse_attention(queries[index], key_cache, value_cache, layout, summaries, group,
                                                 self.scale).reshape(out[index].shape)
         output[step.index] = out.reshape((step.index.shape[0],) + tuple(output.shape[1:])).to(output.dtype)

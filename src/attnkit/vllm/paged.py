@@ -146,17 +146,27 @@ def _span(half: torch.Tensor, order, blocks: torch.Tensor, first: int, count: in
     return chunk.reshape(kv, -1, dim)[:, first:first + count]
 
 
-def head_blocks(half: torch.Tensor, order, blocks: torch.Tensor) -> torch.Tensor:
-    """``blocks.shape + [block_size, head_dim]``: whole blocks of one half of the cache, in slot order, where
-    ``blocks[:, h, ...]`` are the block ids read for kv head ``h`` (copies)."""
+def head_blocks(half: torch.Tensor, order, blocks: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """``blocks.shape + [block_size, head_dim]`` (`transposed`: ``[head_dim, block_size]``, a key block as a product
+    with queries wants it): whole blocks of one half of the cache, where ``blocks[:, h, ...]`` are the block ids read
+    for kv head ``h`` (copies, or views of copies). Where each block's half of a head is one contiguous run (vLLM's
+    CPU layout), one row gather copies them."""
     nb, kv, size, dim = half.shape
     heads = torch.arange(kv, device=blocks.device).view(1, kv, *([1] * (blocks.dim() - 2)))
-    if order is None:
-        return half[blocks, heads]
-    if isinstance(order, str):  # TRANSPOSED
-        stored = half.as_strided((nb, kv, dim, size), (half.stride(0), half.stride(1), size, 1))
-        return stored[blocks, heads].transpose(-1, -2)
-    return half[blocks, heads].flatten(-2)[..., order.to(half.device)].unflatten(-1, (size, dim))
+    if half.stride(0) == kv * half.stride(1) and half.stride(2) == dim and half.stride(3) == 1:
+        runs = half.as_strided((nb * kv, size * dim), (half.stride(1), 1))
+        stored = runs.index_select(0, (blocks.long() * kv + heads).flatten()).view(*blocks.shape, size * dim)
+    elif isinstance(order, str):
+        stored = half.as_strided((nb, kv, dim, size), (half.stride(0), half.stride(1), size, 1))[blocks, heads]
+    else:
+        stored = half[blocks, heads]
+    if isinstance(order, str):  # TRANSPOSED: each block's half is [head_dim, block_size] in memory
+        out = stored.reshape(*blocks.shape, dim, size)
+        return out if transposed else out.transpose(-1, -2)
+    if order is not None:
+        stored = stored.reshape(*blocks.shape, size * dim)[..., order.to(half.device)]
+    out = stored.reshape(*blocks.shape, size, dim)
+    return out.transpose(-1, -2) if transposed else out
 
 
 def gather(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Layout, block_row: torch.Tensor,

@@ -51,8 +51,9 @@ class Summaries:
         self.low[fresh] = float("inf")
         self.high[fresh] = float("-inf")
         key = key.to(self.low.dtype)
-        self.low.index_reduce_(0, blocks, key, "amin")
-        self.high.index_reduce_(0, blocks, key, "amax")
+        index = blocks[:, None, None].expand_as(key)
+        self.low.scatter_reduce_(0, index, key, "amin")
+        self.high.scatter_reduce_(0, index, key, "amax")
 
 
 def summaries_of(impl, key_cache: torch.Tensor) -> Summaries:
@@ -75,30 +76,56 @@ class Query:
 
 @dataclass(frozen=True)
 class Sparse:
-    """Queries ``rows`` (of the step's :class:`QuestStep`) choosing pages at one layer: each reads ``counts[r]``
-    blocks; each query head its own (``per_query_head``) or its kv group's."""
+    """Queries ``rows`` of a step's :class:`QuestStep` choosing pages at a layer, and what their choice needs that no
+    layer changes: their requests' first ``pages`` blocks (``table``), the pages each may not choose (``hidden``:
+    past its length) and must (``forced``: the first and the current), the ranks it takes (``taken``: its count,
+    ``counts[r]``) and the slots of its chosen blocks it reads (``valid``: all but the tail of the current block,
+    which sorts last); each query head its own choice (``per_query_head``) or its kv group's."""
 
     rows: torch.Tensor
     counts: torch.Tensor
     per_query_head: bool
+    table: torch.Tensor
+    hidden: torch.Tensor
+    forced: torch.Tensor
+    taken: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: list[int], counts: list[int], per_query_head: bool, tables: torch.Tensor,
+           lengths: torch.Tensor, block_size: int) -> Sparse:
+        index = torch.tensor(rows)
+        device = tables.device
+        count, length = torch.tensor(counts, device=device), lengths[index].to(device)
+        pages = (length + block_size - 1) // block_size
+        page = torch.arange(int(pages.max()), device=device)
+        rank = torch.arange(int(count.max()), device=device)
+        slot = torch.arange(rank.shape[0] * block_size, device=device)
+        # the j-th chosen block (ascending) is whole but for the last, the current page: its first slots only
+        last = (slot // block_size == count[:, None] - 1) & (slot % block_size >= length[:, None] - (pages[:, None] - 1)
+                                                              * block_size)
+        valid = (slot // block_size < count[:, None]) & ~last
+        return cls(index, count, per_query_head, tables[index.to(device)][:, :page.shape[0]].long(),
+                   (page >= pages[:, None])[:, None, None], ((page == 0) | (page == pages[:, None] - 1))[:, None, None],
+                   (rank < count[:, None])[:, None, None], valid[:, None, None, None])
 
 
 @dataclass
 class QuestStep:
-    """A step's quest queries: their tokens (``index``), the entries each reads up to (``lengths``: position + 1),
-    their requests' block table rows; per layer the queries vLLM's kernel computes (a key of ``dense``, the backend's
-    metadata for them alone, or None) and those choosing pages (:class:`Sparse` groups)."""
+    """A step's quest queries: their tokens (``index``) and the entries each reads up to (``lengths``: position + 1);
+    per layer the queries vLLM's kernel computes (a key of ``dense``, the backend's metadata for them alone, or an
+    empty tuple) and the groups choosing pages (:class:`Sparse`)."""
 
     index: torch.Tensor
     lengths: torch.Tensor
-    tables: torch.Tensor
     layers: list[tuple[tuple[int, ...], list[Sparse]]]
     dense: dict
 
 
-def layer_groups(queries: list[Query], n_layers: int, block_size: int) -> list[tuple[tuple[int, ...], list[Sparse]]]:
+def layer_groups(queries: list[Query], n_layers: int, block_size: int, tables: torch.Tensor,
+                 lengths: torch.Tensor) -> list[tuple[tuple[int, ...], list[Sparse]]]:
     """Per layer, the queries computed densely (a layer before their method's ``dense_layers``, or a step whose
-    budget covers every block) and the groups choosing pages."""
+    budget covers every block) and the groups choosing pages (`tables`: the queries' block table rows)."""
     counts, dense_below = [], []
     for q in queries:
         if q.method.page_size != block_size:
@@ -107,52 +134,41 @@ def layer_groups(queries: list[Query], n_layers: int, block_size: int) -> list[t
         count = q.method.pages_read(n)
         counts.append(count)
         dense_below.append(n_layers if count >= -(-n // block_size) else q.method.dense_layers)
-    layers = []
+    layers, made = [], {}
     for layer in range(n_layers):
         dense = tuple(r for r, below in enumerate(dense_below) if layer < below)
         groups = []
         for flag in (False, True):
-            rows = [r for r, q in enumerate(queries) if layer >= dense_below[r] and q.method.per_query_head == flag]
+            rows = tuple(r for r, q in enumerate(queries) if layer >= dense_below[r] and q.method.per_query_head == flag)
+            if rows and (rows, flag) not in made:
+                made[rows, flag] = Sparse.of(list(rows), [counts[r] for r in rows], flag, tables, lengths, block_size)
             if rows:
-                groups.append(Sparse(torch.tensor(rows), torch.tensor([counts[r] for r in rows]), flag))
+                groups.append(made[rows, flag])
         layers.append((dense, groups))
     return layers
 
 
 def sparse_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: paged.Layout,
-                     summaries: Summaries, tables: torch.Tensor, lengths: torch.Tensor, group: Sparse,
-                     scale: float) -> torch.Tensor:
-    """Outputs ``[queries, heads, d]`` of one query per row `q` ``[queries, heads, d]`` over the blocks each chooses
-    (see the module docstring); `tables` ``[queries, blocks]`` are their requests' block table rows, `lengths` the
-    entries each reads up to."""
+                     summaries: Summaries, group: Sparse, scale: float) -> torch.Tensor:
+    """Outputs ``[queries, heads, d]`` of the queries of `group`, `q` ``[queries, heads, d]``, each over the blocks
+    it chooses (see the module docstring)."""
     rows, heads, dim = q.shape
     kv = key_cache.shape[1]
-    size = summaries.block_size
-    device = q.device
-    counts, lengths = group.counts.to(device), lengths.to(device)
-    pages = (lengths + size - 1) // size
-    most = int(pages.max())
-    table = tables[:, :most].to(device).long()
-    low = summaries.low[table].transpose(1, 2)  # [queries, kv, pages, d]
-    high = summaries.high[table].transpose(1, 2)
+    low = summaries.low[group.table].transpose(1, 2)  # [queries, kv, pages, d]
+    high = summaries.high[group.table].transpose(1, 2)
     bounds = page_bounds(q.unsqueeze(2), low, high)  # [queries, kv, groups, pages]
     scores = bounds if group.per_query_head else bounds.amax(2, keepdim=True)
-    page = torch.arange(most, device=device)
-    scores = scores.masked_fill((page >= pages[:, None])[:, None, None], float("-inf"))
-    forced = (page == 0) | (page == pages[:, None] - 1)  # the first and the current page, as attnkit's Quest
-    scores = scores.masked_fill(forced[:, None, None], float("inf"))
-    ranked = scores.topk(int(counts.max()), dim=-1).indices  # highest first
-    taken = torch.arange(ranked.shape[-1], device=device) < counts[:, None, None, None]
-    chosen = ranked.masked_fill(~taken, most).sort(dim=-1).values  # ascending; past a query's count: `most`, last
-    taken = chosen < most
-    chosen = chosen.clamp(max=most - 1)
-    blocks = table[torch.arange(rows, device=device)[:, None, None, None], chosen]  # [queries, kv, c, count]
-    keys = paged.head_blocks(key_cache, layout.key_order, blocks).flatten(3, 4)  # [queries, kv, c, count*size, d]
-    values = paged.head_blocks(value_cache, layout.value_order, blocks).flatten(3, 4)
-    slots = (chosen.unsqueeze(-1) * size + torch.arange(size, device=device)).flatten(3)
-    valid = taken.repeat_interleave(size, dim=-1) & (slots < lengths[:, None, None, None])
+    scores = scores.masked_fill(group.hidden, float("-inf")).masked_fill(group.forced, float("inf"))
+    most = group.table.shape[1]
+    ranked = scores.topk(group.taken.shape[-1], dim=-1).indices  # highest first
+    chosen = ranked.masked_fill(~group.taken, most).sort(dim=-1).values.clamp(max=most - 1)  # ascending, untaken last
+    rows_index = torch.arange(rows, device=q.device)[:, None, None, None]
+    blocks = group.table[rows_index, chosen]  # [queries, kv, c, count]
+    keys = paged.head_blocks(key_cache, layout.key_order, blocks, transposed=True)  # [queries, kv, c, count, d, size]
+    values = paged.head_blocks(value_cache, layout.value_order, blocks).flatten(3, 4)  # [queries, kv, c, slots, d]
     c = chosen.shape[2]
     queries = q.view(rows, kv, 1, heads // kv, dim) if c == 1 else q.view(rows, kv, heads // kv, 1, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
-                                                           attn_mask=valid.unsqueeze(-2), scale=scale)
-    return out.reshape(rows, heads, -1)
+    logits = torch.matmul(queries.unsqueeze(3).to(keys.dtype), keys)  # [queries, kv, c, count, g, size]
+    logits = logits.transpose(3, 4).flatten(4).float() * scale  # [queries, kv, c, g, slots]
+    weights = logits.masked_fill(~group.valid, float("-inf")).softmax(-1)
+    return torch.matmul(weights.to(values.dtype), values).reshape(rows, heads, -1).to(q.dtype)
