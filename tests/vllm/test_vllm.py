@@ -419,7 +419,8 @@ def test_prefix_caching_never_shares_compressed_blocks(engine, model):
 
 @pytest.mark.parametrize("config, message", [
     ({"recipe": "nosuch:budget=0.3"}, "nosuch"),
-    ({"recipe": "quest:token_budget=64"}, "not supported inside vLLM"),
+    ({"recipe": "kvzip:budget=0.3"}, "not supported inside vLLM"),
+    ({"recipe": "minference+quest:page_size=128,token_budget=512"}, "prefill method"),
     ({"recipe": "h2o:budget=0.3,layer_budgets=pyramid"}, "one budget for every layer"),
     ({"recipe": "snapkv:budget=1.5"}, "budget"),
     ({"recipe": "snapkv:budget=0.3,head_budgets=adaptive"}, "head_budgets"),
@@ -449,7 +450,8 @@ def test_a_recipe_file_that_does_not_parse(tmp_path):
                                            ("snapkv:budget=0.01", "observation window"),  # 10 slots of 1,024
                                            ("streaming:budget=0.001,sinks=4", "sinks=4"), ("window", None),
                                            (["snapkv:budget=0.3"], "spec string"), ({"method": "snapkv"}, "spec string"),
-                                           (0.3, "spec string")])
+                                           (0.3, "spec string"),
+                                           ("quest:token_budget=512", "use quest:page_size=128")])
 def test_bad_request_specs_fail_that_request_only(engine, plain, prompts, spec, message):
     from vllm.exceptions import VLLMValidationError
 

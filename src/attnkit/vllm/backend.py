@@ -13,7 +13,9 @@ defers to its vLLM parent. With it:
   shows it one run of slots ending at its own (a compacted or windowed request between its method's calls) with
   vLLM's kernel too where the backend can window it (:attr:`AttnkitBuilderMixin.windowed`: the run read in place
   through a sliding window of the run's length, one kernel call per distinct length, instead of gathered); the
-  others with :mod:`attnkit.vllm.host`, reading and writing their slots through :mod:`attnkit.vllm.paged`. What differs
+  decode queries of quest requests over the blocks each chooses (:mod:`attnkit.vllm.pages`, whose block summaries
+  ``do_kv_cache_update`` keeps beside the cache); the others with :mod:`attnkit.vllm.host`, reading and writing
+  their slots through :mod:`attnkit.vllm.paged`. What differs
   between backends is only the cache layout: how a layer's tensor splits into keys and values, vLLM's op that
   writes entries, and the map from an entry to where it lies (:meth:`AttnkitImplMixin.cache_layout`).
 """

@@ -12,7 +12,7 @@ workers agree on it without talking.
 Prefix caching: a request whose plan changes its blocks (compaction, freed blocks) never publishes them as a
 cached prefix (:meth:`AttnkitManager.cache_blocks`), and never takes a cached prefix either (the scheduler's prefix
 lookup is refused it: :func:`attnkit.vllm.requests.refuses_prefix_hit`, through :mod:`attnkit.vllm.patches`);
-plain requests share prefixes as usual.
+plain requests and Quest's (every entry kept, the block summaries beside them) share prefixes as usual.
 """
 
 from __future__ import annotations

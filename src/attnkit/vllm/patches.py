@@ -58,7 +58,8 @@ def check_engine(config) -> None:
         raise AttnkitError(f"the attnkit vLLM plugin stores keys in the model's dtype; kv_cache_dtype="
                            f"{config.cache_config.cache_dtype!r} is not supported (use 'auto')")
     check_parallel(engine.method, config.parallel_config.tensor_parallel_size, "additional_config['attnkit']['recipe']")
-    check_pages(engine.method, config.cache_config.block_size, "additional_config['attnkit']['recipe']")
+    if config.cache_config.user_specified_block_size:  # else vLLM sets it with the backend, later: checked per request
+        check_pages(engine.method, config.cache_config.block_size, "additional_config['attnkit']['recipe']")
     window = getattr(config.model_config.hf_text_config, "sliding_window", None)
     if window is not None:
         raise AttnkitError(f"the attnkit vLLM plugin does not yet serve models with their own sliding window "
