@@ -110,7 +110,7 @@ def test_a_method_the_server_does_not_allow_is_a_400(server, model):
 
 @pytest.mark.parametrize("args, message", [
     (["tiny", "--recipe", "nosuch:budget=0.3"], "unknown method 'nosuch'"),
-    (["tiny", "--recipe", "quest:token_budget=64"], "not supported inside vLLM"),
+    (["tiny", "--recipe", "kvzip:budget=0.3"], "not supported inside vLLM"),
     (["tiny", "--recipe", "snapkv:budget=0.3", "--additional-config", "{}"], "sets --additional-config itself"),
     (["tiny", "--recipe", "snapkv:budget=0.3", "--max-model-len", "many"], "--max-model-len"),  # vLLM's parser
 ])

@@ -122,9 +122,8 @@ class AttnkitBuilderMixin:
         if all(r.plan.plain for r in rows):
             meta.attnkit = None
             return meta
-        # vLLM's kernel: the plain rows, and the prompt chunks whose outputs are dense attention (their methods
-        # observe and compress beside it)
-        # (and a quest request's prompt chunks)
+        # vLLM's kernel: the plain rows, the prompt chunks whose outputs are dense attention (their methods observe
+        # and compress beside it), and quest requests' prompt chunks
         plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])
                  or (r.plan.pages and tokens[i] and r.start + tokens[i] <= r.plan.prompt_len)]
         part = StepPart(rows=[], decode=None, windows=None, skipped=[], n_layers=self.n_layers, rope=self.rope,
