@@ -29,7 +29,8 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
                                                                                  "allow": "*"}})
     try:
         for spec in ("snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
-                     "h2o:budget_tokens=256", "snapkv:budget_tokens=256,decode_every=8"):
+                     "h2o:budget_tokens=256", "snapkv:budget_tokens=256,decode_every=8",
+                     "quest:page_size=128,token_budget=512,dense_layers=0"):  # each shard its kv heads' summaries
             sp = SamplingParams(max_tokens=24, temperature=0, extra_args={"attnkit": spec})
             got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * 2, use_tqdm=False)]
             assert got == [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)], spec
