@@ -125,12 +125,12 @@ class AttnkitBuilderMixin:
         # vLLM's kernel: the plain rows, the prompt chunks whose outputs are dense attention (their methods observe
         # and compress beside it), and quest requests' prompt chunks
         plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])
-                 or (r.plan.pages and tokens[i] and r.start + tokens[i] <= r.plan.prompt_len)]
+                 or (r.quest_prompt and tokens[i])]
         part = StepPart(rows=[], decode=None, windows=None, skipped=[], n_layers=self.n_layers, rope=self.rope,
                         state=state)
         decode, runs, quest = [], {}, []
         for i, r in enumerate(rows):
-            if r.plan.plain or not tokens[i] or (r.plan.pages and r.start + tokens[i] <= r.plan.prompt_len):
+            if r.plan.plain or not tokens[i] or r.quest_prompt:
                 continue
             if r.plan.pages:  # Quest: each generated position's query chooses its pages
                 if r.in_prompt:  # a recomputed request: its prompt queries dense (the others are overwritten)
@@ -189,7 +189,7 @@ class AttnkitBuilderMixin:
                     dense[rows] = paged.PaddedEntries.of(list(tables[index]), [torch.arange(n) for n in lengths[index]],
                                                          self.page_block_size)
         index = torch.tensor([q.token for q in queries], device=cm.query_start_loc.device)
-        return pages.QuestStep(index, lengths, layers, dense)
+        return pages.QuestStep(index, layers, dense)
 
     windowed = False  # whether this backend reads a run of slots in place (:meth:`window`)
 
@@ -290,9 +290,8 @@ class AttnkitImplMixin:
             output[index] = out.reshape((index.shape[0],) + tuple(output.shape[1:])).to(output.dtype)
         if part.decode is not None:  # rows decoding one token over their visible slots: one gather, one attention
             firsts, entries = part.decode
-            keys, values = entries.gather(key_cache, value_cache, layout)
-            out = host.batched_decode(query[firsts].unsqueeze(2), keys, values, entries.valid, self.scale)
-            output[firsts] = out.squeeze(2).reshape(output[firsts].shape).to(output.dtype)
+            out = self.gathered_decode(query[firsts], entries, key_cache, value_cache, layout)
+            output[firsts] = out.reshape(output[firsts].shape).to(output.dtype)
         for first, request_id, position, kept in part.skipped:
             q = query[first].reshape(-1, key_cache.shape[-1]).clone() if kept else None
             part.state.live.skipped(request_id, self.layer_index, position, q)
@@ -311,6 +310,12 @@ class AttnkitImplMixin:
             self.quest_attention(layer, query, key_cache, value_cache, layout, part.quest, output)
         return output
 
+    def gathered_decode(self, queries, entries: paged.PaddedEntries, key_cache, value_cache, layout):
+        """Outputs ``[rows, heads, d]`` of one query per row `queries` over each row's `entries`: one gather, one
+        attention."""
+        keys, values = entries.gather(key_cache, value_cache, layout)
+        return host.batched_decode(queries.unsqueeze(2), keys, values, entries.valid, self.scale).squeeze(2)
+
     def quest_attention(self, layer, query, key_cache, value_cache, layout, step: pages.QuestStep, output) -> None:
         """Outputs of the step's quest queries at this layer: the dense ones by vLLM's kernel (a window covering
         them) or a gather, the others over the blocks they choose (:func:`attnkit.vllm.pages.sparse_attention`)."""
@@ -323,8 +328,7 @@ class AttnkitImplMixin:
             if isinstance(dense, Window):
                 self.windowed_attention(layer, queries[index], key_cache, value_cache, dense, got)
             else:
-                keys, values = dense.gather(key_cache, value_cache, layout)
-                got = host.batched_decode(queries[index].unsqueeze(2), keys, values, dense.valid, self.scale)
+                got = self.gathered_decode(queries[index], dense, key_cache, value_cache, layout)
             out[index] = got.reshape(out[index].shape)
         summaries = pages.summaries_of(self, key_cache) if groups else None
         for group in groups:

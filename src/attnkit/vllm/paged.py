@@ -114,14 +114,19 @@ def physical_slots(block_row: torch.Tensor, slots: torch.Tensor, block_size: int
     return block_row[slots // block_size].long(), slots % block_size
 
 
+def _transposed(half: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, kv_heads, head_dim, block_size]``: a :data:`TRANSPOSED` half viewed as it lies in memory."""
+    nb, kv, size, dim = half.shape
+    return half.as_strided((nb, kv, dim, size), (half.stride(0), half.stride(1), size, 1))
+
+
 def _entries(half: torch.Tensor, order, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``[n, kv_heads, head_dim]``: entries ``(blocks[i], offsets[i])`` of one half of the cache (copies)."""
     if order is None:
         return half[blocks, :, offsets]
-    nb, kv, size, dim = half.shape
+    _, kv, size, dim = half.shape
     if isinstance(order, str):  # TRANSPOSED: each block's half is [head_dim, block_size] in memory
-        stored = half.as_strided((nb, kv, dim, size), (half.stride(0), half.stride(1), size, 1))
-        return stored[blocks, :, :, offsets]
+        return _transposed(half)[blocks, :, :, offsets]
     used, which = torch.unique(blocks, return_inverse=True)  # any other permutation: whole blocks, reordered
     chunk = half[used].reshape(len(used), kv, size * dim)[:, :, order.to(half.device)].view(len(used), kv, size, dim)
     return chunk[which, :, offsets]
@@ -137,12 +142,11 @@ def gather_entries(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: L
 def _span(half: torch.Tensor, order, blocks: torch.Tensor, first: int, count: int) -> torch.Tensor:
     """``[kv_heads, count, head_dim]``: the `count` consecutive entries from offset `first` of the request's
     blocks `blocks` (whole blocks read in their stored layout, then put in slot order)."""
-    nb, kv, size, dim = half.shape
+    _, kv, _, dim = half.shape
     if order is None:
         chunk = half[blocks].permute(1, 0, 2, 3)
     else:  # TRANSPOSED
-        stored = half.as_strided((nb, kv, dim, size), (half.stride(0), half.stride(1), size, 1))
-        chunk = stored[blocks].permute(1, 0, 3, 2)
+        chunk = _transposed(half)[blocks].permute(1, 0, 3, 2)
     return chunk.reshape(kv, -1, dim)[:, first:first + count]
 
 
@@ -157,7 +161,7 @@ def head_blocks(half: torch.Tensor, order, blocks: torch.Tensor, transposed: boo
         runs = half.as_strided((nb * kv, size * dim), (half.stride(1), 1))
         stored = runs.index_select(0, (blocks.long() * kv + heads).flatten()).view(*blocks.shape, size * dim)
     elif isinstance(order, str):
-        stored = half.as_strided((nb, kv, dim, size), (half.stride(0), half.stride(1), size, 1))[blocks, heads]
+        stored = _transposed(half)[blocks, heads]
     else:
         stored = half[blocks, heads]
     if isinstance(order, str):  # TRANSPOSED: each block's half is [head_dim, block_size] in memory

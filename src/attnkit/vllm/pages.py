@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.errors import AttnkitError
 from attnkit.methods.quest import Quest
 from attnkit.methods.quest_pages import page_bounds
 from attnkit.vllm import paged
+from attnkit.vllm.plan import check_pages
 
 
 class Summaries:
@@ -78,12 +78,11 @@ class Query:
 class Sparse:
     """Queries ``rows`` of a step's :class:`QuestStep` choosing pages at a layer, and what their choice needs that no
     layer changes: their requests' first ``pages`` blocks (``table``), the pages each may not choose (``hidden``:
-    past its length) and must (``forced``: the first and the current), the ranks it takes (``taken``: its count,
-    ``counts[r]``) and the slots of its chosen blocks it reads (``valid``: all but the tail of the current block,
+    past its length) and must (``forced``: the first and the current), the ranks it takes (``taken``: as many as
+    it reads) and the slots of its chosen blocks it reads (``valid``: all but the tail of the current block,
     which sorts last); each query head its own choice (``per_query_head``) or its kv group's."""
 
     rows: torch.Tensor
-    counts: torch.Tensor
     per_query_head: bool
     table: torch.Tensor
     hidden: torch.Tensor
@@ -105,19 +104,17 @@ class Sparse:
         last = (slot // block_size == count[:, None] - 1) & (slot % block_size >= length[:, None] - (pages[:, None] - 1)
                                                               * block_size)
         valid = (slot // block_size < count[:, None]) & ~last
-        return cls(index, count, per_query_head, tables[index.to(device)][:, :page.shape[0]].long(),
+        return cls(index, per_query_head, tables[index.to(device)][:, :page.shape[0]].long(),
                    (page >= pages[:, None])[:, None, None], ((page == 0) | (page == pages[:, None] - 1))[:, None, None],
                    (rank < count[:, None])[:, None, None], valid[:, None, None, None])
 
 
 @dataclass
 class QuestStep:
-    """A step's quest queries: their tokens (``index``) and the entries each reads up to (``lengths``: position + 1);
-    per layer the queries vLLM's kernel computes (a key of ``dense``, the backend's metadata for them alone, or an
+    """A step's quest queries: their tokens (``index``); per layer the queries vLLM's kernel computes (a key of ``dense``, the backend's metadata for them alone, or an
     empty tuple) and the groups choosing pages (:class:`Sparse`)."""
 
     index: torch.Tensor
-    lengths: torch.Tensor
     layers: list[tuple[tuple[int, ...], list[Sparse]]]
     dense: dict
 
@@ -128,8 +125,7 @@ def layer_groups(queries: list[Query], n_layers: int, block_size: int, tables: t
     budget covers every block) and the groups choosing pages (`tables`: the queries' block table rows)."""
     counts, dense_below = [], []
     for q in queries:
-        if q.method.page_size != block_size:
-            raise AttnkitError(f"quest:page_size={q.method.page_size} in an engine of {block_size}-token blocks")
+        check_pages(q.method, block_size, "attnkit's vLLM worker")  # checked per request before: a safeguard
         n = q.position + 1
         count = q.method.pages_read(n)
         counts.append(count)

@@ -96,6 +96,11 @@ class Row:
         return self.start < self.plan.prompt_len
 
     @property
+    def quest_prompt(self) -> bool:
+        """Whether this is a quest request's prompt chunk and nothing else: vLLM's kernel computes it alone."""
+        return self.plan.pages and self.start + self.tokens <= self.plan.prompt_len
+
+    @property
     def kept_queries(self) -> int | None:
         """For a live row decoding one token on a step that cannot compress: the recent queries its method keeps
         (the step runs as plain attention, batched with the other rows, and the method catches up later:
