@@ -120,6 +120,8 @@ def test_a_slower_kernel_is_left_off(fresh, monkeypatch):
         return [2.0], [1.0]
 
     monkeypatch.setattr(guard, "time_both", times)
+    eager = sparse_kernels.flex_sparse_attention
+    monkeypatch.setattr(sparse_kernels, "flex_sparse_attention", lambda *a: eager(*a, compiled=False))  # no compiling
     q, k = torch.randn(1, 4, 8, 32), torch.randn(1, 2, 300, 32)
     assert not scoring_native.kernel_pays(q, k, k) and not scoring_native.kernel_pays(q, k)
     assert not quest_native.kernel_pays(q[:, :, :1], k)
@@ -132,6 +134,39 @@ def test_a_slower_kernel_is_left_off(fresh, monkeypatch):
     line = guard.summary()  # the benchmarks' one-line form
     assert line.split("; ") == [f"{kernel}: {report['native_' + kernel]}" for kernel in ("paged", "scoring", "sparse")]
     assert guard.summary(guard.mark()) == "-"
+
+
+def test_the_sparse_guard_times_both_paths_on_a_sparse_layout(fresh, monkeypatch):
+    """The sparse kernel is compared with the path it replaces, FlexAttention, over the same sparse layout: a share
+    of the causal tiles, neither all nor only the forced ones (over a dense layout the comparison would miss what
+    the kernel skips)."""
+    monkeypatch.setenv(native.ENV_SWITCH, "auto")
+    seen, outs = {}, {}
+    real_native, real_flex = sparse_kernels.native_sparse_attention, sparse_kernels.flex_sparse_attention
+
+    def kernel(q, k, v, layout, scaling):
+        seen["kernel"] = layout
+        return real_native(q, k, v, layout, scaling)
+
+    def flex(q, k, v, layout, scaling):
+        seen["flex"] = layout
+        return real_flex(q, k, v, layout, scaling, compiled=False)
+
+    def times(kernel_path, torch_path, repeats=guard.REPEATS):
+        outs["kernel"], outs["flex"] = kernel_path(), torch_path()
+        return [1.0], [2.0]
+
+    monkeypatch.setattr(sparse_kernels, "native_sparse_attention", kernel)
+    monkeypatch.setattr(sparse_kernels, "flex_sparse_attention", flex)
+    monkeypatch.setattr(guard, "time_both", times)
+    q, k = torch.randn(1, 4, 8, 32), torch.randn(1, 2, 300, 32)
+    layout = attnkit.sparse.build_layout(["block_sparse"] * 4, 300, 0, 64, tiles=torch.ones(4, 5, 5, dtype=torch.bool))
+    assert sparse_kernels.native_choice(q, k, k, layout).on
+    layout = seen["kernel"]
+    assert seen["flex"] is layout and layout.n_keys == 1024 and layout.n_heads == 4
+    forced = 2 * 16 - 1  # the diagonal and the first tile of 16 tile rows
+    assert all(forced < float(tiles) < 16 * 17 / 2 for tiles in layout.main.sum((1, 2)))
+    torch.testing.assert_close(outs["kernel"], outs["flex"], rtol=1e-4, atol=1e-5)
 
 
 def test_a_runs_statistics_say_which_kernels_ran(small_llama, monkeypatch):

@@ -31,6 +31,7 @@ from attnkit.sparse.profile import timed
 
 _COMPILED = None
 GUARD_KEYS = 2048  # most keys of the guard's comparison
+GUARD_SHARE = 0.25  # share of the causal tiles the guard's layout computes (MInference's layouts keep less)
 _P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 NATIVE_SIGNATURE = ("attnkit_sparse_attention",
                     [_P, _P, _P, _P, _P, _P] + [_I64] * 6 + [_F] + [_I64] * 4 + [_P] * 5 + [_I64, _P, _P, _P, _I32],
@@ -129,10 +130,12 @@ def native_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Spars
 
 def native_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout) -> guard.Choice:
     """:func:`attnkit.native.guard.choose` for this shape class (the heads, their sizes, the tile, the length class
-    of the keys, the threads). The path the kernel replaces, FlexAttention compiled, costs a compilation per shape
-    (far longer than any comparison can take) and then more per computed pair than SDPA's fused kernel on a CPU; so
-    the comparison is the kernel over a dense causal layout against SDPA over the same pairs (at most
-    :data:`GUARD_KEYS` keys of random operands): a kernel no faster than SDPA per pair is left off."""
+    of the keys, the threads): the kernel against the path it replaces, FlexAttention compiled
+    (:func:`flex_sparse_attention`), over one sparse layout of the class (random operands, at most
+    :data:`GUARD_KEYS` keys, a fixed share of each query row's causal tiles chosen at random; the diagonal and
+    first tiles always). Timing them on the pairs a sparse prefill computes is the point: over a dense layout, the
+    comparison would miss what the kernel skips and FlexAttention pays per tile. The first comparison compiles
+    FlexAttention once for the guard's shape (seconds, once per machine: the choice is cached)."""
     _, hq, _, d = q.shape
     kvh, n, dv = k.shape[1], k.shape[2], v.shape[-1]
     top, block = guard.bucket(n), layout.block
@@ -144,11 +147,10 @@ def native_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Spa
         rq = torch.randn(1, hq, keys, d, generator=gen)
         rk, rv = torch.randn(1, kvh, keys, d, generator=gen), torch.randn(1, kvh, keys, dv, generator=gen)
         tiles = -(-keys // block)
-        dense = build_layout(["block_sparse"] * hq, keys, 0, block,
-                             tiles=torch.ones(hq, tiles, tiles, dtype=torch.bool).tril())
-        return guard.time_both(lambda: native_sparse_attention(rq, rk, rv, dense, d ** -0.5),
-                               lambda: F.scaled_dot_product_attention(rq, rk, rv, is_causal=True, scale=d ** -0.5,
-                                                                      enable_gqa=hq != kvh))
+        chosen = (torch.rand(hq, tiles, tiles, generator=gen) < GUARD_SHARE).tril()
+        sparse = build_layout(["block_sparse"] * hq, keys, 0, block, tiles=chosen)
+        return guard.time_both(lambda: native_sparse_attention(rq, rk, rv, sparse, d ** -0.5),
+                               lambda: flex_sparse_attention(rq, rk, rv, sparse, d ** -0.5))
 
     return guard.choose("sparse", native.load("sparse", NATIVE_SIGNATURE), shape, measure)
 
@@ -194,10 +196,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     Queries are the last ``nq`` of the ``n`` contiguous key positions; batch size 1; q ``[1, q_heads, nq, d]``,
     k/v ``[1, kv_heads, n, d]`` (GQA: never expanded). `compiled=False` runs FlexAttention eagerly (it then
     materialises the scores: small inputs only)."""
-    b, hq, nq, d = q.shape
-    kvh, n = k.shape[1], k.shape[2]
-    groups = hq // kvh
-    B = layout.block
+    b, hq, nq = q.shape[:3]
+    n = k.shape[2]
     if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise AttnkitError("sparse prefill on CPU is inference only (FlexAttention has no CPU backward); run it "
                            "under torch.inference_mode() or torch.no_grad()")
@@ -207,6 +207,16 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if compiled and b == 1 and native_pays(q, k, v, layout):
         with timed("kernel"):
             return native_sparse_attention(q, k, v, layout, scaling)
+    return flex_sparse_attention(q, k, v, layout, scaling, compiled)
+
+
+def flex_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, scaling: float,
+                          compiled: bool = True) -> torch.Tensor:
+    """:func:`sparse_attention` by FlexAttention (the module docstring), whatever the device."""
+    hq, nq, d = q.shape[1:]
+    kvh, n = k.shape[1], k.shape[2]
+    groups = hq // kvh
+    B = layout.block
     with timed("build"):
         front = layout.q_start - layout.first_row * B
         q_len = padded_length(front + nq, B)
