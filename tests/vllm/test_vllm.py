@@ -403,6 +403,41 @@ def test_preempted_requests_recompute_to_the_same_tokens(engine, model, monkeypa
                            engine=engine)
 
 
+def test_planned_admission_spares_compressed_requests_their_preemptions(engine, model, monkeypatch):
+    """A burst of compressed requests whose prompts all fit the 96 blocks but whose runs, grown to their budget and
+    re-compression buffer, do not: vLLM's own rule (the reservation off) admits them all and preempts as they grow;
+    the planned admission (the engine's default) admits what their plans' peaks let fit, and nothing is preempted.
+    Both give the same tokens; at no step does vLLM's pool hold more than its blocks."""
+    from attnkit.vllm.manager import AttnkitManager
+    from attnkit.vllm.plan import plan_for
+
+    spec, new = "snapkv:budget_tokens=256,decode_every=64", 300
+    prompts = [get_task("passkey").make(model.tokenizer, 300, seed=40 + i).prompt for i in range(30)]
+    lengths = [len(model.tokenizer(p).input_ids) for p in prompts]
+    peaks = [plan_for(resolve_method(spec), n, new, 1).peak_blocks(128, new) for n in lengths]
+    assert sum(-(-n // 128) for n in lengths) < BLOCKS < sum(peaks)  # every prompt fits, every peak does not
+
+    def run(tag):
+        core, before, peak = engine.llm_engine, engine.watch.preemptions, 0
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"admission-{tag}-{i}", prompt, params(spec, max_tokens=new))
+        outs = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                if out.finished:
+                    outs[out.request_id] = list(out.outputs[0].token_ids)
+            peak = max(peak, blocks_in_use(engine))
+        return [outs[k] for k in sorted(outs, key=lambda k: int(k.rsplit("-", 1)[1]))], \
+            engine.watch.preemptions - before, peak
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AttnkitManager, "reservation", lambda self, request, num_tokens: 0)
+        vllm_rule, preempted, _ = run("vllm")
+    planned, preempted_planned, most = run("planned")
+    assert preempted > 0 and preempted_planned == 0 and most <= BLOCKS
+    assert planned == vllm_rule
+
+
 def test_prefix_caching_never_shares_compressed_blocks(engine, model):
     prompt = get_task("passkey").make(model.tokenizer, 2048, seed=31).prompt
     order = ["h2o:budget_tokens=256", "full", "full", "snapkv:budget=0.3,decode_every=16",

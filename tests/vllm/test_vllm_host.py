@@ -35,11 +35,39 @@ def test_plans_follow_the_method_and_the_prompt():
     assert sparse.hooks and sparse.kept == 500
 
 
+@pytest.mark.parametrize("spec", ["snapkv:budget_tokens=512,decode_every=128", "h2o:budget_tokens=300",
+                                  "keyformer:budget_tokens=300,decode_every=50", "streaming:budget_tokens=400",
+                                  "window:window=500", "snapkv:budget_tokens=256", "full",
+                                  "quest:page_size=128,token_budget=256", "minference"])
+def test_a_plans_peak_blocks_are_the_most_it_holds_from_then_on(spec):
+    """What the scheduler reserves for a request (``admission: planned``): from each point of its life, the most
+    blocks its plan holds at once later on, worked out by stepping through every position; None where the plan
+    frees nothing (vLLM's own admission)."""
+    for n, new in ((300, 3000), (1000, 2500), (2000, 40), (100, 700)):
+        plan = plan_for(resolve_method(spec), n, new, 1)
+        frees = plan.live or plan.kept is not None or plan.window is not None
+        assert frees == (spec not in ("full", "minference") and not spec.startswith("quest")
+                         and (n, spec) != (100, "snapkv:budget_tokens=256"))  # a 100-token prompt: nothing evicted
+        if not frees:
+            assert plan.peak_blocks(128, new) is None
+            continue
+        held = [plan.blocks_held(c, 128) for c in range(n, n + new - 1)]
+        for computed in range(0, n + new - 1, 5):
+            later = held[max(0, computed - n):] + ([-(-n // 128)] if computed < n else [])
+            assert plan.peak_blocks(128, new, computed) == max(later), (n, new, computed)
+        if (plan.live or plan.window) and new > 2000:  # a bounded plan holds far less than the whole request
+            assert plan.peak_blocks(128, new) <= -(-(n + new) // 128) // 2
+
+
 def test_engine_configs_refuse_what_vllm_cannot_run_in_one_line():
     assert EngineConfig.parse({}) is None
     config = EngineConfig.parse({"attnkit": {"recipe": "minference+snapkv:budget=0.3"}})
     assert set(config.allow) == {"minference", "snapkv", "full"}
-    assert EngineConfig.from_json(config.to_json()) == config
+    assert EngineConfig.from_json(config.to_json()) == config and config.admission == "planned"
+    vllm_rule = EngineConfig.parse({"attnkit": {"recipe": "snapkv:budget=0.3", "admission": "vllm"}})
+    assert EngineConfig.from_json(vllm_rule.to_json()).admission == "vllm"
+    with pytest.raises(AttnkitError, match="admission.*'planned', 'vllm', got 'greedy'"):
+        EngineConfig.parse({"attnkit": {"recipe": "snapkv:budget=0.3", "admission": "greedy"}})
     for bad in ("quest", "snapkv:budget=0.3,decode_budget=64", "snapkv:budget=[0.3,0.3,0.3,0.3,0.3,0.3]",
                 "h2o:budget=0.3,layer_budgets=pyramid", "streaming:budget_tokens=64,positions=reindex",
                 "kvzip:budget=0.3", "snapkv:budget=0.3+kivi:bits=4", "kvzap:budget=0.3,decode_every=8",
@@ -382,7 +410,7 @@ def test_each_engine_keeps_its_own_requests():
     assert "a" in states[0].prefills.open
     engine = EngineConfig.parse({"attnkit": {"recipe": "snapkv:budget_tokens=64"}})
     first, second = requests.ScheduledRequests(engine), requests.ScheduledRequests(engine)
-    first.record(SimpleNamespace(request_id="0", sampling_params=None))
+    first.record(SimpleNamespace(request_id="0", sampling_params=None, num_prompt_tokens=300, num_computed_tokens=0))
     assert not first.plan("0", 300).plain
     with pytest.raises(RuntimeError, match="'0' reached the KV-cache manager without"):
         second.plan("0", 300)  # another engine's request "0" is not this one's

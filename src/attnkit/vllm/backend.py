@@ -27,6 +27,7 @@ import functools
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -78,6 +79,10 @@ class StepPart:
     plain: object = None  # vLLM's metadata of the plain rows (None: there are none)
     plain_index: torch.Tensor | None = None  # the plain rows' tokens
     quest: pages.QuestStep | None = None  # quest requests' decode queries (None: there are none)
+    # the tokens whose keys Quest's block summaries take: those of requests that may share their blocks as a cached
+    # prefix (plain, quest); a compressed request's blocks are never another's, and a block taken anew restarts
+    # its summary at its first slot (None: every token)
+    summarised: torch.Tensor | None = None
 
 
 def attnkit_backend(base, impl, builder, name: str):
@@ -149,6 +154,10 @@ class AttnkitBuilderMixin:
                     part.skipped.append((qsl[i], r.request_id, r.start, kept))
             else:
                 part.rows.append((qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]))
+        shared = [i for i, r in enumerate(rows) if r.plan.shares_prefix and tokens[i]]
+        if len(shared) < len(rows):
+            part.summarised = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in shared] or
+                                        [torch.zeros(0, dtype=torch.long)]).to(cm.slot_mapping.device)
         if runs:
             part.windows = self.windows(cm, runs, qsl)
         if quest:
@@ -247,7 +256,13 @@ class AttnkitImplMixin:
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if self.keeps_pages:  # Quest's block summaries follow every key written
+        if self.keeps_pages:  # Quest's block summaries follow the keys written (StepPart.summarised)
+            part = getattr(get_attention_context(layer.layer_name)[0], "attnkit", None)
+            index = None if part is None else part.summarised
+            if index is not None:
+                if not len(index):
+                    return
+                key, slot_mapping = key[index], slot_mapping[index]
             key_cache = self.cache_layout(layer, kv_cache)[0]
             pages.summaries_of(self, key_cache).update(key, slot_mapping)
 

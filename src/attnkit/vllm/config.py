@@ -11,6 +11,10 @@ Keys:
 - ``allow``: the methods a request may choose with ``SamplingParams(extra_args={"attnkit": SPEC})`` (the OpenAI
   API's ``vllm_xargs``), by name; default: the recipe's own methods and ``full``. ``"*"`` allows every method
   the plugin supports.
+- ``admission``: ``"planned"`` (default): the scheduler admits a request whose plan frees blocks only where its
+  plan's peak and those of the requests already holding blocks fit in the pool (:meth:`attnkit.vllm.manager.
+  AttnkitManager.reservation`), so that compressed requests are not admitted only to be preempted and recomputed
+  as they grow; ``"vllm"``: vLLM's own rule (admit while the prompt fits, preempt when the cache is full).
 
 The checked configuration travels to the scheduler and the workers as JSON (:meth:`EngineConfig.to_json`).
 """
@@ -28,7 +32,8 @@ from attnkit.recipe.core import Recipe
 from attnkit.vllm.plan import SUPPORTED, check_supported, method_of, read_recipe
 
 KEY = "attnkit"
-KEYS = ("recipe", "allow")
+KEYS = ("recipe", "allow", "admission")
+ADMISSIONS = ("planned", "vllm")
 REQUEST_SOURCE = "SamplingParams.extra_args['attnkit']"
 
 
@@ -44,6 +49,7 @@ class EngineConfig:
 
     recipe: dict
     allow: tuple[str, ...] | None  # None: every supported method
+    admission: str = "planned"
 
     @classmethod
     def parse(cls, additional_config, recipe_source: str | None = None) -> EngineConfig | None:
@@ -74,16 +80,20 @@ class EngineConfig:
             names = tuple(sorted(set(allow) | method_names(method)))
         else:
             raise AttnkitError(f"{source}['allow'] must be a list of method names or '*', got {allow!r}")
-        return cls(recipe.to_dict(), names)
+        admission = raw.get("admission", "planned")
+        if admission not in ADMISSIONS:
+            raise AttnkitError(f"{source}['admission'] must be one of {', '.join(map(repr, ADMISSIONS))}, got "
+                               f"{admission!r}")
+        return cls(recipe.to_dict(), names, admission)
 
     def to_json(self) -> str:
-        return json.dumps({"recipe": self.recipe, "allow": self.allow}, sort_keys=True)
+        return json.dumps({"recipe": self.recipe, "allow": self.allow, "admission": self.admission}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> EngineConfig:
         data = json.loads(text)
         allow = data["allow"]
-        return cls(data["recipe"], None if allow is None else tuple(allow))
+        return cls(data["recipe"], None if allow is None else tuple(allow), data["admission"])
 
     @functools.cached_property
     def method(self) -> Method:
@@ -105,7 +115,8 @@ class EngineConfig:
     def resolved(self) -> dict:
         """This configuration as ``additional_config['attnkit']`` with the recipe read: what the process that starts
         the engine hands on, so that no other process reads a recipe file again."""
-        return {"recipe": self.recipe, "allow": "*" if self.allow is None else list(self.allow)}
+        return {"recipe": self.recipe, "allow": "*" if self.allow is None else list(self.allow),
+                "admission": self.admission}
 
 
 @functools.lru_cache(maxsize=256)

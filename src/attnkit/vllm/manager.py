@@ -58,6 +58,25 @@ class AttnkitManager(FullAttentionManager):
         if freed:
             metrics.BLOCKS_FREED.inc(freed)
 
+    def reservation(self, request, num_tokens: int) -> int:
+        """Blocks to keep free when the scheduler admits `request` (waiting or preempted) with slots for
+        `num_tokens` tokens: what the requests this manager holds will still take before their plans' peaks
+        (:meth:`attnkit.vllm.plan.Plan.peak_blocks`), and what `request` will past this allocation. Requests whose
+        plan frees nothing, and a plan whose peak exceeds the pool, reserve nothing (vLLM's own admission: admit
+        while the prompt fits, preempt when the cache is full); without requests held, nothing is reserved."""
+        pool, bs = self.block_pool.num_gpu_blocks, self.block_size
+        own = self.scheduled.peak_blocks(request.request_id, bs)
+        total = max(0, own - -(-num_tokens // bs)) if own is not None and own < pool else 0
+        held_any = False
+        for request_id, blocks in self.req_to_blocks.items():
+            if request_id == request.request_id or not blocks:
+                continue
+            held_any = True
+            peak = self.scheduled.peak_blocks(request_id, bs)
+            if peak is not None and peak < pool:
+                total += max(0, peak - sum(not b.is_null for b in blocks))
+        return total if held_any else 0
+
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self.scheduled.forget(request_id)
@@ -68,11 +87,16 @@ class AttnkitManager(FullAttentionManager):
             super().cache_blocks(request, num_tokens, *args, **kwargs)
 
 
-def scheduled_requests(kv_cache_manager) -> list[requests.ScheduledRequests]:
-    """The attnkit bookkeeping of an engine's KV-cache manager (vLLM's ``KVCacheManager``): one per attnkit layer group,
-    none for a plain engine (found once, kept on the manager)."""
-    found = getattr(kv_cache_manager, "_attnkit_scheduled", None)
+def attnkit_managers(kv_cache_manager) -> list[AttnkitManager]:
+    """The attnkit block managers of an engine's KV-cache manager (vLLM's ``KVCacheManager``): one per attnkit layer
+    group, none for a plain engine (found once, kept on the manager)."""
+    found = getattr(kv_cache_manager, "_attnkit_managers", None)
     if found is None:
         managers = kv_cache_manager.coordinator.single_type_managers
-        found = kv_cache_manager._attnkit_scheduled = [m.scheduled for m in managers if isinstance(m, AttnkitManager)]
+        found = kv_cache_manager._attnkit_managers = [m for m in managers if isinstance(m, AttnkitManager)]
     return found
+
+
+def scheduled_requests(kv_cache_manager) -> list[requests.ScheduledRequests]:
+    """The attnkit bookkeeping of an engine's KV-cache manager: one per attnkit layer group."""
+    return [m.scheduled for m in attnkit_managers(kv_cache_manager)]

@@ -13,7 +13,10 @@ is tested with (:data:`attnkit.vllm.versions.TESTED`); on any other the plugin l
    whose plan rewrites or frees its blocks, so it never takes cached blocks it would then compact into.
 3. ``vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots`` (scheduler): note the request again, since no
    request runs without slots: the managers' plan of a request cannot depend on vLLM taking the prefix-cache path
-   (a request they never saw noted is an error, :meth:`~attnkit.vllm.requests.ScheduledRequests.plan`).
+   (a request they never saw noted is an error, :meth:`~attnkit.vllm.requests.ScheduledRequests.plan`). When it
+   admits a waiting or preempted request, add to vLLM's own ``reserved_blocks`` what the held requests' plans
+   will still take and what the new one's will (:meth:`~attnkit.vllm.manager.AttnkitManager.reservation`;
+   ``admission: "vllm"`` in the engine's configuration turns that off).
 4. ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` (the process that takes requests): check a
    request's ``extra_args['attnkit']`` and that its method's parameters fit its prompt (the tokenized length and
    ``max_tokens`` are known there, not earlier), so that a bad one fails that request alone (vLLM's
@@ -32,13 +35,14 @@ from vllm.utils import length_from_prompt_token_ids_or_embeds
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.request import RequestStatus
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from attnkit.errors import AttnkitError
 from attnkit.rope import Rope
 from attnkit.vllm import metrics, requests
 from attnkit.vllm.config import KEY, EngineConfig, engine_of
-from attnkit.vllm.manager import scheduled_requests
+from attnkit.vllm.manager import attnkit_managers, scheduled_requests
 from attnkit.vllm.plan import check_pages, check_parallel, check_prompt
 from attnkit.vllm.versions import tested, untested_error, wrap
 
@@ -132,10 +136,19 @@ def apply() -> None:
         return run
 
     def allocate_slots(original):
-        def run(self, request, *args, **kwargs):
-            for scheduled in scheduled_requests(self):
-                scheduled.record(request)
-            return original(self, request, *args, **kwargs)
+        admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+        def run(self, request, num_new_tokens, *args, **kwargs):
+            managers = attnkit_managers(self)
+            for manager in managers:
+                manager.scheduled.record(request)
+            if not args and request.status in admitting and managers \
+                    and managers[0].scheduled.engine.admission == "planned":
+                tokens = (request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
+                          + kwargs.get("num_external_computed_tokens", 0) + num_new_tokens)
+                extra = sum(manager.reservation(request, tokens) for manager in managers)
+                kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + extra
+            return original(self, request, num_new_tokens, *args, **kwargs)
         return run
 
     def process_inputs(original):

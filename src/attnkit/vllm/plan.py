@@ -47,6 +47,8 @@ difference).
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -251,6 +253,55 @@ class Plan:
         if self.window is not None:
             ranges.append((self.base + self.sinks, computed - self.window + 1))
         return [(a, b) for a, b in ranges if b > a]
+
+    def peak_blocks(self, block_size: int, max_tokens: int, computed: int = 0) -> int | None:
+        """The most blocks of `block_size` slots the request holds at once from `computed` tokens on, `max_tokens`
+        generated (what the scheduler keeps free for it: :meth:`attnkit.vllm.manager.AttnkitManager.reservation`);
+        None where the plan frees nothing, so that vLLM's own admission applies. A step computing position ``c``
+        holds the blocks of slots ``[0, c]`` less those wholly inside :meth:`freeable` ``(c)``, the prompt its
+        whole blocks until its last chunk."""
+        if not (self.live or self.kept is not None or self.window is not None):
+            return None
+        if computed < self.prompt_len:  # the prompt is held whole until its last chunk
+            return max(-(-self.prompt_len // block_size), self.peak_blocks(block_size, max_tokens, self.prompt_len))
+        return _block_needs(self, block_size, max_tokens)(computed)
+
+    def blocks_held(self, computed: int, block_size: int) -> int:
+        """Blocks a step computing position `computed` (after the prompt) holds."""
+        freed = sum(max(0, b // block_size - -(-a // block_size)) for a, b in self.freeable(computed))
+        return computed // block_size + 1 - freed
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_needs(plan: Plan, block_size: int, max_tokens: int):
+    """For a position from the prompt's end on, the most blocks `plan` holds from there on (see
+    :meth:`Plan.peak_blocks`). A live plan that has reached its budget (a window, its width) repeats its count with
+    the period of its compressions and the blocks: the positions up to there and a period past decide, and the last
+    period and a block before the end, where fewer positions remain; a compressed prompt then holds every generated
+    token, so its count only grows."""
+    n, bs = plan.prompt_len, block_size
+    last = max(n, n + max_tokens - 2)  # the last position a step computes (the newest token is sampled, not stored)
+    if not plan.live and plan.window is None:
+        most = plan.blocks_held(last, bs)
+        return lambda computed: most
+
+    def most_from(first: int, stop: int) -> list[int]:
+        held = [plan.blocks_held(c, bs) for c in range(first, stop + 1)]
+        for i in range(len(held) - 2, -1, -1):
+            held[i] = max(held[i], held[i + 1])
+        return held
+
+    period = math.lcm(max(plan.every, 1), bs)
+    settled = n + (plan.budget or 0) + (plan.window or 0) + 2 * period + bs
+    head = most_from(n, min(last, settled + period))
+    tail_start = max(n, last - period - bs)
+    tail = most_from(tail_start, last) if last > settled + period else []
+
+    def lookup(computed: int) -> int:
+        if tail and computed >= tail_start:
+            return tail[min(computed, last) - tail_start]
+        return head[min(computed, settled, last) - n]
+    return lookup
 
 
 _PLANS: dict = {}

@@ -48,13 +48,16 @@ class ScheduledRequests:
     def __init__(self, engine: EngineConfig):
         self.engine = engine
         self.known: dict[str, tuple] = {}
+        self.computed: dict[str, int] = {}  # tokens computed when the scheduler last gave the request slots
 
     def record(self, request) -> None:
         self.known[request.request_id] = (request_spec(request.sampling_params),
-                                          max_tokens_of(request.sampling_params))
+                                          max_tokens_of(request.sampling_params), request.num_prompt_tokens)
+        self.computed[request.request_id] = request.num_computed_tokens
 
     def forget(self, request_id: str) -> None:
         self.known.pop(request_id, None)
+        self.computed.pop(request_id, None)
 
     def plan(self, request_id: str, prompt_len: int | None) -> Plan | None:
         """The plan the scheduler frees a request's blocks by (None before its prompt length is known). A request
@@ -65,8 +68,16 @@ class ScheduledRequests:
             raise RuntimeError(f"attnkit: request {request_id!r} reached the KV-cache manager without passing the "
                                f"wrapped slot allocation (vLLM took it by a path the plugin does not wrap); its plan "
                                f"is unknown")
-        spec, max_tokens = self.known[request_id]
+        spec, max_tokens, _ = self.known[request_id]
         return plan_for(self.engine.request_method(spec), prompt_len, max_tokens, n_layers=1)
+
+    def peak_blocks(self, request_id: str, block_size: int) -> int | None:
+        """:meth:`Plan.peak_blocks` of a request this engine noted, from the tokens it had computed when last given
+        slots (None: unknown, or its plan frees nothing)."""
+        if request_id not in self.known:
+            return None
+        _, max_tokens, prompt_len = self.known[request_id]
+        return self.plan(request_id, prompt_len).peak_blocks(block_size, max_tokens, self.computed[request_id])
 
     def refuses_prefix_hit(self, request) -> bool:
         """Whether a request's plan compacts or frees its blocks, so that it must not take cached ones."""
