@@ -142,6 +142,7 @@ def apply() -> None:
             managers = attnkit_managers(self)
             for manager in managers:
                 manager.scheduled.record(request)
+            # vLLM 0.32's scheduler passes everything after the token count by keyword
             if not args and request.status in admitting and managers \
                     and managers[0].scheduled.engine.admission == "planned":
                 tokens = (request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
