@@ -411,7 +411,7 @@ def test_planned_admission_spares_compressed_requests_their_preemptions(engine, 
     from attnkit.vllm.manager import AttnkitManager
     from attnkit.vllm.plan import plan_for
 
-    spec, new = "snapkv:budget_tokens=256,decode_every=64", 300
+    spec, new = "snapkv:budget_tokens=256,decode_every=64", 150
     prompts = [get_task("passkey").make(model.tokenizer, 300, seed=40 + i).prompt for i in range(30)]
     lengths = [len(model.tokenizer(p).input_ids) for p in prompts]
     peaks = [plan_for(resolve_method(spec), n, new, 1).peak_blocks(128, new) for n in lengths]
