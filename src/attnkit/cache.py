@@ -90,11 +90,12 @@ class LayerKV:
         self.length = min(cap, max(self.length, int(slots.max()) + 1))
 
     def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Overwrite chosen slots in place, per head: `slots` ``[b, kv, n]`` (entries that were evicted)."""
+        """Overwrite chosen slots in place, per head: `slots` ``[b, kv, n]`` (entries that were evicted), with the
+        new entries at positions `pos` broadcastable to `slots` (``[n]``, or ``[b, 1, 1]`` one per row)."""
         idx = slots.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
         self.keys.scatter_(2, idx, k)
         self.values.scatter_(2, idx, v)
-        self.positions.scatter_(2, slots, pos.expand_as(slots) if pos.dim() == 1 else pos)
+        self.positions.scatter_(2, slots, pos.expand_as(slots))  # one position per new entry, or per row
         for stat in self.extras.values():
             stat.scatter_(2, slots, 0)
 

@@ -6,6 +6,8 @@
 - :class:`Step`: one forward pass (prefill chunk or decoding step): its phase, the original positions of
   its tokens, and what the layers of this forward share (e.g. a mask built on the first layer).
 - :class:`RowsStep`: one forward over rows of several sessions (a batch of prompts of different lengths).
+- :func:`stack_states` / :func:`unstack_states`: several generations' method states as one, for a decode step
+  whose rows are theirs (:attr:`Step.per_row`: the vLLM host steps many requests of a per-step method at once).
 - :class:`LayerContext`: one layer's view of a step, passed to every method hook.
 
 The method is anything with the hooks of :class:`attnkit.methods.base.Method`; this module sits below
@@ -80,6 +82,10 @@ class Step:
     phase: str  # "prefill" or "decode"
     q_pos: torch.Tensor  # [n] original positions of the new tokens
     last_chunk: bool = True
+    # a decode step of several generations at once, one token per row (a host stacks them: the vLLM host's
+    # per-step eviction): :attr:`q_pos` is then ``[rows, 1, 1]``, each row's own position, broadcasting against a
+    # cache's ``[rows, kv, length]``; only a method whose ``stacks_decode`` says so is handed one
+    per_row: bool = False
     # what the layers of this forward can share (e.g. a mask built on the first layer), by key
     memo: dict = field(default_factory=dict, repr=False)
     # (layer, its attention's input hidden states, its attention module) of the layer running now, handed over by
@@ -260,3 +266,71 @@ def copy_state(obj):
     if isinstance(obj, tuple):
         return tuple(copy_state(v) for v in obj)
     return obj
+
+
+class _Apart(Exception):
+    """States that cannot stand as one (:func:`stack_states`)."""
+
+
+def stack_states(states: list) -> tuple[bool, Any]:
+    """``(True, state)``: one state standing for `states`, each a generation's (of one row), for a decode step whose
+    rows are theirs in order (:attr:`Step.per_row`); ``(False, None)`` where they differ beyond that. Tensors (one row
+    each) are concatenated along the rows; in a dataclass, the numbers its class names in ``per_row`` become a
+    tensor ``[rows]`` (float64 for floats and None, which becomes nan; int64 otherwise), the fields it names in
+    ``shared`` (an object every generation may use alike, e.g. a table of draws) come from the first state holding
+    one, and every other field must be equal in all."""
+    try:
+        return True, _stack(states)
+    except _Apart:
+        return False, None
+
+
+def _stack(values: list):
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 1 and v.shape == first.shape
+                   and v.dtype == first.dtype and v.device == first.device for v in values):
+            raise _Apart
+        return torch.cat(values)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        if any(type(v) is not type(first) for v in values):
+            raise _Apart
+        per_row, shared = getattr(first, "per_row", ()), getattr(first, "shared", ())
+        out = copy.copy(first)
+        for f in dataclasses.fields(first):
+            got = [getattr(v, f.name) for v in values]
+            if f.name in shared:
+                value = next((g for g in got if g is not None), None)
+            elif f.name in per_row:
+                floats = any(g is None or isinstance(g, float) for g in got)
+                value = torch.tensor([float("nan") if g is None else g for g in got],
+                                     dtype=torch.float64 if floats else torch.int64)
+            else:
+                value = _stack(got)
+            object.__setattr__(out, f.name, value)
+        return out
+    if any(isinstance(v, torch.Tensor) or (v is not first and v != first) for v in values):
+        raise _Apart
+    return first
+
+
+def unstack_states(stacked, states: list) -> None:
+    """Put what a stacked decode step left in `stacked` (:func:`stack_states` of `states`) back into each of
+    `states` (dataclasses, updated in place): row ``r`` of every tensor, the ``per_row`` numbers as Python numbers,
+    everything else as it is."""
+    if not (dataclasses.is_dataclass(stacked) and not isinstance(stacked, type)):
+        return
+    per_row, shared = getattr(stacked, "per_row", ()), getattr(stacked, "shared", ())
+    for f in dataclasses.fields(stacked):
+        value = getattr(stacked, f.name)
+        for r, state in enumerate(states):
+            if f.name in per_row:
+                own = value[r].item()
+            elif isinstance(value, torch.Tensor) and f.name not in shared:
+                own = value[r:r + 1].clone()
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                unstack_states(value, [getattr(s, f.name) for s in states])
+                break
+            else:
+                own = value
+            object.__setattr__(state, f.name, own)

@@ -290,6 +290,34 @@ def test_methods_acting_while_decoding_give_attnkit_tokens(engine, model, short_
         assert_same_tokens(got[i:i + 1], model, chosen[i:i + 1], spec, max_tokens=LONG, engine=engine)
 
 
+PER_STEP = ["h2o:budget_tokens=256", "keyformer:budget_tokens=256", "tova:budget_tokens=256"]
+
+
+def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, short_prompts, monkeypatch):
+    """Requests of a per-step method (one entry out per generated token) decoding in the same step run as one call
+    per layer (attnkit.vllm.stacked: their entries gathered together, the method's hooks on rows at their own
+    positions), arriving a few steps apart so their positions differ: every request's whole output (100 tokens) is
+    attnkit's own, and the stacked call did run, with several requests at once for each method."""
+    from attnkit.vllm import stacked
+
+    together, step = {}, stacked._step
+
+    def counting(members, *args):
+        ran = step(members, *args)
+        spec = members[0][1].method.describe()
+        together[spec] = max(together.get(spec, 0), len(members) if ran else 0)
+        return ran
+
+    monkeypatch.setattr(stacked, "_step", counting)
+    arrivals = [(f"together-{spec}-{i}", p, params(spec, LONG)) for i, p in enumerate(short_prompts)
+                for spec in PER_STEP]
+    done = run_steps(engine, arrivals, steps_between=2)
+    assert len(together) == len(PER_STEP) and min(together.values()) >= 3, together
+    for spec in PER_STEP:
+        ids = [a[0] for a in arrivals if a[0].startswith(f"together-{spec}-")]
+        assert_same_tokens([done[i] for i in ids], model, short_prompts, spec, max_tokens=LONG, engine=engine)
+
+
 @pytest.mark.parametrize("spec", ["snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
                                   "window:window=200", "h2o:budget=0.2"])
 def test_staggered_requests_give_attnkit_tokens(engine, model, prompts, spec):

@@ -48,7 +48,7 @@ from attnkit.attention import attend, folded_attention, folded_bias, sdpa
 from attnkit.cache import LayerKV
 from attnkit.errors import AttnkitError
 from attnkit.methods.spec import make_method, parse_method_spec
-from attnkit.session import LayerContext
+from attnkit.session import LayerContext, stack_states, unstack_states
 
 
 class Method:
@@ -80,6 +80,26 @@ class Method:
     def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
         """Keep the batch rows `rows` of any per-row tensors in this method's states (the session drops
         sequences that finished; the cache's own rows are already kept). Default: the states hold none."""
+
+    @property
+    def stacks_decode(self) -> bool:
+        """Whether a decode step of several generations of this method may run as one step whose rows are theirs
+        (:attr:`attnkit.session.Step.per_row`: each row at its own position, the states stacked by
+        :meth:`stack_states`); the vLLM host then steps its requests together instead of one by one."""
+        return False
+
+    def stack_states(self, layer_states: list, session_states: list) -> tuple | None:
+        """``(layer state, session state)`` standing for several generations' states of one layer in a stacked
+        decode step (:func:`attnkit.session.stack_states`), or None where they cannot step together."""
+        if not self.stacks_decode:
+            return None
+        layer, run = stack_states(layer_states), stack_states(session_states)
+        return (layer[1], run[1]) if layer[0] and run[0] else None
+
+    def unstack_states(self, stacked: tuple, layer_states: list, session_states: list) -> None:
+        """After a stacked decode step: each generation's states from the stacked ones (:meth:`stack_states`)."""
+        unstack_states(stacked[0], layer_states)
+        unstack_states(stacked[1], session_states)
 
     def run_stats(self, session) -> dict:
         """What this method measured during the generation `session` ran (numbers by name), for the

@@ -56,6 +56,12 @@ class BufferedEviction(EvictionMethod):
         whole("decode_every", self.decode_every, 0, what=" (generated tokens let in between two compressions back to "
                                                          "the budget; 0 = one eviction per generated token)")
 
+    @property
+    def stacks_decode(self) -> bool:
+        # the per-step form's decode step is the same for every row given each row's position (the recent window,
+        # the newest entry, the victim per row and kv head): a host may step several generations at once
+        return not self.decode_every
+
     def evicts(self, ctx: LayerContext) -> bool:
         if self.decode_every and ctx.state.evicts is None:
             # every N-th step compresses a layer holding more than B, however B + N compares with the whole length

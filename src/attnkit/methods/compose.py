@@ -160,6 +160,19 @@ class Compose(Method):
         self._prefill.keep_rows([s.prefill for s in layer_states], session_state.prefill, rows)
 
     @property
+    def stacks_decode(self) -> bool:
+        return self._cache.stacks_decode  # decoding is the cache method's alone
+
+    def stack_states(self, layer_states: list, session_states: list) -> tuple | None:
+        # decoding reads the cache part's states only: the prefill part's stay where they are
+        got = self._cache.stack_states([s.cache for s in layer_states], [s.cache for s in session_states])
+        return None if got is None else (ComposeState(got[0], None), ComposeState(got[1], None))
+
+    def unstack_states(self, stacked: tuple, layer_states: list, session_states: list) -> None:
+        self._cache.unstack_states((stacked[0].cache, stacked[1].cache), [s.cache for s in layer_states],
+                                   [s.cache for s in session_states])
+
+    @property
     def batches(self) -> bool:
         return self._cache.batches and self._prefill.batches
 

@@ -79,6 +79,8 @@ class KeyformerState(EvictionState):
     t: int = 0
     tau: float | None = None
 
+    per_row = ("t", "tau")  # a stacked decode step's rows are at their own iterations (attnkit.session.stack_states)
+
 
 @dataclass
 class KeyformerRun:
@@ -89,6 +91,8 @@ class KeyformerRun:
     score: torch.Tensor | None = None
     pending: torch.Tensor | None = None
     step: Any = None  # the step whose scores `pending` collects
+
+    shared = ("noise",)  # a function of the seed and the geometry alone: every generation of the method draws alike
 
 
 @register
@@ -127,6 +131,18 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         """eq. 10 with this method's tau_init and tau_end."""
         return keyformer_tau(t, T, self.tau_init, self.tau_end)
 
+    def _row_tau(self, t: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
+        """eq. 10 per row of a stacked decode step (:attr:`attnkit.session.Step.per_row`), ``[rows]`` float64: the
+        same operations as :func:`keyformer_tau` on each row's iteration and generation length."""
+        t, T = t.double(), T.double()
+        return torch.where(T > 0, t * (self.tau_end - self.tau_init) / T.clamp(min=1) + self.tau_init, self.tau_init)
+
+    @property
+    def stacks_decode(self) -> bool:
+        # the shared score sums over a generation's own positions, and new positions rotate by one query's: those
+        # decode one generation at a time
+        return super().stacks_decode and self.score == "per_layer" and self.positions == "original"
+
     # ---- the score f (eq. 9) ---------------------------------------------------------------------------
     def _weights(self, ctx: LayerContext, tau: float, decoding: bool = False):
         kv_heads = ctx.kv.positions.shape[1]
@@ -141,7 +157,9 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
                                               k_pos)
             elif self.noise == "constant":
                 logits += EULER_GAMMA
-            if tau != 1.0:
+            if isinstance(tau, torch.Tensor):  # one per row of a stacked step (dividing by 1 changes nothing)
+                logits /= tau.to(logits.dtype).view(-1, 1, 1, 1, 1)
+            elif tau != 1.0:
                 logits /= tau
             return torch.softmax(logits, dim=-1)
 
@@ -244,7 +262,10 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         if self.positions == "new":
             keys = self._at_new_positions(ctx, keys, positions)
         out, logits, _ = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
-        tau = self.tau(max(ctx.state.t, 1), ctx.session.max_new_tokens)
+        if ctx.step.per_row:
+            tau = self._row_tau(ctx.state.t.clamp(min=1), ctx.session.max_new_tokens)
+        else:
+            tau = self.tau(max(ctx.state.t, 1), ctx.session.max_new_tokens)
         ctx.state.tau = tau
         f = self._weights(ctx, tau, decoding=True)(logits, ctx.q_pos, positions)
         self._accumulate(ctx, reduce_heads(f, self.gqa_reduce)[:, :, 0])  # the step's one query

@@ -260,12 +260,16 @@ class DecodeNoise:
 
     def __call__(self, ctx: LayerContext, k_pos: torch.Tensor) -> torch.Tensor:
         """Noise ``[b, kv, g, 1, keys]`` for the held keys at `k_pos` ``[b, kv, keys]`` of layer ``ctx.index``."""
-        if self.step is not ctx.step:  # first layer of a new step
-            self.step = ctx.step
-            self.q = int(ctx.q_pos[-1])
-            rows = [[h & (TABLE_SIZE - 1) for h in row_hash_ints(layer, self.q)] for layer in self.heads]
-            self.offsets = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        # a stacked step (attnkit.session.Step.per_row) has one query position per row: its offsets are kept for
+        # those positions (the host's layers each build their own stacked step)
+        queries = tuple(ctx.q_pos.flatten().tolist()) if ctx.step.per_row else None
+        if self.step is not ctx.step and (queries is None or queries != self.step):  # first layer of a new step
+            self.step = ctx.step if queries is None else queries
+            queries = queries or [int(ctx.q_pos[-1])]
+            self.q = max(queries)
+            rows = [[[h & (TABLE_SIZE - 1) for h in row_hash_ints(layer, q)] for layer in self.heads] for q in queries]
+            self.offsets = torch.tensor(rows, dtype=torch.int64).to(self.device)  # [rows, layers, heads]
         kv_heads = k_pos.shape[1]
-        offsets = self.offsets[ctx.index].to(k_pos.device)  # a few numbers per head, to this layer's device
-        offsets = offsets.view(1, kv_heads, self.n_heads // kv_heads, 1, 1)
+        offsets = self.offsets[:, ctx.index].to(k_pos.device)  # a few numbers per head, to this layer's device
+        offsets = offsets.view(-1, kv_heads, self.n_heads // kv_heads, 1, 1)
         return table_draws(self.kind, offsets, k_pos, largest=self.q)  # every held key is at or before the query

@@ -32,7 +32,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from attnkit.rope import Rope
-from attnkit.vllm import host, paged, pages, requests
+from attnkit.vllm import host, paged, pages, requests, stacked
 from attnkit.vllm.config import EngineConfig, engine_of
 from attnkit.vllm.manager import AttnkitSpec
 
@@ -73,6 +73,9 @@ class StepPart:
     windows: Windows | None
     # live rows among them whose methods catch up later: (token, request id, position, queries kept)
     skipped: list
+    # live rows of per-step methods decoding one token, stepped together where they can (:mod:`attnkit.vllm.stacked`):
+    # (token, Row, block table row)
+    stacked: list
     n_layers: int
     rope: Rope | None
     state: host.WorkerState
@@ -131,7 +134,7 @@ class AttnkitBuilderMixin:
         # and compress beside it), and quest requests' prompt chunks
         plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])
                  or (r.quest_prompt and tokens[i])]
-        part = StepPart(rows=[], decode=None, windows=None, skipped=[], n_layers=self.n_layers, rope=self.rope,
+        part = StepPart(rows=[], decode=None, windows=None, skipped=[], stacked=[], n_layers=self.n_layers, rope=self.rope,
                         state=state)
         decode, runs, quest = [], {}, []
         for i, r in enumerate(rows):
@@ -144,7 +147,9 @@ class AttnkitBuilderMixin:
                 quest += [pages.Query(qsl[i] + p - r.start, p, i, r.method) for p in range(first, r.start + tokens[i])]
                 continue
             kept = r.kept_queries
-            if tokens[i] == 1 and not (r.plan.hooks and r.in_prompt) and (not r.plan.live or kept is not None):
+            if stacked.stackable(r):
+                part.stacked.append((qsl[i], r, cm.block_table_tensor[i]))
+            elif tokens[i] == 1 and not (r.plan.hooks and r.in_prompt) and (not r.plan.live or kept is not None):
                 visible = r.plan.visible(r.start)
                 if len(visible) == 1 and self.windowed:
                     runs.setdefault(r.start + 1 - visible[0][0], []).append(i)
@@ -310,7 +315,11 @@ class AttnkitImplMixin:
         for first, request_id, position, kept in part.skipped:
             q = query[first].reshape(-1, key_cache.shape[-1]).clone() if kept else None
             part.state.live.skipped(request_id, self.layer_index, position, q)
-        for first, end, row, block_row in part.rows:
+        rest = []
+        if part.stacked:
+            rest = stacked.attention(part.stacked, call, query, key, value, (key_cache, value_cache, layout, store),
+                                     output)
+        for first, end, row, block_row in part.rows + rest:
             request = paged.request_slots(key_cache, value_cache, layout, block_row, block_size, store)
             q = query[first:end].transpose(0, 1).unsqueeze(0)
             k = key[first:end].transpose(0, 1).unsqueeze(0)

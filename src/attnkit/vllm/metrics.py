@@ -27,8 +27,10 @@ def method_label(method) -> str:
     return "+".join(p.name for p in parts) if all(parts) else method.name
 
 
-def compacted(seconds: float, kept: int) -> None:
-    """One layer's call that compressed a request to `kept` entries per kv head took `seconds`."""
-    COMPACTION.observe(seconds)
-    COMPRESSIONS.inc()
-    ENTRIES_KEPT.inc(kept)
+def compacted(seconds: float, kept: int, requests: int = 1) -> None:
+    """One layer's call that compressed `requests` requests to `kept` entries per kv head each took `seconds` per
+    request."""
+    for _ in range(requests):
+        COMPACTION.observe(seconds)
+    COMPRESSIONS.inc(requests)
+    ENTRIES_KEPT.inc(kept * requests)

@@ -139,6 +139,41 @@ def gather_entries(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: L
             _entries(value_cache, layout.value_order, blocks, offsets))
 
 
+def gather_heads(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Layout, block_rows: torch.Tensor,
+                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[rows, kv_heads, n, head_dim]`` of several requests' entries, each kv head at its own slots
+    `slots` ``[rows, kv_heads, n]`` through the requests' block table rows `block_rows` ``[rows, blocks]`` (copies):
+    one gather for every request of a step, each entry copied as one row of ``head_dim`` numbers where the layout
+    stores it so (:func:`_entry_rows`)."""
+    rows, kv, n = slots.shape
+    slots = slots.to(block_rows.device)
+    return tuple(_entry_rows(half, order, block_rows, slots).view(rows, kv, n, -1)
+                 for half, order in ((key_cache, layout.key_order), (value_cache, layout.value_order)))
+
+
+def _entry_rows(half: torch.Tensor, order, block_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    nb, kv, size, dim = half.shape
+    heads = torch.arange(kv, device=slots.device).view(1, kv, 1)
+    if order is None and half.stride(2) == dim and half.stride(3) == 1 and half.stride(0) % dim == half.stride(1) % dim == 0:
+        # every entry is a row of the cache's storage: pick the rows
+        blocks = block_rows.long().gather(1, (slots // size).flatten(1)).view_as(slots)
+        ids = blocks * (half.stride(0) // dim) + heads * (half.stride(1) // dim) + slots % size
+        storage = half.as_strided(((nb - 1) * (half.stride(0) // dim) + (kv - 1) * (half.stride(1) // dim) + size, dim),
+                                  (dim, 1))
+        return storage.index_select(0, ids.flatten())
+    # otherwise the blocks spanning each request's slots are read whole (head_blocks: contiguous runs), laid out as
+    # rows, and the entries picked from them; a request's entries lie in one run of slots, so little more is read
+    rows = slots.shape[0]
+    first = slots.flatten(1).min(dim=1).values // size  # each request's first block
+    count = int((slots.flatten(1).max(dim=1).values // size - first).max()) + 1
+    spans = (first[:, None] + torch.arange(count, device=slots.device)).clamp(max=block_rows.shape[1] - 1)
+    blocks = block_rows.long().gather(1, spans)[:, None, :].expand(rows, kv, count)
+    stored = head_blocks(half, order, blocks).reshape(-1, dim)
+    row = torch.arange(rows, device=slots.device).view(-1, 1, 1)
+    ids = (row * kv + heads) * (count * size) + slots - first.view(-1, 1, 1) * size
+    return stored.index_select(0, ids.flatten())
+
+
 def _span(half: torch.Tensor, order, blocks: torch.Tensor, first: int, count: int) -> torch.Tensor:
     """``[kv_heads, count, head_dim]``: the `count` consecutive entries from offset `first` of the request's
     blocks `blocks` (whole blocks read in their stored layout, then put in slot order)."""
