@@ -107,6 +107,27 @@ def test_the_layout_map_reads_back_what_the_write_op_stored():
         assert torch.equal(run_v[0], values[span.start:span.stop].transpose(0, 1))
 
 
+@pytest.mark.parametrize("order", [None, paged.TRANSPOSED, "permuted"])
+def test_one_gather_of_many_requests_reads_each_heads_own_slots(order):
+    """The stacked step's gather (attnkit.vllm.stacked): several requests' entries, each kv head at its own slots
+    through its request's block table, in every layout kind the map describes, equal each request's own reads."""
+    gen = torch.Generator().manual_seed(3)
+    size, dim, kv = 16, 8, 2
+    if order == "permuted":
+        order = torch.randperm(size * dim, generator=gen)
+    layout = paged.Layout(order, None)
+    k_cache, v_cache = paged.split_cache(torch.randn(40, kv, 2 * size, dim, generator=gen))
+    tables = torch.stack([torch.randperm(40, generator=gen)[:12] for _ in range(3)])
+    # each request's entries in one run of slots (a few waiting in an earlier block), in no particular order
+    slots = torch.stack([torch.stack([torch.randperm(60, generator=gen)[:50] + 20 * r + 10 for _ in range(kv)])
+                         for r in range(3)])
+    keys, values = paged.gather_heads(k_cache, v_cache, layout, tables, slots)
+    for r in range(3):
+        for h in range(kv):
+            want_k, want_v = paged.gather(k_cache, v_cache, layout, tables[r], slots[r, h])
+            assert torch.equal(keys[r, h], want_k[0, h]) and torch.equal(values[r, h], want_v[0, h])
+
+
 class DictStore:
     """A request's slots as plain tensors (the PagedRequest protocol)."""
 

@@ -21,6 +21,10 @@ through vLLM's own writing op. Moving a few entries instead of shifting the run 
 count; a slot's order does not matter to attention. The blocks wholly before the run go back to vLLM's pool
 (:meth:`~attnkit.vllm.plan.Plan.freeable`); the layer's count is checked against the plan after every call.
 
+Requests of a per-step method that decode in the same step, each holding its full budget, step together instead,
+one call per layer for all of them (:mod:`attnkit.vllm.stacked`); the slots and states they leave are the ones this
+module keeps.
+
 Steps that cannot compress, of a method whose decode step between two compressions only appends its entry, attends
 densely over everything held and remembers recent queries (:meth:`~attnkit.methods.prompt_scorer.PromptScorer.
 decode_queries_kept`: the re-compressing scorers, ``decode_every``), run as vLLM's other decode rows do, batched
