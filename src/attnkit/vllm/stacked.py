@@ -54,8 +54,9 @@ def attention(rows: list, call: host.LayerCall, query, key, value, cache, output
                 or old.kv.length != row.plan.held(row.start + 1)):
             rest.append((first, first + 1, row, block_row))
         else:
-            # one group per method (its whole parameters: a composed method's parts are not hashable) and budget
-            groups.setdefault((repr(row.method), old.kv.capacity), []).append((first, row, block_row, entry, old))
+            # one group per method as the session runs it (its whole parameters: a composed method's parts are not
+            # hashable) and budget
+            groups.setdefault((repr(entry.session.method), old.kv.capacity), []).append((first, row, block_row, entry, old))
     for members in groups.values():
         if len(members) == 1 or not _step(members, call, query, key, value, cache, output):
             rest += [(first, first + 1, row, block_row) for first, row, block_row, _, _ in members]
