@@ -65,8 +65,13 @@ from attnkit.session import LayerContext
 from attnkit.validate import choice, number, whole
 
 
-def keyformer_tau(t: int, T: int, tau_init: float = 1.0, tau_end: float = 2.0) -> float:
-    """Temperature at decode iteration `t` of a generation of `T` tokens (eq. 10); `t` = 0 is the prompt."""
+def keyformer_tau(t, T, tau_init: float = 1.0, tau_end: float = 2.0):
+    """Temperature at decode iteration `t` of a generation of `T` tokens (eq. 10); `t` = 0 is the prompt. `t` and `T`
+    may be tensors ``[rows]`` (a stacked decode step's rows, :attr:`attnkit.session.Step.per_row`): the same
+    operations per row, in float64."""
+    if isinstance(T, torch.Tensor):
+        t, T = t.double(), T.double()
+        return torch.where(T > 0, tau_init + t * (tau_end - tau_init) / T.clamp(min=1), tau_init)
     if T <= 0:
         return tau_init
     return tau_init + t * (tau_end - tau_init) / T
@@ -127,15 +132,9 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         if self.positions == "new" and ctx.session.rope is None:
             raise AttnkitError("keyformer positions='new' needs the model's rotary embedding (session.rope)")
 
-    def tau(self, t: int, T: int) -> float:
+    def tau(self, t, T):
         """eq. 10 with this method's tau_init and tau_end."""
         return keyformer_tau(t, T, self.tau_init, self.tau_end)
-
-    def _row_tau(self, t: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
-        """eq. 10 per row of a stacked decode step (:attr:`attnkit.session.Step.per_row`), ``[rows]`` float64: the
-        same operations as :func:`keyformer_tau` on each row's iteration and generation length."""
-        t, T = t.double(), T.double()
-        return torch.where(T > 0, t * (self.tau_end - self.tau_init) / T.clamp(min=1) + self.tau_init, self.tau_init)
 
     @property
     def stacks_decode(self) -> bool:
@@ -262,10 +261,8 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         if self.positions == "new":
             keys = self._at_new_positions(ctx, keys, positions)
         out, logits, _ = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
-        if ctx.step.per_row:
-            tau = self._row_tau(ctx.state.t.clamp(min=1), ctx.session.max_new_tokens)
-        else:
-            tau = self.tau(max(ctx.state.t, 1), ctx.session.max_new_tokens)
+        t = ctx.state.t  # one per row in a stacked step
+        tau = self.tau(t.clamp(min=1) if ctx.step.per_row else max(t, 1), ctx.session.max_new_tokens)
         ctx.state.tau = tau
         f = self._weights(ctx, tau, decoding=True)(logits, ctx.q_pos, positions)
         self._accumulate(ctx, reduce_heads(f, self.gqa_reduce)[:, :, 0])  # the step's one query

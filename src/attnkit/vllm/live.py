@@ -76,6 +76,9 @@ class LiveRequest:
     steps: list = field(default_factory=list)
     # steps run as plain attention since the last call through the hooks: position -> {layer: queries or None}
     pending: dict = field(default_factory=dict)
+    # what requests share to step together (attnkit.vllm.stacked): the method as its session runs it, by its whole
+    # parameters (kept, not rebuilt per layer)
+    method_key: str | None = None
 
 
 class LiveRequests:

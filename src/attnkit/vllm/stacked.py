@@ -56,7 +56,9 @@ def attention(rows: list, call: host.LayerCall, query, key, value, cache, output
         else:
             # one group per method as the session runs it (its whole parameters: a composed method's parts are not
             # hashable) and budget
-            groups.setdefault((repr(entry.session.method), old.kv.capacity), []).append((first, row, block_row, entry, old))
+            if entry.method_key is None:
+                entry.method_key = repr(entry.session.method)
+            groups.setdefault((entry.method_key, old.kv.capacity), []).append((first, row, block_row, entry, old))
     for members in groups.values():
         if len(members) == 1 or not _step(members, call, query, key, value, cache, output):
             rest += [(first, first + 1, row, block_row) for first, row, block_row, _, _ in members]
