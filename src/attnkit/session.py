@@ -285,6 +285,25 @@ def stack_states(states: list) -> tuple[bool, Any]:
         return False, None
 
 
+_FIELDS: dict = {}
+
+
+def _fields(state) -> tuple | None:
+    """``(name, kind)`` of each field of a dataclass instance `state` (kind: ``"per_row"``, ``"shared"`` or ``""``,
+    from its class's ``per_row`` and ``shared``), cached per class; None for anything else."""
+    if isinstance(state, type):
+        return None
+    cls = type(state)
+    got = _FIELDS.get(cls)
+    if got is None:
+        if not dataclasses.is_dataclass(cls):
+            return None
+        per_row, shared = getattr(cls, "per_row", ()), getattr(cls, "shared", ())
+        got = _FIELDS[cls] = tuple((f.name, "per_row" if f.name in per_row else "shared" if f.name in shared else "")
+                                   for f in dataclasses.fields(cls))
+    return got
+
+
 def _stack(values: list):
     first = values[0]
     if isinstance(first, torch.Tensor):
@@ -292,22 +311,22 @@ def _stack(values: list):
                    and v.dtype == first.dtype and v.device == first.device for v in values):
             raise _Apart
         return torch.cat(values)
-    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+    fields = _fields(first)
+    if fields is not None:
         if any(type(v) is not type(first) for v in values):
             raise _Apart
-        per_row, shared = getattr(first, "per_row", ()), getattr(first, "shared", ())
         out = copy.copy(first)
-        for f in dataclasses.fields(first):
-            got = [getattr(v, f.name) for v in values]
-            if f.name in shared:
+        for name, kind in fields:
+            got = [getattr(v, name) for v in values]
+            if kind == "shared":
                 value = next((g for g in got if g is not None), None)
-            elif f.name in per_row:
+            elif kind == "per_row":
                 floats = any(g is None or isinstance(g, float) for g in got)
                 value = torch.tensor([float("nan") if g is None else g for g in got],
                                      dtype=torch.float64 if floats else torch.int64)
             else:
                 value = _stack(got)
-            object.__setattr__(out, f.name, value)
+            object.__setattr__(out, name, value)
         return out
     if any(isinstance(v, torch.Tensor) or (v is not first and v != first) for v in values):
         raise _Apart
@@ -316,21 +335,22 @@ def _stack(values: list):
 
 def unstack_states(stacked, states: list) -> None:
     """Put what a stacked decode step left in `stacked` (:func:`stack_states` of `states`) back into each of
-    `states` (dataclasses, updated in place): row ``r`` of every tensor, the ``per_row`` numbers as Python numbers,
-    everything else as it is."""
-    if not (dataclasses.is_dataclass(stacked) and not isinstance(stacked, type)):
+    `states` (dataclasses, updated in place): row ``r`` of every tensor (a view: each generation's own row, which
+    the next stacked step copies again), the ``per_row`` numbers as Python numbers, everything else as it is."""
+    fields = _fields(stacked)
+    if fields is None:
         return
-    per_row, shared = getattr(stacked, "per_row", ()), getattr(stacked, "shared", ())
-    for f in dataclasses.fields(stacked):
-        value = getattr(stacked, f.name)
-        for r, state in enumerate(states):
-            if f.name in per_row:
-                own = value[r].item()
-            elif isinstance(value, torch.Tensor) and f.name not in shared:
-                own = value[r:r + 1].clone()
-            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-                unstack_states(value, [getattr(s, f.name) for s in states])
-                break
-            else:
-                own = value
-            object.__setattr__(state, f.name, own)
+    for name, kind in fields:
+        value = getattr(stacked, name)
+        if kind == "per_row":
+            owns = value.tolist()
+        elif isinstance(value, torch.Tensor) and kind != "shared":
+            owns = value.split(1)
+        elif _fields(value) is not None:
+            unstack_states(value, [getattr(s, name) for s in states])
+            continue
+        else:
+            owns = [value] * len(states)
+        for state, own in zip(states, owns):
+            object.__setattr__(state, name, own)
+

@@ -257,6 +257,7 @@ class DecodeNoise:
         self.step = None
         self.q = 0  # the step's query position
         self.offsets = torch.empty(0, dtype=torch.int64)
+        self.head_table = None  # self.heads as a tensor, for stacked steps
 
     def __call__(self, ctx: LayerContext, k_pos: torch.Tensor) -> torch.Tensor:
         """Noise ``[b, kv, g, 1, keys]`` for the held keys at `k_pos` ``[b, kv, keys]`` of layer ``ctx.index``."""
@@ -265,10 +266,16 @@ class DecodeNoise:
         queries = tuple(ctx.q_pos.flatten().tolist()) if ctx.step.per_row else None
         if self.step is not ctx.step and (queries is None or queries != self.step):  # first layer of a new step
             self.step = ctx.step if queries is None else queries
-            queries = queries or [int(ctx.q_pos[-1])]
-            self.q = max(queries)
-            rows = [[[h & (TABLE_SIZE - 1) for h in row_hash_ints(layer, q)] for layer in self.heads] for q in queries]
-            self.offsets = torch.tensor(rows, dtype=torch.int64).to(self.device)  # [rows, layers, heads]
+            if queries is None:
+                self.q = int(ctx.q_pos[-1])
+                rows = [[[h & (TABLE_SIZE - 1) for h in row_hash_ints(layer, self.q)] for layer in self.heads]]
+                self.offsets = torch.tensor(rows, dtype=torch.int64).to(self.device)  # [1, layers, heads]
+            else:  # many rows: the same hashes as tensor operations
+                self.q = max(queries)
+                if self.head_table is None:
+                    self.head_table = torch.tensor(self.heads, dtype=torch.int64)
+                at = torch.tensor(queries, dtype=torch.int64).view(-1, 1, 1)
+                self.offsets = (row_hashes(self.head_table[None], at).to(torch.int64) & (TABLE_SIZE - 1)).to(self.device)
         kv_heads = k_pos.shape[1]
         offsets = self.offsets[:, ctx.index].to(k_pos.device)  # a few numbers per head, to this layer's device
         offsets = offsets.view(-1, kv_heads, self.n_heads // kv_heads, 1, 1)

@@ -147,8 +147,22 @@ def gather_heads(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Lay
     stores it so (:func:`_entry_rows`)."""
     rows, kv, n = slots.shape
     slots = slots.to(block_rows.device)
-    return tuple(_entry_rows(half, order, block_rows, slots).view(rows, kv, n, -1)
+    return tuple(_entry_rows(half, order, block_rows, slots).view(rows, kv, n, -1) if not isinstance(order, str)
+                 else _transposed_entries(half, block_rows, slots)
                  for half, order in ((key_cache, layout.key_order), (value_cache, layout.value_order)))
+
+
+def _transposed_entries(half: torch.Tensor, block_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``[rows, kv_heads, n, head_dim]``, a transposed view of ``[rows, kv_heads, head_dim, n]`` (the layout a
+    product with queries wants): a :data:`TRANSPOSED` half's entries at `slots`, each number taken from the cache's
+    storage where it lies (an entry's numbers lie ``block_size`` apart there, so rows cannot be picked whole)."""
+    nb, kv, size, dim = half.shape
+    heads = torch.arange(kv, device=slots.device).view(1, kv, 1)
+    blocks = block_rows.long().gather(1, (slots // size).flatten(1)).view_as(slots)
+    first = blocks * half.stride(0) + heads * half.stride(1) + slots % size  # [rows, kv, n]: each entry's dim 0
+    numbers = first.unsqueeze(2) + (torch.arange(dim, device=slots.device) * size).view(1, 1, dim, 1)
+    storage = half.as_strided(((nb - 1) * half.stride(0) + (kv - 1) * half.stride(1) + dim * size,), (1,))
+    return storage.take(numbers).transpose(-1, -2)
 
 
 def _entry_rows(half: torch.Tensor, order, block_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
