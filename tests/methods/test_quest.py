@@ -69,14 +69,52 @@ def test_the_bound_is_at_least_every_logit_of_its_page():
     assert (bounds >= page_max - 1e-5).all()
 
 
-def test_choice_keeps_the_first_and_last_pages_and_the_highest_bounds():
+def test_choice_keeps_the_last_page_and_the_highest_bounds_and_the_first_only_when_asked():
     bounds = torch.tensor([[[[0.0, 5.0, 1.0, 9.0, 2.0, -3.0]], [[7.0, 0.5, 0.1, 0.2, 8.0, 0.0]]]])  # [1, 2, 1, 6]
-    assert choose_pages(bounds, 4, False).tolist() == [[[[0, 1, 3, 5]], [[0, 1, 4, 5]]]]
-    # a sliding window hides slots below 40 (pages 0 and 1 of 16): never chosen over a visible page
-    assert choose_pages(bounds, 3, False, visible_from=40).tolist() == [[[[3, 4, 5]], [[3, 4, 5]]]]
+    assert choose_pages(bounds, 4, False).tolist() == [[[[1, 3, 4, 5]], [[0, 1, 4, 5]]]]
+    assert choose_pages(bounds, 4, False, first=True).tolist() == [[[[0, 1, 3, 5]], [[0, 1, 4, 5]]]]
+    # a sliding window hides slots below 40 (pages 0 and 1 of 16): never chosen over a visible page, never forced
+    for first in (False, True):
+        assert choose_pages(bounds, 3, False, visible_from=40, first=first).tolist() == [[[[3, 4, 5]], [[3, 4, 5]]]]
     two_heads = torch.cat([bounds, -bounds], dim=2)  # the group's second head ranks the other way
-    assert choose_pages(two_heads, 3, True)[0, 0].tolist() == [[0, 3, 5], [0, 2, 5]]
-    assert choose_pages(two_heads, 3, False)[0, 0].tolist() == [[0, 3, 5]]  # the group's maximum
+    assert choose_pages(two_heads, 3, True)[0, 0].tolist() == [[1, 3, 5], [0, 2, 5]]
+    assert choose_pages(two_heads, 3, False)[0, 0].tolist() == [[1, 3, 5]]  # the group's maximum
+    assert choose_pages(two_heads, 3, True, first=True)[0, 0].tolist() == [[0, 3, 5], [0, 2, 5]]
+    assert choose_pages(two_heads, 3, False, first=True)[0, 0].tolist() == [[0, 3, 5]]
+
+
+@pytest.mark.parametrize("first_page", [False, True])
+@pytest.mark.parametrize("per_query_head", [False, True])
+def test_a_step_is_dense_attention_over_a_mask_of_the_pages_of_highest_bound(first_page, per_query_head):
+    """An independent reference in plain torch (no page summaries, no gather): each page's bound taken from its keys,
+    the pages ranked by it (a kv group by its heads' maximum, or each query head its own), the current page forced
+    (the first too with ``first_page``), then softmax over the logits with every other slot masked. At
+    ``token_budget=64`` over 200 entries the step reads 4 pages of 16 of 13, three or four of them by bound."""
+    method = parse_method_spec(f"quest:token_budget=64,dense_layers=0,first_page={str(first_page).lower()},"
+                               f"per_query_head={str(per_query_head).lower()}")
+    n, d, scale = 200, 16, 0.25
+    q, k, v = randn(2, 4, n + 1, d, seed=21), randn(2, 2, n + 1, d, seed=22), randn(2, 2, n + 1, d, seed=23)
+    k[:, :, :16] *= 0.1  # a first page of low bounds: chosen only when forced
+    session = Session(method, KVCache(1, 2), 1, n, 2)
+    Step(session, "prefill", torch.arange(n)).attention(0, q[:, :, :n], k[:, :, :n], v[:, :, :n], scale, None)
+    out = Step(session, "decode", torch.tensor([n])).attention(0, q[:, :, n:], k[:, :, n:], v[:, :, n:], scale, None)
+
+    keys, values, query = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), q[:, :, n]  # [2, 4, n+1, d]
+    pages = -(-(n + 1) // 16)
+    bound = torch.stack([(torch.maximum(query[:, :, None] * keys[:, :, s:s + 16].amin(2)[:, :, None],
+                                        query[:, :, None] * keys[:, :, s:s + 16].amax(2)[:, :, None])).sum(-1)[:, :, 0]
+                         for s in range(0, n + 1, 16)], dim=-1)  # [2, 4, pages]
+    if not per_query_head:
+        bound = bound.view(2, 2, 2, pages).amax(2, keepdim=True).expand(2, 2, 2, pages).reshape(2, 4, pages)
+    bound[..., -1] = float("inf")
+    if first_page:
+        bound[..., 0] = float("inf")
+    chosen = bound.topk(4, dim=-1).indices  # [2, 4, 4]
+    mask = torch.zeros(2, 4, pages, dtype=torch.bool).scatter_(-1, chosen, True).repeat_interleave(16, -1)[..., :n + 1]
+    logits = (query[:, :, None] @ keys.transpose(-1, -2))[:, :, 0] * scale
+    expected = logits.masked_fill(~mask, float("-inf")).softmax(-1)[:, :, None] @ values  # [2, 4, 1, d]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert bool(mask[..., 0].all()) == first_page  # the low first page: read only when forced
 
 
 # ---- kernels --------------------------------------------------------------------------------------------
@@ -101,8 +139,9 @@ def test_the_cpu_kernel_equals_the_gathered_reference(monkeypatch, build, d, c, 
 
 
 @pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("first", [False, True])
 @pytest.mark.parametrize("d,per_head,visible_from", [(32, False, 0), (32, True, 0), (24, False, 70), (16, True, 70)])
-def test_the_cpu_page_choice_equals_torchs(monkeypatch, build, d, per_head, visible_from):
+def test_the_cpu_page_choice_equals_torchs(monkeypatch, build, d, per_head, visible_from, first):
     monkeypatch.setenv(native.ENV_ISA, build)
     if quest_native.library() is None:
         pytest.skip("no C++ compiler on this machine")
@@ -111,8 +150,8 @@ def test_the_cpu_page_choice_equals_torchs(monkeypatch, build, d, per_head, visi
     layer.append(keys, keys, torch.arange(200))
     pages = layer.pages
     summaries = layer.page_min[:, :, :pages], layer.page_max[:, :, :pages]
-    ref = choose_pages(page_bounds(q, *summaries), 5, per_head, visible_from, 16)
-    assert torch.equal(quest_native.choose_pages(q, *summaries, 5, per_head, visible_from, 16), ref)
+    ref = choose_pages(page_bounds(q, *summaries), 5, per_head, visible_from, 16, first)
+    assert torch.equal(quest_native.choose_pages(q, *summaries, 5, per_head, visible_from, 16, first), ref)
 
 
 def test_the_triton_kernel_equals_the_gathered_reference():
@@ -204,7 +243,9 @@ def test_through_attnkit_cache(models):
 
 @pytest.mark.parametrize("spec,message", [
     ("quest", "token_budget"),
-    ("quest:token_budget=20", "token_budget"),
+    ("quest:token_budget=10", "token_budget"),
+    ("quest:token_budget=20,first_page=true", "token_budget"),
+    ("quest:token_budget=64,first_page=2", "first_page"),
     ("quest:token_budget=64,budget=0.5", "not both"),
     ("quest:budget=1.5", "budget"),
     ("quest:token_budget=64,per_query_head=2", "per_query_head"),

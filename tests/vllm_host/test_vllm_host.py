@@ -515,7 +515,7 @@ def test_quest_pages_in_vllm_blocks_choose_and_read_what_attnkit_quest_does(size
     specs = [f"quest:page_size={size},token_budget={3 * size},dense_layers=0",
              f"quest:page_size={size},token_budget={4 * size},dense_layers=0,per_query_head=true",
              f"quest:page_size={size},budget=0.5,dense_layers=0",
-             f"quest:page_size={size},token_budget={2 * size},dense_layers=0,per_query_head=true"]
+             f"quest:page_size={size},token_budget={2 * size},dense_layers=0,per_query_head=true,first_page=true"]
     free = torch.randperm(blocks)
     tables, keys, values = torch.zeros(len(lengths), 12, dtype=torch.int32), [], []
     for r, n in enumerate(lengths):
@@ -543,7 +543,7 @@ def test_quest_pages_in_vllm_blocks_choose_and_read_what_attnkit_quest_does(size
             low = torch.stack([padded[:, :, p * size:min((p + 1) * size, n)].amin(2) for p in range(count)], dim=2)
             high = torch.stack([padded[:, :, p * size:min((p + 1) * size, n)].amax(2) for p in range(count)], dim=2)
             chosen = choose_pages(page_bounds(q[r][None, :, None], low, high), method.pages_read(n),
-                                  method.per_query_head, None, size)
+                                  method.per_query_head, None, size, method.first_page)
             expected = gathered_attention(q[r][None, :, None], k, v, chosen, size, n, d ** -0.5)
             torch.testing.assert_close(got[j], expected[0, :, 0], rtol=1e-5, atol=1e-5)
     with pytest.raises(AttnkitError, match="page_size"):

@@ -9,13 +9,15 @@ prefill changes nothing). Each decoding step, per kv head, the upper bound of ea
     U = sum_i max(q_i m_i, q_i M_i)                                        (Section 3.2, Algorithm 1)
 
 ranks the pages, and the step attends over the top pages only, ``token_budget // page_size`` of them (or
-``budget`` x the context's tokens), the first and the current (last) page always among them. The step reads the
+``budget`` x the context's tokens), the current (last) page always among them, as the paper's kernel forces it. The step reads the
 chosen pages' keys and values plus the summaries (``2 / page_size`` of the keys), where full reads every entry; the
 run's stats give both (``quest_bytes_read_per_step``, ``quest_full_bytes_per_step``, ``quest_read_fraction``) beside
 the bytes held (``peak_kv_bytes``: full's plus the summaries).
 
 Choices the paper leaves open or makes for multi-head models:
 
+- **The first page** (the attention sink of StreamingLLM) is chosen by its bound like any other, as in the paper's
+  kernel and evaluation code; ``first_page=true`` always reads it as well (one page of the budget).
 - **GQA.** A kv group shares one choice, by the maximum of its query heads' bounds (``per_query_head=false``): the
   group reads the same pages, so the bytes read per kv head are the budget's. ``per_query_head=true`` is the paper's
   rule for multi-head attention (each query head its own pages): a group then reads up to ``groups`` x the budget.
@@ -72,6 +74,7 @@ class Quest(Method):
     page_size: int = 16
     dense_layers: int = 2
     per_query_head: bool = False
+    first_page: bool = False
 
     name = "quest"
     summary = "decode-time page selection by key min/max bounds, nothing evicted (Quest, Tang et al. 2024)"
@@ -84,10 +87,12 @@ class Quest(Method):
         whole("dense_layers", self.dense_layers, 0, what=" (first layers attending densely)")
         one_of_two("token_budget", self.token_budget, "budget", self.budget,
                    required="quest needs token_budget (tokens read per step) or budget (a fraction of the context)")
+        flag("first_page", self.first_page)
         if self.token_budget is not None:
-            whole("token_budget", self.token_budget, 2 * self.page_size,
-                  what=f" (tokens read per step: at least the first and the current page, 2 x page_size="
-                       f"{self.page_size})")
+            forced = self.forced_pages()
+            whole("token_budget", self.token_budget, forced * self.page_size,
+                  what=f" (tokens read per step: at least the {'first and the ' if forced == 2 else ''}current page, "
+                       f"{forced} x page_size={self.page_size})")
         else:
             fraction("budget", self.budget, what=" (the fraction of the context read per step)")
         flag("per_query_head", self.per_query_head)
@@ -96,13 +101,17 @@ class Quest(Method):
         return QuestState()
 
     # ---- sizes -------------------------------------------------------------------------------------
+    def forced_pages(self) -> int:
+        """Pages every sparse step reads whatever their bounds: the current one, and the first with ``first_page``."""
+        return 2 if self.first_page else 1
+
     def pages_read(self, tokens: int) -> int:
-        """Pages a step over `tokens` held entries reads: all when the budget covers them, else at least the first and
-        the current one."""
+        """Pages a step over `tokens` held entries reads: all when the budget covers them, else at least the forced
+        ones (:meth:`forced_pages`)."""
         budget = self.token_budget if self.token_budget is not None else self.budget * tokens
         if budget >= tokens:  # the budget covers the context: every page, the last one partial
             return -(-tokens // self.page_size)
-        return max(2, int(budget) // self.page_size)
+        return max(self.forced_pages(), int(budget) // self.page_size)
 
     def sparse(self, ctx: LayerContext) -> bool:
         return ctx.index >= self.dense_layers
@@ -147,9 +156,11 @@ class Quest(Method):
         summaries = kv.page_min[:, :, :pages], kv.page_max[:, :, :pages]
         native = quest_native.kernel_pays(q, keys)
         if native:  # bounds and choice in one pass over the summaries
-            chosen = quest_native.choose_pages(q, *summaries, count, self.per_query_head, visible_from, self.page_size)
+            chosen = quest_native.choose_pages(q, *summaries, count, self.per_query_head, visible_from, self.page_size,
+                                               self.first_page)
         else:
-            chosen = choose_pages(page_bounds(q, *summaries), count, self.per_query_head, visible_from, self.page_size)
+            chosen = choose_pages(page_bounds(q, *summaries), count, self.per_query_head, visible_from, self.page_size,
+                                  self.first_page)
         last = n - (pages - 1) * self.page_size  # entries in the current page
         st.read += chosen.shape[2] * ((count - 1) * self.page_size + last) * entry
         st.read += pages * 2 * kv.keys.shape[1] * kv.keys.shape[-1] * kv.keys.element_size()

@@ -30,7 +30,8 @@ SIGNATURE = ("attnkit_paged_decode",
              _I32)
 
 
-CHOOSE = ("attnkit_quest_choose", [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P],
+CHOOSE = ("attnkit_quest_choose", [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                                   _P],
           _I32)
 
 
@@ -90,7 +91,7 @@ def choice(q: torch.Tensor, keys: torch.Tensor) -> guard.Choice:
 
 
 def choose_pages(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, count: int, per_query_head: bool,
-                 visible_from: int = 0, page_size: int = 16) -> torch.Tensor:
+                 visible_from: int = 0, page_size: int = 16, first: bool = False) -> torch.Tensor:
     """:func:`attnkit.methods.quest_pages.page_bounds` then :func:`~attnkit.methods.quest_pages.choose_pages` in one
     pass over the summaries ``[b, kv, pages, d]`` (the same pages, in ascending order, ``[b, kv, c, count]``)."""
     b, hq, _, d = q.shape
@@ -103,7 +104,7 @@ def choose_pages(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor
     out = torch.empty(b, kv, c, count, dtype=torch.int64)
     code = library().attnkit_quest_choose(q.data_ptr(), _int64s(q.stride()[:2]), page_min.data_ptr(),
                                           page_max.data_ptr(), _int64s(page_min.stride()[:3]), b, hq, kv, c, pages, d,
-                                          count, visible_from, page_size, out.data_ptr())
+                                          count, visible_from, page_size, int(first), out.data_ptr())
     if code:
         raise ValueError(f"the page-choice kernel refused q {tuple(q.shape)}, summaries {tuple(page_min.shape)}, "
                          f"count {count} (code {code})")

@@ -139,12 +139,14 @@ extern "C" int attnkit_paged_decode(const float* q, const int64_t* qs, const flo
 
 // Quest's page choice (attnkit/methods/quest_pages.py: page_bounds, then choose_pages) in one pass over the page
 // summaries: per kv head and page the bound sum_d max(q_d m_d, q_d M_d) of each query head of the group, their maximum
-// (C = 1) or each head's own (C = HQ / KV); the last page always, the first too unless a sliding window hides slots
-// below visible_from (a page wholly below it is never chosen over a visible one); the `count` highest, ascending.
+// (C = 1) or each head's own (C = HQ / KV); the last page always, the first too with force_first unless a sliding
+// window hides slots below visible_from (a page wholly below it is never chosen over a visible one); the `count`
+// highest, ascending.
 // Summaries mn, mx [B, KV, pages, D] (strides ss: batch, head, page; the last axis contiguous); out [B, KV, C, count].
 extern "C" int attnkit_quest_choose(const float* q, const int64_t* qs, const float* mn, const float* mx,
                                     const int64_t* ss, int64_t B, int64_t HQ, int64_t KV, int64_t C, int64_t P,
-                                    int64_t D, int64_t count, int64_t visible_from, int64_t page_size, int64_t* out) {
+                                    int64_t D, int64_t count, int64_t visible_from, int64_t page_size,
+                                    int64_t force_first, int64_t* out) {
     if (KV <= 0 || HQ % KV || (C != 1 && C != HQ / KV) || count < 1 || count > P) return 1;
     const int64_t G = HQ / KV;
     std::vector<float> score(C * P), bound(G);
@@ -178,7 +180,7 @@ extern "C" int attnkit_quest_choose(const float* q, const int64_t* qs, const flo
             for (int64_t c = 0; c < C; ++c) {
                 float* sc = &score[c * P];
                 if (visible_from <= 0) {
-                    sc[0] = INFINITY;
+                    if (force_first) sc[0] = INFINITY;
                 } else {
                     for (int64_t p = 0; p < P && (p + 1) * page_size <= visible_from; ++p) sc[p] = -INFINITY;
                 }

@@ -10,7 +10,7 @@ Nothing is evicted or moved: a quest request's blocks hold every entry at its ow
   slot (just allocated, or its request recomputed), so writing that slot restarts the block's summary.
 - **Choice** (:func:`sparse_attention`): each decode query of a quest request (one per row; each generated position
   of a recomputed row) ranks its request's blocks by Quest's bound ``U = sum_i max(q_i m_i, q_i M_i)`` (Section 3.2,
-  Algorithm 1), forces the first and the current block as attnkit's Quest does, takes ``Quest.pages_read`` of them,
+  Algorithm 1), forces the current block (and the first with ``first_page``) as attnkit's Quest does, takes ``Quest.pages_read`` of them,
   and attends over the chosen blocks, read where they lie. At a layer its method keeps dense (``dense_layers``), or
   a step whose budget covers every block, the query is vLLM's own kernel's (:func:`layer_groups`).
 
@@ -78,7 +78,7 @@ class Query:
 class Sparse:
     """Queries ``rows`` of a step's :class:`QuestStep` choosing pages at a layer, and what their choice needs that no
     layer changes: their requests' first ``pages`` blocks (``table``), the pages each may not choose (``hidden``:
-    past its length) and must (``forced``: the first and the current), the ranks it takes (``taken``: as many as
+    past its length) and must (``forced``: the current, and the first with ``first_page``), the ranks it takes (``taken``: as many as
     it reads) and the slots of its chosen blocks it reads (``valid``: all but the tail of the current block,
     which sorts last); each query head its own choice (``per_query_head``) or its kv group's."""
 
@@ -92,7 +92,7 @@ class Sparse:
 
     @classmethod
     def of(cls, rows: list[int], counts: list[int], per_query_head: bool, tables: torch.Tensor,
-           lengths: torch.Tensor, block_size: int) -> Sparse:
+           lengths: torch.Tensor, block_size: int, firsts: list[bool]) -> Sparse:
         index = torch.tensor(rows)
         device = tables.device
         count, length = torch.tensor(counts, device=device), lengths[index].to(device)
@@ -105,7 +105,8 @@ class Sparse:
                                                               * block_size)
         valid = (slot // block_size < count[:, None]) & ~last
         return cls(index, per_query_head, tables[index.to(device)][:, :page.shape[0]].long(),
-                   (page >= pages[:, None])[:, None, None], ((page == 0) | (page == pages[:, None] - 1))[:, None, None],
+                   (page >= pages[:, None])[:, None, None],
+                   (((page == 0) & torch.tensor(firsts, device=device)[:, None]) | (page == pages[:, None] - 1))[:, None, None],
                    (rank < count[:, None])[:, None, None], valid[:, None, None, None])
 
 
@@ -137,7 +138,8 @@ def layer_groups(queries: list[Query], n_layers: int, block_size: int, tables: t
         for flag in (False, True):
             rows = tuple(r for r, q in enumerate(queries) if layer >= dense_below[r] and q.method.per_query_head == flag)
             if rows and (rows, flag) not in made:
-                made[rows, flag] = Sparse.of(list(rows), [counts[r] for r in rows], flag, tables, lengths, block_size)
+                made[rows, flag] = Sparse.of(list(rows), [counts[r] for r in rows], flag, tables, lengths, block_size,
+                                             [queries[r].method.first_page for r in rows])
             if rows:
                 groups.append(made[rows, flag])
         layers.append((dense, groups))
