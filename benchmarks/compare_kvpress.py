@@ -337,17 +337,22 @@ def duo_cases(pair, name: str, args) -> None:
 
 
 PRESSES = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
-           "expected_attention": "ExpectedAttentionPress"}
-# re-compressing while decoding matches kvpress's DecodingPress for these; expected_attention's query statistics
-# differ there by design (attnkit: every query so far; kvpress: a buffer of recent hidden states)
-DECODE_EVERY_TWINS = ("knorm", "keydiff")
+           "expected_attention": "ExpectedAttentionPress", "random": "RandomPress"}
+# parameters both sides take alike (kvpress's RandomPress draws differently on every call without a seed)
+SHARED_PARAMS = {"random": {"seed": 0}}
+# re-compressing while decoding matches kvpress's DecodingPress for knorm and keydiff; expected_attention's query
+# statistics differ there by design (attnkit: every query so far; kvpress: a buffer of recent hidden states), and
+# random's draws follow each side's order of the held entries (docs/methods.md), which differ after a compression
+DECODE_EVERY_TWINS = ("knorm", "keydiff", "random")
 
 
-def decoding_press(press: str, prefill_ratio: float, every: int, target: int) -> dict:
-    """kvpress's prompt compression followed by re-compression every `every` tokens to `target` entries."""
+def decoding_press(press: str, prefill_ratio: float, every: int, target: int, shared: dict | None = None) -> dict:
+    """kvpress's prompt compression followed by re-compression every `every` tokens to `target` entries (`shared`:
+    the press's other parameters)."""
+    shared = shared or {}
     return {"name": "PrefillDecodingPress", "params": {
-        "prefilling_press": {"name": press, "params": {"compression_ratio": prefill_ratio}},
-        "decoding_press": {"name": "DecodingPress", "params": {"base_press": {"name": press, "params": {}},
+        "prefilling_press": {"name": press, "params": dict(shared, compression_ratio=prefill_ratio)},
+        "decoding_press": {"name": "DecodingPress", "params": {"base_press": {"name": press, "params": dict(shared)},
                                                                "compression_interval": every,
                                                                "target_size": target}}}}
 
@@ -395,10 +400,11 @@ def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
         if method == "kvzip":
             kvzip_cases(pair, name, n, keep, args)
             continue
-        press = PRESSES[method]
-        k_case = {"press": {"kind": "class", "name": press, "params": {"compression_ratio": args.compression_ratio},
+        press, shared = PRESSES[method], SHARED_PARAMS.get(method, {})
+        k_case = {"press": {"kind": "class", "name": press,
+                            "params": dict(shared, compression_ratio=args.compression_ratio),
                             "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep}}
-        a_case = {"method": method, "params": {"budget_tokens": keep}}
+        a_case = {"method": method, "params": dict(shared, budget_tokens=keep)}
         note = "kvpress prefill-only; attnkit drops one per step" if method == "tova" else ""
         pair(method, f"{name}/{method}", a_case, f"{name}/{method}", k_case, note)
         if method == "tova":
@@ -410,9 +416,9 @@ def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
             continue
         for every in (int(e) for e in args.decode_every.split(",") if e and method in DECODE_EVERY_TWINS):
             pair(f"{method} decode_every={every}", f"{name}/{method}-every{every}",
-                 {"method": method, "params": {"budget_tokens": keep, "decode_every": every}},
+                 {"method": method, "params": dict(shared, budget_tokens=keep, decode_every=every)},
                  f"{name}/{method}-every{every}",
-                 {"press": dict(decoding_press(press, args.compression_ratio, every, keep), kind="class",
+                 {"press": dict(decoding_press(press, args.compression_ratio, every, keep, shared), kind="class",
                                 compression_ratio=args.compression_ratio, expect_prefill_kept=keep)},
                  "kvpress PrefillDecodingPress+DecodingPress(interval N, target n)")
 
@@ -583,7 +589,8 @@ def main(argv=None) -> int:
                    f"around the presses of {', '.join(CHUNKKV_SCORERS)} (empty: none)")
     p.add_argument("--trim", type=int, default=0, help="cut every prompt to a multiple of this many tokens (a "
                    "prompt the chunk length divides: kvpress keeps a partial last chunk whole; 0: no cut)")
-    p.add_argument("--decode-every", default="1,4", help="decode_every values for knorm and keydiff (empty: none)")
+    p.add_argument("--decode-every", default="1,4", help=f"decode_every values for {', '.join(DECODE_EVERY_TWINS)} "
+                   "(empty: none)")
     p.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the diagnostic rows (snapkv +pad, streaming-rolling +sorted)")
     p.add_argument("--seed", type=int, default=0)

@@ -29,6 +29,11 @@ def test_methods_lists_parameters(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     assert "full" in out and "window" in out and "window = 1024" in out
+    # each method's kvpress counterpart, or none
+    from attnkit.methods.spec import METHODS
+    assert out.count("    kvpress: ") == len(METHODS)
+    assert "snapkv" in out.split("    kvpress: SnapKVPress")[0].rsplit("\n", 2)[-2]
+    assert "    kvpress: RandomPress" in out and "    kvpress: none" in out
 
 
 def test_generate_json(capsys):

@@ -91,6 +91,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
     for name in sorted(METHODS):
         cls = METHODS[name]
         print(f"{name:<12} {cls.summary}")
+        print(f"    kvpress: {cls.kvpress or 'none'}")
         for f in cls.parameters():
             default = f.default if f.default is not dataclasses.MISSING else "(required)"
             print(f"    {f.name} = {default!r}")

@@ -20,6 +20,7 @@ from attnkit.methods.kvzap import KVzap
 from attnkit.methods.kvzip import KVzip
 from attnkit.methods.minference import MInference, MInferenceStatic
 from attnkit.methods.quest import Quest
+from attnkit.methods.random_scores import Random
 from attnkit.methods.rkv import RKV
 from attnkit.methods.select import Select
 from attnkit.methods.share import Share
@@ -32,5 +33,5 @@ from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention",
            "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip",
-           "MInference", "MInferenceStatic", "Quest", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA",
+           "MInference", "MInferenceStatic", "Quest", "Random", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA",
            "TriAttention", "Window"]

@@ -56,6 +56,8 @@ class Method:
 
     name: ClassVar[str] = "base"
     summary: ClassVar[str] = ""
+    # the kvpress press with this method's kept positions (checked side by side, docs/methods.md), or "" for none
+    kvpress: ClassVar[str] = ""
     # model-level hook ``run_layers(model, step, hidden, all_positions) -> hidden`` (see the module
     # docstring); None = the runner runs every decoder layer on the new tokens
     run_layers: ClassVar[Any] = None

@@ -211,6 +211,7 @@ class DuoAttention(Method):
 
     name = "duo_attention"
     summary = "retrieval heads keep all, streaming heads sinks + recent (DuoAttention, Xiao et al. 2024)"
+    kvpress = "DuoAttentionPress"
 
     def __post_init__(self):
         if self.config is not None and not isinstance(self.config, (str, dict)):

@@ -146,6 +146,7 @@ class ExpectedAttention(PromptScorer):
     name = "expected_attention"
     layer_state_type = ExpectedAttentionState
     summary = "keep the keys future queries are expected to attend to (Expected Attention, Devoto et al. 2025)"
+    kvpress = "ExpectedAttentionPress"
 
     def __post_init__(self):
         super().__post_init__()

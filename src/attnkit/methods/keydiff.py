@@ -43,6 +43,7 @@ class KeyDiff(PromptScorer):
 
     name = "keydiff"
     summary = "keep the keys least similar to the mean key (KeyDiff, Park et al. 2025)"
+    kvpress = "KeyDiffPress"
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return key_diff_rank(ctx.kv.view()[0])

@@ -36,6 +36,7 @@ class KNorm(PromptScorer):
 
     name = "knorm"
     summary = "keep the keys of lowest L2 norm (KNorm, Devoto et al. 2024)"
+    kvpress = "KnormPress"
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return key_norm_rank(ctx.kv.view()[0])

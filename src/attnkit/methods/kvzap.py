@@ -78,6 +78,7 @@ class KVzap(PromptScorer):
 
     name = "kvzap"
     summary = "kvzip's scores predicted from hidden states, threshold or budget (KVzap, Jégou & Jeblick 2026)"
+    kvpress = "KVzapPress"
     layer_state_type = KVzapState
     needs_layer_inputs = True
     size_params = ("threshold",)  # sizes the cache instead of a budget: a sweep's budget does not apply to it

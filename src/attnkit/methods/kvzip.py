@@ -235,6 +235,7 @@ class KVzip(PromptScorer):
     name = "kvzip"
     layer_state_type = KVzipState
     summary = "keep what the model attends to when asked to repeat the prompt (KVzip, Kim et al. 2025)"
+    kvpress = "KVzipPress"
 
     def __post_init__(self):
         super().__post_init__()

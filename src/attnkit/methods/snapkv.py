@@ -60,6 +60,7 @@ class SnapKV(PromptScorer):
     name = "snapkv"
     layer_state_type = SnapKVState
     summary = "prompt compression by observation-window votes + pooling (SnapKV, Li et al. 2024)"
+    kvpress = "SnapKVPress"
 
     def __post_init__(self):
         super().__post_init__()

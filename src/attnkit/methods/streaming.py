@@ -50,6 +50,7 @@ class Streaming(EvictionMethod):
     name = "streaming"
     layer_state_type = StreamingState
     summary = "attention sinks + recent window (StreamingLLM, Xiao et al. 2023)"
+    kvpress = "StreamingLLMPress"
 
     def __post_init__(self):
         super().__post_init__()

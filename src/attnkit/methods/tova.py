@@ -51,6 +51,7 @@ class TOVA(BufferedEviction):
 
     name = "tova"
     summary = "drop the entry the current query attends to least, averaged over heads (TOVA, Oren et al. 2024)"
+    kvpress = "TOVAPress"
     layer_state_type: ClassVar[type] = TOVAState
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
