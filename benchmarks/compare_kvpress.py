@@ -337,9 +337,9 @@ def duo_cases(pair, name: str, args) -> None:
 
 
 PRESSES = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
-           "expected_attention": "ExpectedAttentionPress", "random": "RandomPress"}
+           "expected_attention": "ExpectedAttentionPress", "random": "RandomPress", "lagkv": "LagKVPress"}
 # parameters both sides take alike (kvpress's RandomPress draws differently on every call without a seed)
-SHARED_PARAMS = {"random": {"seed": 0}}
+SHARED_PARAMS = {"random": {"seed": 0}, "lagkv": {"lag_size": 64}}
 # re-compressing while decoding matches kvpress's DecodingPress for knorm and keydiff; expected_attention's query
 # statistics differ there by design (attnkit: every query so far; kvpress: a buffer of recent hidden states), and
 # random's draws follow each side's order of the held entries (docs/methods.md), which differ after a compression

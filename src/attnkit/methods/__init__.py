@@ -18,6 +18,7 @@ from attnkit.methods.kivi import Kivi
 from attnkit.methods.knorm import KNorm
 from attnkit.methods.kvzap import KVzap
 from attnkit.methods.kvzip import KVzip
+from attnkit.methods.lagkv import LagKV
 from attnkit.methods.minference import MInference, MInferenceStatic
 from attnkit.methods.quest import Quest
 from attnkit.methods.random_scores import Random
@@ -32,6 +33,6 @@ from attnkit.methods.triattention import TriAttention
 from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention",
-           "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip",
+           "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip", "LagKV",
            "MInference", "MInferenceStatic", "Quest", "Random", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA",
            "TriAttention", "Window"]
