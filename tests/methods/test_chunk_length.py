@@ -26,7 +26,7 @@ ARCHS = ["llama", "mistral", "qwen3"]
 # every prompt scorer, with what lets it compress a prompt of about a hundred tokens
 SCORERS = {"snapkv": "window_size=8", "knorm": "", "keydiff": "", "expected_attention": "", "kvzip": "",
            "kvzap": "window=8", "rkv": "window_size=4", "triattention": "window_size=4", "random": "seed=5",
-           "lagkv": "lag_size=16"}
+           "lagkv": "lag_size=16", "cur": ""}
 # the entries each one never evicts when the prompt of n tokens is compressed
 PROTECTED = {"snapkv": lambda n: range(n - 8, n), "expected_attention": lambda n: range(4),
              "kvzip": lambda n: range(4), "kvzap": lambda n: range(n - 8, n), "rkv": lambda n: range(n - 4, n),

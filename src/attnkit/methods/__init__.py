@@ -7,6 +7,7 @@ Each class is exported under the name of its registry entry: ``make_method("h2o"
 from attnkit.methods.a_shape import AShape
 from attnkit.methods.base import Method
 from attnkit.methods.compose import Compose
+from attnkit.methods.cur import CUR
 from attnkit.methods.duo_attention import DuoAttention
 from attnkit.methods.expected_attention import ExpectedAttention
 from attnkit.methods.full import Full
@@ -32,7 +33,7 @@ from attnkit.methods.tova import TOVA
 from attnkit.methods.triattention import TriAttention
 from attnkit.methods.window import Window
 
-__all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "DuoAttention",
+__all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "CUR", "DuoAttention",
            "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip", "LagKV",
            "MInference", "MInferenceStatic", "Quest", "Random", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA",
            "TriAttention", "Window"]

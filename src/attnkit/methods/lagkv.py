@@ -6,7 +6,7 @@ The held entries after ``n_sink`` sinks are cut into partitions of ``lag_size`` 
 the one after it (its *lag* reference), per kv head and separately for keys and values: with the reference's
 element-wise minimum ``m`` and maximum ``M`` over its tokens, a token ``x`` of the partition is normalised
 channel-wise, ``(x - m) / (M - m)``, and scores the standard deviation of the normalised channels, softmaxed over
-the partition's tokens (section 3, eq. 3-5): a token that stands out against what follows it carries
+the partition's tokens: a token that stands out against what follows it carries
 information the later tokens do not repeat. The token's score is the mean of its key and value scores, and within a
 partition the tokens rank by it: each gets its rank divided by ``lag_size`` (``cross_scoring=false``, the paper's
 per-partition selection), or the raw score (``cross_scoring=true``, to compare partitions). The sinks, the last whole
