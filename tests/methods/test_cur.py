@@ -60,7 +60,7 @@ def test_kept_positions_equal_a_plain_recomputation(leverage, window, sketch, ev
     q, k, v = qkv(64, seed=61)
     budget, prompt_len, sinks, seed = 18, 45, 3, 9
     method = attnkit.make_method("cur", budget_tokens=budget, decode_every=every, leverage=leverage, sinks=sinks,
-                                 local_window=window, sketch=sketch, seed=seed)
+                                 local_window=window, sketch=sketch, sketch_seed=seed)
     _, _, got = drive(method, q, k, v, prompt_len)
     want = recompress_dense(q, k, prompt_len, budget, every, cur_choose(k, v, budget, leverage, sinks, window, sketch,
                                                                       seed))

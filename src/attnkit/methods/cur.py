@@ -11,7 +11,8 @@ as in kvpress, which spreads the kept entries over the sequence). The score comb
 (``l_v``), ``kv_avg`` (their mean) or ``kv_product`` (``l_k l_v``, kvpress's default), normalised to sum to one
 per kv head; the first ``sinks`` entries score 1 (kept first). With ``sketch > 0`` the keys and values are first
 multiplied by a Gaussian matrix of ``sketch`` columns scaled by ``1 / sqrt(sketch)`` (the paper's random
-projections; kvpress's ``use_random_leverage`` takes 20), drawn from a CPU generator seeded with ``seed``, the same for every layer and host.
+projections; kvpress's ``use_random_leverage`` takes 20), drawn from a CPU generator seeded with ``sketch_seed``,
+the same for every layer and host.
 
 Decoding appends generated tokens (``decode_every=0``), or re-compresses the layer to ``B`` every ``decode_every``
 tokens by the same scores over everything it holds. The scores follow kvpress's ``CURPress`` operation for
@@ -70,7 +71,7 @@ class CUR(PromptScorer):
     sinks: int = 4
     local_window: int = 16
     sketch: int = 0
-    seed: int = 0
+    sketch_seed: int = 0
 
     name = "cur"
     summary = "keep the entries of highest key x value leverage, CUR-style (CurDKV, Sengupta et al. 2025)"
@@ -82,8 +83,8 @@ class CUR(PromptScorer):
         whole("sinks", self.sinks, 0, what=" (first entries always kept)")
         whole("local_window", self.local_window, 0, what=" (entries per normalisation window; 0: the whole layer)")
         whole("sketch", self.sketch, 0, what=" (columns of the Gaussian sketch; 0: none)")
-        whole("seed", self.seed, 0, what=" (the sketch's generator seed)")
+        whole("sketch_seed", self.sketch_seed, 0, what=" (the sketch's generator seed)")
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         keys, values, _ = ctx.kv.view()
-        return cur_rank(keys, values, self.leverage, self.sinks, self.local_window, self.sketch, self.seed)
+        return cur_rank(keys, values, self.leverage, self.sinks, self.local_window, self.sketch, self.sketch_seed)
