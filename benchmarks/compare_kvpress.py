@@ -338,7 +338,7 @@ def duo_cases(pair, name: str, args) -> None:
 
 PRESSES = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
            "expected_attention": "ExpectedAttentionPress", "random": "RandomPress", "lagkv": "LagKVPress",
-           "cur": "CURPress"}
+           "cur": "CURPress", "observed_attention": "ObservedAttentionPress"}
 # parameters both sides take alike (kvpress's RandomPress draws differently on every call without a seed)
 SHARED_PARAMS = {"random": {"seed": 0}, "lagkv": {"lag_size": 64}}
 # re-compressing while decoding matches kvpress's DecodingPress for knorm and keydiff; expected_attention's query

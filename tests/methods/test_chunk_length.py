@@ -26,7 +26,8 @@ ARCHS = ["llama", "mistral", "qwen3"]
 # every prompt scorer, with what lets it compress a prompt of about a hundred tokens
 SCORERS = {"snapkv": "window_size=8", "knorm": "", "keydiff": "", "expected_attention": "", "kvzip": "",
            "kvzap": "window=8", "rkv": "window_size=4", "triattention": "window_size=4", "random": "seed=5",
-           "lagkv": "lag_size=16", "cur": ""}
+           "lagkv": "lag_size=16", "cur": "",
+           "observed_attention": ""}
 # the entries each one never evicts when the prompt of n tokens is compressed
 PROTECTED = {"snapkv": lambda n: range(n - 8, n), "expected_attention": lambda n: range(4),
              "kvzip": lambda n: range(4), "kvzap": lambda n: range(n - 8, n), "rkv": lambda n: range(n - 4, n),
@@ -166,7 +167,7 @@ def test_snapkv_window_stays_and_the_rest_is_chunks():
 
 @pytest.mark.parametrize("name", sorted(SCORERS))
 def test_small_budget_batch_equals_alone(models, configs, name):
-    every = "" if name == "kvzip" else ",decode_every=3"  # kvzip scores the prompt once
+    every = "" if name in ("kvzip", "observed_attention") else ",decode_every=3"  # they score the prompt once
     for params in ("budget_tokens=40,chunk_length=8", f"budget=0.3,chunk_length=5{every}"):
         assert_batch_equals_alone(models["llama"], spec(name, params, configs))
     if name == "snapkv":  # the prompt in chunks, then a rolling window of generated tokens

@@ -234,7 +234,8 @@ SMALL = ["snapkv:budget=0.3", "snapkv:budget_tokens=256,window_size=16,kernel_si
          "quest:page_size=128,token_budget=512,dense_layers=0",
          "quest:page_size=128,budget=0.2,dense_layers=1,per_query_head=true",
          "quest:page_size=128,token_budget=384,dense_layers=0,first_page=true", "random:budget=0.3,seed=7",
-         "lagkv:budget=0.3,lag_size=64", "cur:budget=0.3"]
+         "lagkv:budget=0.3,lag_size=64", "cur:budget=0.3",
+         "observed_attention:budget=0.3"]
 
 
 @pytest.mark.parametrize("spec", SMALL)

@@ -1,6 +1,7 @@
 """The vLLM host's layout logic on plain tensors (no engine): plans, the layout map of the paged cache, and one
 request's attention over a paged store, against attnkit's own runner."""
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import attnkit
 from attnkit.cache import KVCache
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import resolve_method
+from attnkit.methods.observed_attention import ObservedAttention
 from attnkit.rope import Rope
 from attnkit.session import Session, Step
 from attnkit.vllm import host, paged
@@ -391,7 +393,7 @@ def test_runs_read_in_place_by_vllms_windowed_kernel_equal_the_gathered_attentio
 
 
 @pytest.mark.parametrize("spec", ["snapkv:budget_tokens=40", "expected_attention:budget_tokens=40",
-                                  "h2o:budget_tokens=40"])
+                                  "h2o:budget_tokens=40", "observed_attention:budget_tokens=40"])
 def test_a_request_sitting_out_steps_in_the_middle_of_its_prompt_keeps_its_state(spec):
     """vLLM may schedule no tokens of a partly prefilled request for a step (its token budget taken by others): the
     worker keeps the method's state (SnapKV's window queries, Expected Attention's moments) until the request is gone,
@@ -407,6 +409,30 @@ def test_a_request_sitting_out_steps_in_the_middle_of_its_prompt_keeps_its_state
     assert_host_outputs(Row("r", method, plan, new, 0, 1), got, expected)
     state.begin_forward({"other"})
     assert "r" not in state.prefills.open and "r" not in state.live.open
+
+
+@dataclass(frozen=True)
+class StatisticsBesideEntries(ObservedAttention):
+    """observed_attention with its prompt statistic kept beside the entries (``kv.extras``), as a method may."""
+
+    def add_prefill_scores(self, ctx, stats):
+        self.score_buffer(ctx)[:, :, :ctx.kv.length] += stats
+
+    def rank(self, ctx):
+        return self.score_buffer(ctx)[:, :, :ctx.kv.length]
+
+
+def test_statistics_kept_beside_the_entries_across_prompt_chunks_are_refused():
+    """The host gathers a prompt chunk's layer anew from the slots, so per-entry statistics (``kv.extras``) of the
+    chunks before it would be lost: such a method stops with a line naming it instead of compressing by part of its
+    scores."""
+    n, new, kv, d = N, NEW, 2, 16
+    method = StatisticsBesideEntries(budget_tokens=40)
+    q, k, v, _ = session_reference(resolve_method("observed_attention:budget_tokens=40"), 3, ROPE16)
+    plan = plan_for(method, n, new, 1)
+    with pytest.raises(RuntimeError, match="observed_attention keeps per-entry statistics \\(score\\) across prompt"):
+        live_calls(lambda s, t: Row("r", method, plan, new, s, t), DictStore(kv, d, n + new), q, k, v,
+                   [(0, 70), (70, n)], host.WorkerState())
 
 
 def test_each_engine_keeps_its_own_requests():

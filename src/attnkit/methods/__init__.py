@@ -21,6 +21,7 @@ from attnkit.methods.kvzap import KVzap
 from attnkit.methods.kvzip import KVzip
 from attnkit.methods.lagkv import LagKV
 from attnkit.methods.minference import MInference, MInferenceStatic
+from attnkit.methods.observed_attention import ObservedAttention
 from attnkit.methods.quest import Quest
 from attnkit.methods.random_scores import Random
 from attnkit.methods.rkv import RKV
@@ -35,5 +36,5 @@ from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "CUR", "DuoAttention",
            "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip", "LagKV",
-           "MInference", "MInferenceStatic", "Quest", "Random", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA",
+           "MInference", "MInferenceStatic", "ObservedAttention", "Quest", "Random", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA",
            "TriAttention", "Window"]

@@ -172,6 +172,11 @@ def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> tor
     started = time.perf_counter()
     try:
         out = step.attention(layer, q, k, v, call.scaling, None)
+        extras = cache.layers[layer].extras
+        if extras and not step.last_chunk:
+            # the next chunk's layer is gathered anew from the slots: statistics kept beside the entries would be lost
+            raise RuntimeError(f"attnkit: {row.method.name} keeps per-entry statistics ({', '.join(sorted(extras))}) "
+                               f"across prompt chunks, which this host does not carry between chunks")
         if step.last_chunk and plan.kept is not None:
             keys, values, positions = cache.layers[layer].view()
             if keys.shape[2] != plan.kept:

@@ -17,8 +17,9 @@ stored after RoPE at their original positions, so where an entry sits never chan
 
 Methods (each kv head choosing its own entries, uniform budget per kv head and layer):
 
-- prompt scorers (``snapkv``, ``knorm``, ``keydiff``, ``random``, ``lagkv``, ``cur``, ``expected_attention``):
-  compacted after the prompt; generated tokens are appended (decode reads ``[n - B, p]``). ChunkKV's ``chunk_length`` runs as is: it changes
+- prompt scorers (``snapkv``, ``knorm``, ``keydiff``, ``random``, ``lagkv``, ``cur``, ``observed_attention``,
+  ``expected_attention``): compacted after the prompt; generated tokens are appended (decode reads ``[n - B, p]``).
+  ChunkKV's ``chunk_length`` runs as is: it changes
   which ``B`` entries each kv head keeps (the method's own ``compact``), not how many.
 - ``streaming``: sinks plus a window of ``B - sinks`` recent tokens; compacted after the prompt like a scorer
   (sinks first, so the window's entries land on slots equal to their positions), then every step reads the
@@ -70,7 +71,7 @@ from attnkit.recipe.core import Recipe, as_recipe, load_recipe_file
 from attnkit.session import Session, layer_contexts, planned_slots
 
 SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, random, lagkv, cur, "
-             "expected_attention, rkv (a budget or budget_tokens, one value for every layer and kv head; decode_every "
+             "observed_attention, expected_attention, rkv (a budget or budget_tokens, one value for every layer and kv head; decode_every "
              "re-compresses while decoding), h2o, tova, keyformer (per step, or buffered with decode_every), quest "
              "(page_size = the engine's block size), a_shape, minference_static, minference, and PREFILL+CACHE of a sparse prefill with one of those "
              "cache methods but quest")
