@@ -341,6 +341,8 @@ PRESSES = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress"
            "cur": "CURPress", "observed_attention": "ObservedAttentionPress"}
 # parameters both sides take alike (kvpress's RandomPress draws differently on every call without a seed)
 SHARED_PARAMS = {"random": {"seed": 0}, "lagkv": {"lag_size": 64}}
+# presses that read the attention matrix: kvpress runs them with transformers' eager attention
+EAGER = ("observed_attention",)
 # re-compressing while decoding matches kvpress's DecodingPress for knorm and keydiff; expected_attention's query
 # statistics differ there by design (attnkit: every query so far; kvpress: a buffer of recent hidden states), and
 # random's draws follow each side's order of the held entries (docs/methods.md), which differ after a compression
@@ -404,7 +406,8 @@ def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
         press, shared = PRESSES[method], SHARED_PARAMS.get(method, {})
         k_case = {"press": {"kind": "class", "name": press,
                             "params": dict(shared, compression_ratio=args.compression_ratio),
-                            "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep}}
+                            "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep,
+                            "eager": method in EAGER}}
         a_case = {"method": method, "params": dict(shared, budget_tokens=keep)}
         note = "kvpress prefill-only; attnkit drops one per step" if method == "tova" else ""
         pair(method, f"{name}/{method}", a_case, f"{name}/{method}", k_case, note)

@@ -229,6 +229,14 @@ def applied(press, model, tracer: Tracer | None):
 
 @torch.inference_mode()
 def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, stop_ids=()) -> dict:
+    """One generation with the press of `spec` (``"eager": true``: with transformers' eager attention, which
+    returns the attention matrix a press such as ObservedAttentionPress reads)."""
+    if spec.get("eager"):
+        model.set_attn_implementation("eager")
+        try:
+            return generate(model, ids, dict(spec, eager=False), new_tokens, trace, stop_ids)
+        finally:
+            model.set_attn_implementation("sdpa")
     press, decoding = build_press(spec, len(ids))
     n = len(ids)
     masked = trace and spec.get("masked_keys", False)
