@@ -9,9 +9,9 @@ import torch
 
 import attnkit
 from attnkit import AttnkitError
+from attnkit.cache import KVCache
 from attnkit.hf_cache import AttnkitCache
 from attnkit.methods.spec import parse_method_spec
-from attnkit.cache import KVCache
 from attnkit.session import Session, Step
 from helpers import assert_equals_full, qkv, random_ids
 
