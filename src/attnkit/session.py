@@ -353,4 +353,3 @@ def unstack_states(stacked, states: list) -> None:
             owns = [value] * len(states)
         for state, own in zip(states, owns):
             object.__setattr__(state, name, own)
-

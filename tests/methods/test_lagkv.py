@@ -56,7 +56,8 @@ def lagkv_choose(k, v, budget, sinks, lag, cross):
             for p in range(parts - 1):
                 span = slice(sinks + p * lag, sinks + (p + 1) * lag)
                 ref = slice(sinks + (p + 1) * lag, sinks + (p + 2) * lag)
-                mixed = [(a + b) / 2 for a, b in zip(token_score(keys[span], keys[ref]), token_score(values[span], values[ref]))]
+                by_keys, by_values = token_score(keys[span], keys[ref]), token_score(values[span], values[ref])
+                mixed = [(a + b) / 2 for a, b in zip(by_keys, by_values)]
                 score += mixed if cross else [sorted(mixed).index(s) / lag for s in mixed]
             score += [1.0] * (n - len(score))
         order = sorted(range(n), key=lambda i: -score[i])

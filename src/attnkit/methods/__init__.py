@@ -35,6 +35,6 @@ from attnkit.methods.triattention import TriAttention
 from attnkit.methods.window import Window
 
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "Compose", "CUR", "DuoAttention",
-           "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip", "LagKV",
-           "MInference", "MInferenceStatic", "ObservedAttention", "Quest", "Random", "RKV", "Select", "Share", "SnapKV", "Streaming", "TOVA",
-           "TriAttention", "Window"]
+           "ExpectedAttention", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi", "KNorm", "KVzap", "KVzip",
+           "LagKV", "MInference", "MInferenceStatic", "ObservedAttention", "Quest", "Random", "RKV", "Select", "Share",
+           "SnapKV", "Streaming", "TOVA", "TriAttention", "Window"]

@@ -4,13 +4,13 @@ Chaudhary, Chakraborty, NeurIPS 2025, "Value-Guided KV Compression for LLMs via 
 
 CUR decomposition keeps the rows of a matrix with the highest leverage scores; CurDKV approximates a token's
 leverage in ``K`` (and in ``V``, whose rows the attention output mixes) by its squared row norm, normalised over the
-rows: ``l_k(i) = ||k_i||^2 / sum_j ||k_j||^2``, the length-squared sampling probability that CUR algorithms use
-in place of the exact leverage ``k_i^T (K^T K)^+ k_i``. With ``local_window > 0`` the normalisation runs
-over windows of that many consecutive entries instead of the whole layer (a local approximation, on by default
-as in kvpress, which spreads the kept entries over the sequence). The score combines them by ``leverage``: ``key`` (``l_k``), ``value``
-(``l_v``), ``kv_avg`` (their mean) or ``kv_product`` (``l_k l_v``, kvpress's default), normalised to sum to one
-per kv head; the first ``sinks`` entries score 1 (kept first). With ``sketch > 0`` the keys and values are first
-multiplied by a Gaussian matrix of ``sketch`` columns scaled by ``1 / sqrt(sketch)`` (the paper's random
+rows: ``l_k(i) = ||k_i||^2 / sum_j ||k_j||^2``, the length-squared sampling probability that CUR algorithms use in
+place of the exact leverage ``k_i^T (K^T K)^+ k_i``. With ``local_window > 0`` the normalisation runs over windows
+of that many consecutive entries instead of the whole layer (a local approximation, on by default as in kvpress,
+which spreads the kept entries over the sequence). The score combines them by ``leverage``: ``key`` (``l_k``),
+``value`` (``l_v``), ``kv_avg`` (their mean) or ``kv_product`` (``l_k l_v``, kvpress's default), normalised to sum
+to one per kv head; the first ``sinks`` entries score 1 (kept first). With ``sketch > 0`` the keys and values are
+first multiplied by a Gaussian matrix of ``sketch`` columns scaled by ``1 / sqrt(sketch)`` (the paper's random
 projections; kvpress's ``use_random_leverage`` takes 20), drawn from a CPU generator seeded with ``sketch_seed``,
 the same for every layer and host.
 

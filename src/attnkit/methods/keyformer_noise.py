@@ -275,7 +275,8 @@ class DecodeNoise:
                 if self.head_table is None:
                     self.head_table = torch.tensor(self.heads, dtype=torch.int64)
                 at = torch.tensor(queries, dtype=torch.int64).view(-1, 1, 1)
-                self.offsets = (row_hashes(self.head_table[None], at).to(torch.int64) & (TABLE_SIZE - 1)).to(self.device)
+                hashed = row_hashes(self.head_table[None], at).to(torch.int64)
+                self.offsets = (hashed & (TABLE_SIZE - 1)).to(self.device)
         kv_heads = k_pos.shape[1]
         offsets = self.offsets[:, ctx.index].to(k_pos.device)  # a few numbers per head, to this layer's device
         offsets = offsets.view(-1, kv_heads, self.n_heads // kv_heads, 1, 1)

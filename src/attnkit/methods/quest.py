@@ -9,10 +9,10 @@ prefill changes nothing). Each decoding step, per kv head, the upper bound of ea
     U = sum_i max(q_i m_i, q_i M_i)                                        (Section 3.2, Algorithm 1)
 
 ranks the pages, and the step attends over the top pages only, ``token_budget // page_size`` of them (or
-``budget`` x the context's tokens), the current (last) page always among them, as the paper's kernel forces it. The step reads the
-chosen pages' keys and values plus the summaries (``2 / page_size`` of the keys), where full reads every entry; the
-run's stats give both (``quest_bytes_read_per_step``, ``quest_full_bytes_per_step``, ``quest_read_fraction``) beside
-the bytes held (``peak_kv_bytes``: full's plus the summaries).
+``budget`` x the context's tokens), the current (last) page always among them, as the paper's kernel forces it. The
+step reads the chosen pages' keys and values plus the summaries (``2 / page_size`` of the keys), where full reads
+every entry; the run's stats give both (``quest_bytes_read_per_step``, ``quest_full_bytes_per_step``,
+``quest_read_fraction``) beside the bytes held (``peak_kv_bytes``: full's plus the summaries).
 
 Choices the paper leaves open or makes for multi-head models:
 

@@ -120,13 +120,13 @@ def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor)
 
 def choose_pages(bounds: torch.Tensor, count: int, per_query_head: bool, visible_from: int | None = None,
                  page_size: int = 16, first: bool = False) -> torch.Tensor:
-    """The `count` pages each kv head reads (``[b, kv, 1, count]``; ``[b, kv, g, count]`` with `per_query_head`),
-    in ascending page order, from `bounds` ``[b, kv, g, pages]`` (:func:`page_bounds`): the last (current) page
-    always (as Quest's kernel), the first too with `first`, then the highest bounds. A kv group shares one choice by the maximum of its query heads'
-    bounds (the group reads the same entries, so the cache is read once per kv head; a page stays when any head of the
-    group may attend to it strongly), or each query head has its own (the paper's multi-head rule). With
-    `visible_from` (a sliding-window layer: slots, which are positions, below it are hidden) a page entirely before it
-    is never chosen over a visible one, and the first page is never forced."""
+    """The `count` pages each kv head reads (``[b, kv, 1, count]``; ``[b, kv, g, count]`` with `per_query_head`), in
+    ascending page order, from `bounds` ``[b, kv, g, pages]`` (:func:`page_bounds`): the last (current) page always
+    (as Quest's kernel), the first too with `first`, then the highest bounds. A kv group shares one choice by the
+    maximum of its query heads' bounds (the group reads the same entries, so the cache is read once per kv head; a
+    page stays when any head of the group may attend to it strongly), or each query head has its own (the paper's
+    multi-head rule). With `visible_from` (a sliding-window layer: slots, which are positions, below it are hidden)
+    a page entirely before it is never chosen over a visible one, and the first page is never forced."""
     scores = bounds if per_query_head else bounds.amax(2, keepdim=True)
     scores = scores.clone()
     pages = scores.shape[-1]

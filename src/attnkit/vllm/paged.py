@@ -144,7 +144,8 @@ def gather_heads(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Lay
     """Keys and values ``[rows, kv_heads, n, head_dim]`` of several requests' entries, each kv head at its own slots
     `slots` ``[rows, kv_heads, n]`` through the requests' block table rows `block_rows` ``[rows, blocks]`` (copies):
     one gather for every request of a step, each entry copied as one row of ``head_dim`` numbers where the layout
-    stores it so (:func:`_entry_rows`)."""
+    stores it so (:func:`_entry_rows`), number by number where it stores each block's half transposed
+    (:func:`_transposed_entries`: vLLM's CPU keys)."""
     rows, kv, n = slots.shape
     slots = slots.to(block_rows.device)
     return tuple(_entry_rows(half, order, block_rows, slots).view(rows, kv, n, -1) if not isinstance(order, str)

@@ -8,11 +8,12 @@ Nothing is evicted or moved: a quest request's blocks hold every entry at its ow
   backend's ``do_kv_cache_update``: every prompt chunk and generated token of every request of an engine that may
   run quest, so a block a request takes from the prefix cache carries its summary). A block fills from its first
   slot (just allocated, or its request recomputed), so writing that slot restarts the block's summary.
-- **Choice** (:func:`sparse_attention`): each decode query of a quest request (one per row; each generated position
-  of a recomputed row) ranks its request's blocks by Quest's bound ``U = sum_i max(q_i m_i, q_i M_i)`` (Section 3.2,
-  Algorithm 1), forces the current block (and the first with ``first_page``) as attnkit's Quest does, takes ``Quest.pages_read`` of them,
-  and attends over the chosen blocks, read where they lie. At a layer its method keeps dense (``dense_layers``), or
-  a step whose budget covers every block, the query is vLLM's own kernel's (:func:`layer_groups`).
+- **Choice** (:func:`sparse_attention`): each decode query of a quest request (one per row; each generated
+  position of a recomputed row) ranks its request's blocks by Quest's bound ``U = sum_i max(q_i m_i, q_i M_i)``
+  (Section 3.2, Algorithm 1), forces the current block (and the first with ``first_page``) as attnkit's Quest does,
+  takes ``Quest.pages_read`` of them, and attends over the chosen blocks, read where they lie. At a layer its method
+  keeps dense (``dense_layers``), or a step whose budget covers every block, the query is vLLM's own kernel's
+  (:func:`layer_groups`).
 
 So a request gives attnkit's tokens for ``quest:page_size=<the engine's block size>``: the same pages, bounds and
 choice, over the same entries.
@@ -76,11 +77,11 @@ class Query:
 
 @dataclass(frozen=True)
 class Sparse:
-    """Queries ``rows`` of a step's :class:`QuestStep` choosing pages at a layer, and what their choice needs that no
-    layer changes: their requests' first ``pages`` blocks (``table``), the pages each may not choose (``hidden``:
-    past its length) and must (``forced``: the current, and the first with ``first_page``), the ranks it takes (``taken``: as many as
-    it reads) and the slots of its chosen blocks it reads (``valid``: all but the tail of the current block,
-    which sorts last); each query head its own choice (``per_query_head``) or its kv group's."""
+    """Queries ``rows`` of a step's :class:`QuestStep` choosing pages at a layer, and what their choice needs that
+    no layer changes: their requests' first ``pages`` blocks (``table``), the pages each may not choose (``hidden``:
+    past its length) and must (``forced``: the current, and the first with ``first_page``), the ranks it takes
+    (``taken``: as many as it reads) and the slots of its chosen blocks it reads (``valid``: all but the tail of the
+    current block, which sorts last); each query head its own choice (``per_query_head``) or its kv group's."""
 
     rows: torch.Tensor
     per_query_head: bool
@@ -104,9 +105,9 @@ class Sparse:
         last = (slot // block_size == count[:, None] - 1) & (slot % block_size >= length[:, None] - (pages[:, None] - 1)
                                                               * block_size)
         valid = (slot // block_size < count[:, None]) & ~last
+        forced = ((page == 0) & torch.tensor(firsts, device=device)[:, None]) | (page == pages[:, None] - 1)
         return cls(index, per_query_head, tables[index.to(device)][:, :page.shape[0]].long(),
-                   (page >= pages[:, None])[:, None, None],
-                   (((page == 0) & torch.tensor(firsts, device=device)[:, None]) | (page == pages[:, None] - 1))[:, None, None],
+                   (page >= pages[:, None])[:, None, None], forced[:, None, None],
                    (rank < count[:, None])[:, None, None], valid[:, None, None, None])
 
 
