@@ -281,6 +281,16 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
                       "gqa_reduce": "mean"}
             pair(label, f"{name}/snapkv-w{w}-k{k}", {"method": "snapkv", "params": params},
                  f"{name}/snapkv-w{w}-k{k}", k_case)
+            if args.adakv:  # AdaKV around SnapKV: kvpress masks the dropped keys (read back from its attention patch)
+                inner = {"name": "SnapKVPress", "params": {"compression_ratio": args.compression_ratio,
+                                                           "window_size": w, "kernel_size": k}}
+                pair(label + " adakv", f"{name}/snapkv-w{w}-k{k}-adakv",
+                     {"method": "snapkv", "params": dict(params, head_budgets="adaptive")},
+                     f"{name}/snapkv-w{w}-k{k}-adakv",
+                     {"press": {"kind": "class", "name": "AdaKVPress", "masked_keys": True,
+                                "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep,
+                                "params": {"press": inner, "alpha_safeguard": 0.2}}},
+                     "AdaKVPress(SnapKVPress); kvpress masks the dropped keys and keeps them in memory")
             if args.diagnose:
                 pair(label + " +pad", f"{name}/snapkv-w{w}-k{k}+pad",
                      {"method": "snapkv", "params": params, "pad_counting_pool": True, "diagnostic": True},
@@ -582,6 +592,8 @@ def main(argv=None) -> int:
     p.add_argument("--compression-ratio", type=float, default=0.75)
     p.add_argument("--n-sink", type=int, default=4)
     p.add_argument("--snapkv", default="64:5,32:7", help="window_size:kernel_size sets, comma-separated")
+    p.add_argument("--adakv", action="store_true", help="also snapkv with head_budgets=adaptive against "
+                   "AdaKVPress(SnapKVPress) for every --snapkv set")
     p.add_argument("--scorers", default=",".join(PRESSES) + ",kvzip",
                    help=f"of {', '.join(PRESSES)}, kvzip (empty: none)")
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="kvzip's chunk_size (context tokens per "
