@@ -291,6 +291,14 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
                                 "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep,
                                 "params": {"press": inner, "alpha_safeguard": 0.2}}},
                      "AdaKVPress(SnapKVPress); kvpress masks the dropped keys and keeps them in memory")
+            if args.pyramid:  # PyramidKV's per-layer budgets around SnapKV's scores
+                pair(label + " pyramid", f"{name}/snapkv-w{w}-k{k}-pyramid",
+                     {"method": "snapkv", "params": dict(params, layer_budgets="pyramid")},
+                     f"{name}/snapkv-w{w}-k{k}-pyramid",
+                     {"press": {"kind": "class", "name": "PyramidKVPress", "compression_ratio": args.compression_ratio,
+                                "params": {"compression_ratio": args.compression_ratio, "window_size": w,
+                                           "kernel_size": k}}},
+                     "PyramidKVPress; per-layer counts compared in the trace")
             if args.diagnose:
                 pair(label + " +pad", f"{name}/snapkv-w{w}-k{k}+pad",
                      {"method": "snapkv", "params": params, "pad_counting_pool": True, "diagnostic": True},
@@ -594,6 +602,8 @@ def main(argv=None) -> int:
     p.add_argument("--snapkv", default="64:5,32:7", help="window_size:kernel_size sets, comma-separated")
     p.add_argument("--adakv", action="store_true", help="also snapkv with head_budgets=adaptive against "
                    "AdaKVPress(SnapKVPress) for every --snapkv set")
+    p.add_argument("--pyramid", action="store_true", help="also snapkv with layer_budgets=pyramid against "
+                   "PyramidKVPress for every --snapkv set")
     p.add_argument("--scorers", default=",".join(PRESSES) + ",kvzip",
                    help=f"of {', '.join(PRESSES)}, kvzip (empty: none)")
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="kvzip's chunk_size (context tokens per "
