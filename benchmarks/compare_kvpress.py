@@ -305,6 +305,7 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
                      f"{name}/snapkv-w{w}-k{k}", k_case, "diagnostic: attnkit pooling with count_include_pad=True",
                      )
         scorer_cases(pair, name, n, keep, args)
+        per_layer_cases(pair, name, n, args)
         chunkkv_cases(pair, name, n, args, snap_sets[:1])
         duo_cases(pair, name, args)
     return rows, list(ours.values()), list(theirs.values())
@@ -336,6 +337,20 @@ def chunkkv_cases(pair, name: str, n: int, args, snap_sets) -> None:
                                 "params": {"press": inner, "chunk_length": c}}}
             pair(label, f"{name}/{method}-chunk{c}", a_case, f"{name}/{method}-chunk{c}", k_case,
                  f"ChunkKVPress({inner['name']}); kept = {keep // c} chunks", keep=keep)
+
+
+def per_layer_cases(pair, name: str, n: int, args) -> None:
+    """knorm with one budget per layer against ``PerLayerCompressionPress(KnormPress(), compression_ratios)``
+    (``--per-layer R0,R1,...``: a ratio per layer; each layer keeps kvpress's ``int(n (1 - r))``)."""
+    if not args.per_layer:
+        return
+    ratios = [float(r) for r in args.per_layer.split(",")]
+    kept = [int(n * (1 - r)) for r in ratios]
+    pair(f"knorm per layer {args.per_layer}", f"{name}/knorm-per-layer",
+         {"method": "knorm", "params": {"budget_tokens": kept}}, f"{name}/knorm-per-layer",
+         {"press": {"kind": "class", "name": "PerLayerCompressionPress", "compression_ratio": sum(ratios) / len(ratios),
+                    "params": {"press": {"name": "KnormPress", "params": {}}, "compression_ratios": ratios}}},
+         f"PerLayerCompressionPress(KnormPress); kept per layer {kept}", keep=min(kept))
 
 
 def duo_cases(pair, name: str, args) -> None:
@@ -604,6 +619,8 @@ def main(argv=None) -> int:
                    "AdaKVPress(SnapKVPress) for every --snapkv set")
     p.add_argument("--pyramid", action="store_true", help="also snapkv with layer_budgets=pyramid against "
                    "PyramidKVPress for every --snapkv set")
+    p.add_argument("--per-layer", default="", help="compression ratios, one per layer, for knorm with a budget "
+                   "per layer against PerLayerCompressionPress(KnormPress) (empty: none)")
     p.add_argument("--scorers", default=",".join(PRESSES) + ",kvzip",
                    help=f"of {', '.join(PRESSES)}, kvzip (empty: none)")
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="kvzip's chunk_size (context tokens per "
