@@ -306,6 +306,12 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
                      )
         scorer_cases(pair, name, n, keep, args)
         per_layer_cases(pair, name, n, args)
+        if args.kvzap_file:  # kvzap's budget mode against KVzapPress running the same surrogate's weights
+            pair("kvzap", f"{name}/kvzap", {"method": "kvzap", "params": {"config": args.kvzap_file, "window": 0,
+                                                                        "budget_tokens": keep}},
+                 f"{name}/kvzap", {"press": {"kind": "kvzap", "file": args.kvzap_file, "expect_prefill_kept": keep,
+                                             "compression_ratio": args.compression_ratio}},
+                 "KVzapPress with attnkit calibrate kvzap's weights (linear)")
         chunkkv_cases(pair, name, n, args, snap_sets[:1])
         duo_cases(pair, name, args)
     return rows, list(ours.values()), list(theirs.values())
@@ -621,6 +627,8 @@ def main(argv=None) -> int:
                    "PyramidKVPress for every --snapkv set")
     p.add_argument("--per-layer", default="", help="compression ratios, one per layer, for knorm with a budget "
                    "per layer against PerLayerCompressionPress(KnormPress) (empty: none)")
+    p.add_argument("--kvzap", type=int, default=0, help="train kvzap's linear surrogate on this many windows of 256 "
+                   "tokens and compare kvzap's budget mode with KVzapPress on those weights (0: none)")
     p.add_argument("--scorers", default=",".join(PRESSES) + ",kvzip",
                    help=f"of {', '.join(PRESSES)}, kvzip (empty: none)")
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="kvzip's chunk_size (context tokens per "
@@ -663,6 +671,13 @@ def main(argv=None) -> int:
     if args.trim:
         prompts = [(f"{name.rsplit('-', 1)[0]}-{len(ids) // args.trim * args.trim}",
                     ids[:len(ids) // args.trim * args.trim]) for name, ids in prompts]
+    args.kvzap_file = None
+    if args.kvzap:  # the surrogate, trained here on the model's own weights, read by both sides
+        from attnkit.calibrate.kvzap import calibrate_kvzap
+        from attnkit.methods.kvzap_predictor import save_predictor
+        layers, meta = calibrate_kvzap(model, samples=args.kvzap, length=256, heldout=1)
+        args.kvzap_file = str(save_predictor(Path(tempfile.mkdtemp(prefix="compare-kvzap-")) / "kvzap.safetensors",
+                                             "linear", layers, meta))
     rows, ours, theirs = build_cases(prompts, args)
     warmup = min((ids for _, ids in prompts), key=len)  # a full-size warm-up generation (4 tokens), untimed
     with tempfile.TemporaryDirectory(prefix="compare-kvpress-") as tmp_dir:

@@ -91,6 +91,23 @@ def press_by_name(spec: dict):
         raise ValueError(f"{spec['name']}: {exc}") from None
 
 
+def kvzap_press(path: str, ratio: float):
+    """``KVzapPress`` with a linear surrogate loaded from `path` (tensors ``layers.{l}.weight`` / ``.bias``, as
+    ``KVzapModel`` names them) instead of the hub weights its ``post_init_from_model`` would fetch."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel, KVzapPress
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    n = len({key.split(".")[1] for key in state})
+    out_dim, in_dim = state["layers.0.weight"].shape
+    model = KVzapModel(KVzapConfig(input_dim=in_dim, output_dim=out_dim, n_modules=n))
+    model.load_state_dict(state)
+    press = KVzapPress(compression_ratio=ratio, model_type="linear")
+    press.kvzap_model = model.eval()
+    press.post_init_from_model = lambda _model: None  # on the instance: the weights are given
+    return press
+
+
 def build_press(spec: dict, prompt_len: int):
     kind = spec["kind"]
     if kind == "none":
@@ -115,6 +132,9 @@ def build_press(spec: dict, prompt_len: int):
         press = DuoAttentionPress(head_compression_ratio=spec["head_compression_ratio"])
         pattern = (spec["sink_size"], spec["recent_size"], np.array(spec["head_scores"], dtype=float))
         press.load_attention_pattern = lambda model: pattern  # on the instance; kvpress's own selection follows
+        decoding = False
+    elif kind == "kvzap":  # KVzapPress running the surrogate weights of a file (KVzapModel's state dict)
+        press = kvzap_press(spec["file"], spec["compression_ratio"])
         decoding = False
     elif kind == "class":  # any press by class name (attnkit's sweeps: "kvpress:SnapKVPress:...")
         press = press_by_name(spec)
