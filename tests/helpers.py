@@ -241,6 +241,20 @@ def assert_equals_full(model, ids, method, max_new_tokens: int, same_bytes: bool
     return out, full
 
 
+def assert_attnkit_cache_equals_generate(model, ids, name: str, params: dict, max_new_tokens: int):
+    """Method `name` with `params` through transformers' greedy ``generate`` on an
+    :class:`~attnkit.hf_cache.AttnkitCache` gives attnkit.generate's tokens for the prompt `ids` ``[n]``. Returns the
+    cache."""
+    from attnkit.hf_cache import AttnkitCache
+
+    ours = attnkit.generate(model, ids, name, params=params, max_new_tokens=max_new_tokens, stop_at_eos=False)
+    cache = AttnkitCache(model, name, params=params, max_new_tokens=max_new_tokens)
+    out = model.hf.generate(ids[None], past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=None, pad_token_id=2)
+    assert out[0, ids.shape[-1]:].tolist() == ours.token_ids
+    return cache
+
+
 # ---- the report's tests (tests/eval/report, tests/bench): one small sweep's results ---------------------------
 REPORT_SPEC = "random:llama:layers=1,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
 REPORT_SWEEP = {"model": REPORT_SPEC, "samples": 2, "tasks": ["passkey", "code_completion"], "lengths": [256, 320],

@@ -10,24 +10,18 @@ import torch
 
 import attnkit
 from attnkit import AttnkitError
-from attnkit.hf_cache import AttnkitCache
 from attnkit.methods.spec import parse_method_spec
-from helpers import assert_equals_full, drive, qkv, random_ids, recompress_dense
+from helpers import assert_attnkit_cache_equals_generate, assert_equals_full, drive, qkv, random_ids, recompress_dense
 
 torch.set_num_threads(1)
 
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def models(arch_models):
-    return arch_models
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
-def test_unlimited_budget_equals_full_batched(models, arch):
+def test_unlimited_budget_equals_full_batched(arch_models, arch):
     prompts = [random_ids(n, seed=n).tolist() for n in (150, 97, 150)]
-    assert_equals_full(models[arch], prompts, parse_method_spec("cur:budget_tokens=200"), NEW)
+    assert_equals_full(arch_models[arch], prompts, parse_method_spec("cur:budget_tokens=200"), NEW)
 
 
 def cur_choose(k, v, budget, leverage, sinks, window, sketch, seed):
@@ -68,14 +62,9 @@ def test_kept_positions_equal_a_plain_recomputation(leverage, window, sketch, ev
     assert all(set(range(sinks)) <= set(row) for step in got for row in step)
 
 
-def test_generate_through_attnkit_cache_equals_attnkit_generate(models):
-    model, ids, n = models["llama"], random_ids(150, seed=3), 16
-    params = {"budget_tokens": 40, "decode_every": 8}
-    ours = attnkit.generate(model, ids, "cur", params=params, max_new_tokens=n, stop_at_eos=False)
-    cache = AttnkitCache(model, "cur", params=params, max_new_tokens=n)
-    out = model.hf.generate(ids[None], past_key_values=cache, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                            pad_token_id=2)
-    assert out[0, 150:].tolist() == ours.token_ids
+def test_generate_through_attnkit_cache_equals_attnkit_generate(arch_models):
+    cache = assert_attnkit_cache_equals_generate(arch_models["llama"], random_ids(150, seed=3), "cur",
+                                                 {"budget_tokens": 40, "decode_every": 8}, 16)
     assert max(cache.kept_lengths()) <= 48
 
 

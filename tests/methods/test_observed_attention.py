@@ -10,25 +10,19 @@ import torch
 import attnkit
 from attnkit import AttnkitError
 from attnkit.cache import KVCache
-from attnkit.hf_cache import AttnkitCache
 from attnkit.methods.spec import parse_method_spec
 from attnkit.session import Session, Step
-from helpers import assert_equals_full, qkv, random_ids
+from helpers import assert_attnkit_cache_equals_generate, assert_equals_full, qkv, random_ids
 
 torch.set_num_threads(1)
 
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def models(arch_models):
-    return arch_models
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
-def test_unlimited_budget_equals_full_batched(models, arch):
+def test_unlimited_budget_equals_full_batched(arch_models, arch):
     prompts = [random_ids(n, seed=n).tolist() for n in (150, 97, 150)]
-    assert_equals_full(models[arch], prompts, parse_method_spec("observed_attention:budget_tokens=200"), NEW)
+    assert_equals_full(arch_models[arch], prompts, parse_method_spec("observed_attention:budget_tokens=200"), NEW)
 
 
 def dense_kept(q, k, budget):
@@ -56,14 +50,8 @@ def test_kept_positions_equal_a_dense_recomputation(chunks):
     assert held == dense_kept(q, k, 30)
 
 
-def test_generate_through_attnkit_cache_equals_attnkit_generate(models):
-    model, ids, n = models["llama"], random_ids(150, seed=3), 16
-    params = {"budget_tokens": 40}
-    ours = attnkit.generate(model, ids, "observed_attention", params=params, max_new_tokens=n, stop_at_eos=False)
-    cache = AttnkitCache(model, "observed_attention", params=params, max_new_tokens=n)
-    out = model.hf.generate(ids[None], past_key_values=cache, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                            pad_token_id=2)
-    assert out[0, 150:].tolist() == ours.token_ids
+def test_generate_through_attnkit_cache_equals_attnkit_generate(arch_models):
+    assert_attnkit_cache_equals_generate(arch_models["llama"], random_ids(150, seed=3), "observed_attention", {"budget_tokens": 40}, 16)
 
 
 def test_decode_every_is_refused_in_one_line():

@@ -9,25 +9,19 @@ import torch
 import attnkit
 from attnkit import AttnkitError
 from attnkit.forward import prefill
-from attnkit.hf_cache import AttnkitCache
 from attnkit.methods.spec import parse_method_spec
 from attnkit.session import new_session
-from helpers import assert_equals_full, drive, qkv, random_ids, recompress_dense
+from helpers import assert_attnkit_cache_equals_generate, assert_equals_full, drive, qkv, random_ids, recompress_dense
 
 torch.set_num_threads(1)
 
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def models(arch_models):
-    return arch_models
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
-def test_unlimited_budget_equals_full_batched(models, arch):
+def test_unlimited_budget_equals_full_batched(arch_models, arch):
     prompts = [random_ids(n, seed=n).tolist() for n in (150, 97, 150)]
-    assert_equals_full(models[arch], prompts, parse_method_spec("random:budget_tokens=200,seed=3"), NEW)
+    assert_equals_full(arch_models[arch], prompts, parse_method_spec("random:budget_tokens=200,seed=3"), NEW)
 
 
 def expected_kept(n: int, kv: int, budget: int, seed: int) -> list[list[int]]:
@@ -37,8 +31,8 @@ def expected_kept(n: int, kv: int, budget: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("seed", [0, 11])
 @pytest.mark.parametrize("chunk", [None, 37])
-def test_kept_positions_are_the_top_of_the_seeded_draws_in_every_layer_and_row(models, seed, chunk):
-    model = models["llama"]
+def test_kept_positions_are_the_top_of_the_seeded_draws_in_every_layer_and_row(arch_models, seed, chunk):
+    model = arch_models["llama"]
     n, budget, kv = 120, 30, model.geometry.n_kv_heads
     method = parse_method_spec(f"random:budget_tokens={budget},seed={seed}")
     ids = torch.stack([random_ids(n, seed=1), random_ids(n, seed=2)])
@@ -67,14 +61,9 @@ def test_decode_every_draws_again_over_what_is_held(every):
     assert got == recompress_dense(q, k, prompt_len, budget, every, choose)
 
 
-def test_generate_through_attnkit_cache_equals_attnkit_generate(models):
-    model, ids, n = models["llama"], random_ids(150, seed=3), 16
-    params = {"budget_tokens": 40, "decode_every": 8, "seed": 2}
-    ours = attnkit.generate(model, ids, "random", params=params, max_new_tokens=n, stop_at_eos=False)
-    cache = AttnkitCache(model, "random", params=params, max_new_tokens=n)
-    out = model.hf.generate(ids[None], past_key_values=cache, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                            pad_token_id=2)
-    assert out[0, 150:].tolist() == ours.token_ids
+def test_generate_through_attnkit_cache_equals_attnkit_generate(arch_models):
+    cache = assert_attnkit_cache_equals_generate(arch_models["llama"], random_ids(150, seed=3), "random",
+                                                 {"budget_tokens": 40, "decode_every": 8, "seed": 2}, 16)
     assert max(cache.kept_lengths()) <= 48
 
 
