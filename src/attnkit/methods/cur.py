@@ -53,10 +53,11 @@ def cur_rank(keys: torch.Tensor, values: torch.Tensor, leverage: str, sinks: int
         g = torch.randn(keys.shape[-1], sketch, generator=torch.Generator().manual_seed(seed)) / math.sqrt(sketch)
         g = g.to(device=keys.device, dtype=keys.dtype)
         keys, values = keys @ g, values @ g
-    k2 = row_leverage(keys, window) if leverage != "value" else None
-    v2 = row_leverage(values, window) if leverage != "key" else None
-    score = {"key": lambda: k2, "value": lambda: v2, "kv_avg": lambda: (k2 + v2) / 2,
-             "kv_product": lambda: k2 * v2}[leverage]()
+    if leverage in ("key", "value"):
+        score = row_leverage(keys if leverage == "key" else values, window)
+    else:
+        k2, v2 = row_leverage(keys, window), row_leverage(values, window)
+        score = k2 * v2 if leverage == "kv_product" else (k2 + v2) / 2
     score = score / score.sum(dim=-1, keepdim=True)
     score[:, :, :sinks] = 1.0
     return score.float()
