@@ -1,4 +1,4 @@
-"""The documents' links resolve in a checkout: every relative link of README.md and docs/*.md names a file
+"""The documents' links resolve in a checkout: every relative link of README.md, docs/*.md and training/*.md names a file
 that is in the repository (raw results under docs/results are committed, not left on one machine)."""
 
 import re
@@ -14,7 +14,7 @@ def relative_links(doc: Path) -> list[str]:
 
 
 def test_every_relative_link_of_the_documents_names_a_file_of_the_checkout():
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "training").glob("*.md"))]
     missing = [f"{doc.relative_to(ROOT)}: {link}" for doc in docs for link in relative_links(doc)
                if not (doc.parent / link).exists()]
     assert not missing, "links to files not in the checkout:\n" + "\n".join(missing)

@@ -54,6 +54,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         whole("--batch-size", args.batch_size, minimum=1)
     if args.sweep:
         return eval_sweep(args)
+    if args.only:
+        raise AttnkitError("--only picks recipes of a sweep: give --sweep FILE --out DIR")
     given = [f for f, v in (("--ray", args.ray), ("--ray-address", args.ray_address), ("--workers", args.workers)) if v]
     if given:
         raise AttnkitError(f"{', '.join(given)} run a sweep's cells on Ray: give --sweep FILE --out DIR")
@@ -116,6 +118,8 @@ def eval_sweep(args: argparse.Namespace) -> int:
         raise AttnkitError("--sweep needs --out DIR (where results.jsonl is written and resumed from)")
     check_ray_options(args)
     sweep = load_sweep(args.sweep)
+    if args.only:
+        sweep.recipes = only_recipes(sweep.recipes, args.only, args.sweep)
     if args.model:
         sweep.model = args.model
     if args.batch_size is not None:
@@ -131,6 +135,17 @@ def eval_sweep(args: argparse.Namespace) -> int:
     print(format_table(rows))
     print(f"results: {Path(args.out) / 'results.jsonl'}; report: attnkit report {args.out}", file=sys.stderr)
     return 0
+
+
+def only_recipes(recipes: list, names: str, source: str) -> list:
+    """The recipes of a sweep named in ``--only`` (comma-separated labels), in the sweep's order."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    labels = [r.label for r in recipes]
+    unknown = [n for n in wanted if n not in labels]
+    if not wanted or unknown:
+        raise AttnkitError(f"--only {names!r}: {', '.join(unknown) or 'no name'} is not a recipe of {source}; "
+                           f"its recipes: {', '.join(labels)}")
+    return [r for r in recipes if r.label in wanted]
 
 
 def check_ray_options(args: argparse.Namespace) -> None:

@@ -116,6 +116,8 @@ def _eval_parser(sub) -> None:
     p.add_argument("--methods", default=None, help="comma-separated method specs (default: full)")
     p.add_argument("--recipe", action="append", metavar="FILE", help="a recipe file to evaluate too (repeatable)")
     p.add_argument("--sweep", metavar="FILE", help="a sweep file (recipes x budgets x tasks x lengths); resumable")
+    p.add_argument("--only", metavar="NAME[,NAME...]",
+                   help="with --sweep: run only these recipes of the sweep (and full), by name")
     p.add_argument("--data", action="append", metavar="PATH",
                    help="LongBench, RULER or InfiniteBench JSONL items (a file, or a folder of them; repeatable): "
                         "tasks longbench:DATASET, ruler:TASK, infinitebench:TASK")

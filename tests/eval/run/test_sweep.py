@@ -271,6 +271,23 @@ def test_eval_cli_recipes_and_sweep_errors(tmp_path, capsys):
     assert "--sweep needs --out" in capsys.readouterr().err
     assert main(["eval", "--sweep", str(_write(tmp_path, SWEEP)), "--out", str(tmp_path), "--tasks", "x"]) == 2
     assert "drop --tasks" in capsys.readouterr().err
+    assert main(["eval", "--sweep", str(_write(tmp_path, SWEEP)), "--out", str(tmp_path), "--only", "snapkv,h2o"]) == 2
+    err = capsys.readouterr().err
+    assert "--only 'snapkv,h2o': h2o is not a recipe of" in err and "its recipes: snapkv, window" in err
+    assert err.count("\n") == 1
+    assert main(["eval", "--methods", "full", "--only", "snapkv"]) == 2
+    assert "--only picks recipes of a sweep" in capsys.readouterr().err
+
+
+def test_only_runs_the_named_recipes_with_full(reference, tmp_path, capsys):
+    rows, _ = reference
+    out = tmp_path / "out"
+    assert main(["eval", "--sweep", str(_write(tmp_path, SWEEP)), "--out", str(out), "--only", "window",
+                 "--no-progress"]) == 0
+    got = results_store.read_results(out / results_store.RESULTS_FILE)
+    want = [r for r in rows if r["method_spec"] in ("full", "window@0.25", "window@0.5")]
+    assert len(want) == 6 and len(got) == 6  # (full + window at two budgets) x two tasks
+    assert _stable(got) == _stable(want)
 
 
 # ---- peers ---------------------------------------------------------------------------------------
