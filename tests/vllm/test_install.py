@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -39,7 +40,12 @@ def run(args, **kwargs):
 def test_the_built_wheel_installs_as_documented_and_serves(tmp_path):
     commands = documented_commands()
     assert [c[:2] for c in commands] == [["pip", "install"], ["pip", "install"], ["pip", "uninstall"]]
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(ROOT)])
+    source = tmp_path / "source"  # a copy of what the wheel is built from: the build leaves nothing in the checkout
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source)
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(source)])
     wheel = next((tmp_path / "dist").glob("attnkit-*.whl"))
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)])
