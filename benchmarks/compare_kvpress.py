@@ -39,6 +39,11 @@ Parameter mapping (kvpress -> attnkit), exact:
   layer a key's norm depends only on its token (RoPE is a rotation), so knorm's ties there may break either way.
 - ``ExpectedAttentionPress(compression_ratio)`` -> ``expected_attention(budget_tokens=n)`` (the same defaults:
   ``n_future_positions=512``, ``n_sink=4``, covariance and value norms on); both append while decoding.
+- ``LeverageScorePress`` / ``NonCausalAttnPress`` / ``CompactorPress`` (``compression_ratio``) -> ``leverage`` /
+  ``non_causal_attention`` / ``compactor(budget_tokens=n)`` (the same defaults; compactor's blending defaults to
+  ``1 - n / L``, the ratio itself where ``L (1 - compression_ratio)`` is whole). kvpress draws the leverage sketch
+  from torch's global generator: its worker runs ``torch.manual_seed(--seed)`` right before the prompt's forward
+  and attnkit takes ``sketch_seed=--seed`` (``SEEDED``), which draws the same sketch for every layer.
 - ``TOVAPress(compression_ratio)`` -> ``tova(budget_tokens=n)``: kvpress compresses only the prompt, attnkit's
   tova then drops one entry per step, so only the kept prompt positions must agree. "tova-rolling": against
   ``PrefillDecodingPress(TOVAPress(ratio keeping n - 1), DecodingPress(TOVAPress(), compression_interval=1,
@@ -56,6 +61,17 @@ Parameter mapping (kvpress -> attnkit), exact:
   (diagnostic): against kvpress's default, which ranks the scores of all layers together (layers keep different
   counts; attnkit's budgets are per layer, by design). KVzipPress masks evicted keys instead of removing them, so
   its kept positions are read from ``masked_key_indices`` (see :mod:`attnkit.eval.run.kvpress_worker`).
+- ``KVgradPress(compression_ratio=r, layerwise=True, n_sink)`` -> ``kvgrad(budget_tokens=n, head_budgets="adaptive",
+  alpha_safeguard=0, n_sink)``, mapped as KVzipPress (both at chunk_size 512, their default); "kvgrad vs
+  layerwise=False" is the same diagnostic. KVgradPress also masks evicted keys (``masked_key_indices``).
+- ``ComposedPress([P1(r1), P2(r2)])`` (``--composed P1+P2,...``, ``--composed-ratios r1:r2``) -> ``P1(budget_tokens=k1,
+  then=P2(budget_tokens=k2))`` with kvpress's counts ``k1 = int(L (1 - r1))``, ``k2 = int(k1 (1 - r2))``.
+- ``CapPress(compression_ratio)`` -> ``cap(budget_tokens=n)`` (the same defaults: ``tau=5``, 512 future positions,
+  4 sinks); both append while decoding.
+- ``KVComposePress(compression_ratio=r[, structured=False])`` -> ``kvcompose(budget=1 - r[, structured=false])``: one
+  budget for the whole model, so ``kept`` is the mean per layer. kvpress replays the prompt inside its forward; its
+  worker calls it without position ids, as kvpress's pipeline does (the replay then runs after the prompt, as
+  attnkit's), and reads the kept rows of the compressed cache (structured) or ``masked_key_indices``.
 - ``ChunkKVPress(press=P, chunk_length=c)`` (ChunkKV, arXiv 2502.00299; ``--chunk-length``) with ``P`` one of
   ``SnapKVPress`` (the first ``--snapkv`` set), ``KnormPress``, ``KeyDiffPress``, ``ExpectedAttentionPress`` ->
   the same method with ``chunk_length=c, budget_tokens=k*c``, ``k = max(1, int(ceil(L / c) * (1 -
@@ -64,6 +80,63 @@ Parameter mapping (kvpress -> attnkit), exact:
   kv head (``--model random:llama:...,kv_heads=1``), where both rules are the same, and differ by design with more.
   A prompt that ``c`` does not divide ends in a partial chunk, which kvpress keeps as a whole (fewer than ``k*c``
   entries) and attnkit fills to ``k*c``: use prompt lengths ``c`` divides.
+- ``ThinKPress(key_channel_compression_ratio=c)`` alone and ``ComposedPress([SnapKVPress(r, 64, 5), ThinKPress(c)])``
+  (``--think c,...``) -> ``think(key_channels=c)`` and ``snapkv(budget_tokens=n, window_size=64, kernel_size=5, ...)
+  +think(key_channels=c)``: the kept positions, and per layer and kv head the key channels every held key has at 0
+  after the prompt (``zeroed_channels``; kvpress's tracer matches a kept row to its snapshot with those channels
+  zeroed), must agree.
+- ``QFilterPress(compression_ratio)`` -> ``qfilter(config=FILE, budget_tokens=n)`` (``--qfilter N``: the filters
+  calibrated here by ``attnkit calibrate qfilter`` on N windows of 256 tokens; kvpress's ``q_filters`` set on the
+  instance to their negation, since it scores ``-<k, f>``, and its hub download answered on the instance).
+- ``ExpectedAttentionStatsPress(compression_ratio)`` -> ``expected_attention(stats=FILE, budget_tokens=n)``
+  (``--ea-stats N``: the statistics of ``attnkit calibrate expected_attention`` on N windows of 256 tokens, set as the
+  press's ``mu`` / ``cov``, so its ``post_init_from_model`` loads nothing).
+- kvpress's wrapper presses (``--wrappers WRAPPER:SCORER+SCORER,...``, around ``snapkv`` (the first ``--snapkv``
+  set), ``knorm``, ``keydiff``, ``kvzap`` (``--kvzap``) or
+  ``qfilter`` (``--qfilter``); attnkit: the same scorer with a parameter):
+  ``criticalkv`` = ``CriticalKVPress(P)`` -> ``criticalkv=true``; ``criticalkv_ada`` = ``CriticalAdaKVPress(P)``
+  (kvpress masks: ``masked_key_indices``) -> ``criticalkv=true, head_budgets=adaptive``; ``chunk`` =
+  ``ChunkPress(P, chunk_length=s)`` -> ``segment_length=s`` (``--segment-length``); ``block`` = the prompt fed to
+  kvpress in blocks (the first ``n``, then ``--block-size`` each) under ``DecodingPress(P, compression_interval=1,
+  target_size=n)``, the press closed before decoding, -> ``block_size=m``, plus a diagnostic row against
+  ``BlockPress(P, block_size=m)`` itself (kvpress's simulation over the full-attention prompt: differs by design past
+  the first layer); snapkv's block rows use ``kernel_size=1``, since kvpress holds a compressed cache in score order
+  and pools along it; ``ratio_decoding`` = ``PrefillDecodingPress(P(ratio), CompressionRatioDecodingPress(P,
+  compression_interval=N, target_compression_ratio=1 - f))`` -> ``decode_every=N, decode_fraction=f``
+  (``--ratio-decoding N:f``); ``dms`` = ``DMSPress(P, threshold=T, sliding_window_size=w, decoding)`` (kvpress masks:
+  ``masked_key_indices``, read before every decode step with ``--dms-decoding``) -> ``score_threshold=T,
+  threshold_window=w, threshold_decode`` (``--dms-thresholds SCORER=T;...``, ``--dms-window``, ``--dms-decoding``; the
+  kept column is unused: counts per head vary); ``rerotation`` = ``KeyRerotationPress(P(ratio))`` -> ``budget_tokens=n,
+  positions=reindexed``: kvpress's kept positions are read from the indices its ``rerotate_keys`` receives (re-rotated
+  keys match no row), and it decodes at its cache's length ``B + i`` (transformers' ``generate``), whose distances
+  attnkit's ``n - B .. n - 1`` relabelling reproduces; attnkit's relabelled positions are mapped back to the original
+  ones (``original_labels``), so kept and attended sets, tokens and logits all compare.
+- ``FinchPress(compression_ratio, normalize_scores, rerotate_keys=False)`` (``--finch Q``) -> ``finch(budget_tokens=n,
+  question_tokens=Q, normalize, positions="original")``. kvpress's window is set on the instance (``window_size=Q``, as
+  its delimiter token would set it, and a delimiter id that the prompt does not hold), so both read the same prompt.
+  With ``rerotate_keys=True`` kvpress's kept keys are re-rotated (no longer matched by bytes) and its pipeline
+  generates at the compressed positions, which this worker does not: attnkit's ``positions=reindexed`` is checked in
+  ``tests/methods/test_finch.py`` instead.
+- ``SimLayerKVPress(lazy_threshold, n_last, n_recent, n_initial)`` (``--simlayerkv``) -> ``simlayerkv`` with the
+  same four; no budget (the kept column is unused): each layer keeps what its lazy test says.
+- ``EntropyGatedChunkKVPress(press=P, chunk_length=c, low_entropy_chunk_length=k)`` (``--entropy-chunk c:k``) around
+  the presses of ``CHUNKKV_SCORERS`` -> that scorer with ``chunk_length=c, low_entropy_chunk_length=k,
+  budget_tokens=n``. As for ChunkKV, kvpress scores the chunks summed over the kv heads: the rules meet on a model
+  with one kv head (``--model random:llama:...,kv_heads=1``).
+- ``FastKVzipPress(compression_ratio, layerwise, n_sink, window_ratio=0.02)`` (``--fastkvzip STEPS``: gates trained
+  here by ``attnkit calibrate fastkvzip`` on 4 windows of 256 tokens for STEPS steps, written in the authors' torch
+  format and loaded into kvpress's ``FastKVzipGate`` modules, set as the press's ``gates``) -> ``fastkvzip(config=that
+  file, budget_tokens=n, layerwise)``: ``layerwise=False`` (both sides' default) prunes the ``layers x kv x (N - n)``
+  lowest scores of the whole model, ``layerwise=True`` each layer's ``kv x (N - n)``.
+- ``LUKVPress(ExpectedAttentionPress(epsilon=0.02), compression_ratio, sink=4, window=1)`` (``--lukv P``: a budget
+  curve profiled here by ``attnkit calibrate lukv`` on P pairs per task of 512 tokens, 16 answer tokens, saved as
+  ``.npy`` and set as the press's ``_budget_curves``) -> ``lukv(curve=that file, budget_tokens=n)``.
+- ``MergingPress(press=P, similarity_threshold=t, merge_fraction=f)`` with ``P`` ``KnormPress`` or ``SnapKVPress``
+  (``--merging``, ``--merge-params``) -> the same scorer with ``merge=true, similarity_threshold=t, merge_fraction=f``
+  at ``budget_tokens=n``: the kept positions are the scorer's; the merged values show in the decode steps' logits.
+- ``CAMPress(base_press=KnormPress(), compression_interval=N, target_size=n, merge_budget=m)`` (``--cam N:m``), torch's
+  global generator seeded with ``--seed`` before the generation (the request's ``seed``) -> ``cam(budget_tokens=n,
+  decode_every=N, merge_budget=m, seed)``: the prompt held whole, back to ``n`` every ``N`` tokens, the same draws.
 - "snapkv+pad": attnkit's SnapKV with the average pooling counting the zero padding
   (``count_include_pad=True``, as ``F.avg_pool1d`` does by default in kvpress and in the SnapKV paper's
   code), patched in at run time in the attnkit worker only: a diagnostic, not a library option.
@@ -147,6 +220,36 @@ class AttendedTrace:
         self._method.after_decode(ctx)
 
 
+@contextlib.contextmanager
+def original_labels(labels: dict):
+    """While active, ``positions=reindexed``'s relabelling (:func:`attnkit.methods.rerotation.reindex`) records per
+    layer and kv head each new label's original position in `labels` (``case["original_labels"]``), so the kept and
+    attended sets are reported by the positions kvpress's trace names (generated tokens keep theirs)."""
+    from attnkit.methods import rerotation
+
+    original = rerotation.reindex
+
+    def reindex(ctx):
+        before = ctx.kv.view()[2][0].clone()
+        original(ctx)
+        after = ctx.kv.view()[2][0]
+        labels[str(ctx.index)] = [dict(zip(a.tolist(), b.tolist())) for a, b in zip(after, before)]
+
+    rerotation.reindex = reindex
+    try:
+        yield
+    finally:
+        rerotation.reindex = original
+
+
+def relabelled(held: dict, labels: dict) -> dict:
+    """`held` (per layer and kv head, sorted positions) with :func:`original_labels`'s labels undone."""
+    if not labels:
+        return held
+    return {i: [sorted(labels.get(i, [{}] * len(rows))[h].get(p, p) for p in row) for h, row in enumerate(rows)]
+            for i, rows in held.items()}
+
+
 def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: bool) -> dict:
     from attnkit.forward import forward, logits_of, prefill
     from attnkit.methods.spec import make_method
@@ -155,7 +258,9 @@ def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: 
 
     method = make_method(case["method"], **case["params"])
     patch = pad_counting_pool() if case.get("pad_counting_pool") else contextlib.nullcontext()
-    with patch, torch.inference_mode():
+    labels: dict = {}
+    relabel = original_labels(labels) if case.get("original_labels") else contextlib.nullcontext()
+    with patch, relabel, torch.inference_mode():
         if not trace:
             c0 = time.process_time()
             gen = generate(model, ids, method, max_new_tokens=new_tokens, stop_at_eos=False)
@@ -166,16 +271,22 @@ def attnkit_generate(model, ids: list[int], case: dict, new_tokens: int, trace: 
         traced = AttendedTrace(method, model.geometry.n_kv_heads)
         session = new_session(model, traced, n, new_tokens)
         logits = logits_of(model, prefill(model, session, x))[-1]
-        after_prefill = _held(session, model.geometry.n_kv_heads)
+        after_prefill = relabelled(_held(session, model.geometry.n_kv_heads), labels)
+        zeroed = {str(i): [torch.nonzero((layer.view()[0][0, h] == 0).all(dim=0)).flatten().tolist()
+                           for h in range(layer.view()[0].shape[1])]
+                  for i, layer in enumerate(session.cache.layers)} if case.get("zeroed_channels") else None
         tokens, all_logits, attended = [int(logits.argmax())], [logits.tolist()], []
         for i in range(1, new_tokens):
             hidden = forward(model, torch.tensor([tokens[-1]]), n + i - 1, lambda pos: Step(session, "decode", pos))
             logits = logits_of(model, hidden)[-1]
             tokens.append(int(logits.argmax()))
             all_logits.append(logits.tolist())
-            attended.append(dict(traced.step))
-        return {"tokens": tokens, "after_prefill": after_prefill, "attended": attended, "logits": all_logits,
-                "final_cache_len": [layer.length for layer in session.cache.layers]}
+            attended.append(relabelled(dict(traced.step), labels))
+        out = {"tokens": tokens, "after_prefill": after_prefill, "attended": attended, "logits": all_logits,
+               "final_cache_len": [layer.length for layer in session.cache.layers]}
+        if zeroed is not None:
+            out["zeroed_channels"] = zeroed
+        return out
 
 
 def attnkit_worker(setup_json: str) -> int:
@@ -313,11 +424,66 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
                                              "compression_ratio": args.compression_ratio}},
                  "KVzapPress with attnkit calibrate kvzap's weights (linear)")
         chunkkv_cases(pair, name, n, args, snap_sets[:1])
+        prompt_rule_cases(pair, name, keep, args, snap_sets[:1])
+        merging_cases(pair, name, n, keep, args)
+        cam_cases(pair, name, n, keep, args)
+        calibrated_cases(pair, name, n, keep, args)
+        trained_cases(pair, name, n, keep, args)
+        wrapper_cases(pair, name, n, keep, args, snap_sets[:1])
+        composed_cases(pair, name, n, args, snap_sets[:1] or [(64, 5)])
         duo_cases(pair, name, args)
     return rows, list(ours.values()), list(theirs.values())
 
 
 CHUNKKV_SCORERS = ("snapkv", "knorm", "keydiff", "expected_attention")
+
+
+def prompt_rule_cases(pair, name: str, keep: int, args, snap_sets) -> None:
+    """finch (``--finch Q,...``: question lengths), simlayerkv (``--simlayerkv THRESHOLD:N_LAST:N_RECENT:N_INITIAL,
+    ...``) and ChunkKV's entropy gate (``--entropy-chunk C:K,...``) against ``FinchPress``, ``SimLayerKVPress`` and
+    ``EntropyGatedChunkKVPress`` (see the module docstring)."""
+    r = args.compression_ratio
+    for question in (int(x) for x in args.finch.split(",") if x):
+        for normalize in (True, False):
+            label = f"finch q{question}" + ("" if normalize else " unnormalized")
+            pair(label, f"{name}/finch-q{question}-{normalize}",
+                 {"method": "finch", "params": {"budget_tokens": keep, "question_tokens": question,
+                                                "normalize": normalize, "positions": "original"}},
+                 f"{name}/finch-q{question}-{normalize}",
+                 {"press": {"kind": "class", "name": "FinchPress", "compression_ratio": r, "expect_prefill_kept": keep,
+                            "params": {"compression_ratio": r, "normalize_scores": normalize, "rerotate_keys": False},
+                            "attrs": {"delimiter_token_id": -1, "window_size": question}}},
+                 "kvpress's window set as its delimiter would (none in the prompt); rerotate_keys=False")
+    for setting in filter(None, args.simlayerkv.split(",")):
+        threshold, n_last, n_recent, n_initial = setting.split(":")
+        params = {"lazy_threshold": float(threshold), "n_last": int(n_last), "n_recent": int(n_recent),
+                  "n_initial": int(n_initial)}
+        pair(f"simlayerkv {setting}", f"{name}/simlayerkv-{setting}", {"method": "simlayerkv", "params": params},
+             f"{name}/simlayerkv-{setting}", {"press": {"kind": "class", "name": "SimLayerKVPress", "params": params}},
+             "kept counts per layer from the lazy test")
+    for setting in filter(None, args.entropy_chunk.split(",")):
+        c, k = (int(x) for x in setting.split(":"))
+        for method in CHUNKKV_SCORERS:
+            if method == "snapkv":
+                if not snap_sets:
+                    continue
+                w, kernel = snap_sets[0]
+                inner = {"name": "SnapKVPress", "params": {"compression_ratio": r, "window_size": w,
+                                                           "kernel_size": kernel}}
+                params = {"window_size": w, "kernel_size": kernel, "pooling": "avg", "gqa_reduce": "mean"}
+            else:
+                inner, params = {"name": PRESSES[method], "params": {"compression_ratio": r}}, {}
+            label = f"entropy chunk {method} c{c} k{k}"
+            a_case = {"method": method, "params": dict(params, budget_tokens=keep, chunk_length=c,
+                                                       low_entropy_chunk_length=k)}
+            k_case = {"press": {"kind": "class", "name": "EntropyGatedChunkKVPress", "compression_ratio": r,
+                                "params": {"press": inner, "chunk_length": c, "low_entropy_chunk_length": k}}}
+            pair(label, f"{name}/{method}-entropy{c}-{k}", a_case, f"{name}/{method}-entropy{c}-{k}", k_case,
+                 f"EntropyGatedChunkKVPress({inner['name']})")
+            if method == "snapkv" and args.diagnose:  # kvpress's pooling counts the zero padding at the edges
+                pair(label + " +pad", f"{name}/{method}-entropy{c}-{k}+pad",
+                     dict(a_case, pad_counting_pool=True, diagnostic=True), f"{name}/{method}-entropy{c}-{k}", k_case,
+                     "diagnostic: attnkit pooling with count_include_pad=True")
 
 
 def chunkkv_cases(pair, name: str, n: int, args, snap_sets) -> None:
@@ -343,6 +509,223 @@ def chunkkv_cases(pair, name: str, n: int, args, snap_sets) -> None:
                                 "params": {"press": inner, "chunk_length": c}}}
             pair(label, f"{name}/{method}-chunk{c}", a_case, f"{name}/{method}-chunk{c}", k_case,
                  f"ChunkKVPress({inner['name']}); kept = {keep // c} chunks", keep=keep)
+
+
+def merging_cases(pair, name: str, n: int, keep: int, args) -> None:
+    """``MergingPress(press=P, similarity_threshold=t, merge_fraction=f)`` around ``KnormPress`` or ``SnapKVPress``
+    (``--merging knorm,snapkv:W:K``; ``--merge-params t:f,...``) against the same scorer with ``merge=true`` at the
+    same budget: the kept positions are the scorer's, the merged values show in the decode steps' logits."""
+    for scorer in filter(None, args.merging.split(",")):
+        method, *snap = scorer.split(":")
+        if method == "snapkv":
+            w, k = (int(x) for x in snap)
+            inner = {"name": "SnapKVPress", "params": {"compression_ratio": args.compression_ratio, "window_size": w,
+                                                       "kernel_size": k}}
+            params = {"window_size": w, "kernel_size": k, "pooling": "avg", "gqa_reduce": "mean"}
+        else:
+            inner = {"name": PRESSES[method], "params": {"compression_ratio": args.compression_ratio}}
+            params = {}
+        for t, f in (tuple(float(x) for x in s.split(":")) for s in args.merge_params.split(",") if s):
+            label = f"merging {scorer} t{t:g} f{f:g}"
+            pair(label, f"{name}/{scorer}-merge-{t:g}-{f:g}",
+                 {"method": method, "params": dict(params, budget_tokens=keep, merge=True, similarity_threshold=t,
+                                                   merge_fraction=f)},
+                 f"{name}/{scorer}-merge-{t:g}-{f:g}",
+                 {"press": {"kind": "class", "name": "MergingPress", "compression_ratio": args.compression_ratio,
+                            "expect_prefill_kept": keep,
+                            "params": {"press": inner, "similarity_threshold": t, "merge_fraction": f}}},
+                 f"MergingPress({inner['name']})")
+
+
+def cam_cases(pair, name: str, n: int, keep: int, args) -> None:
+    """``CAMPress(KnormPress(), compression_interval=N, target_size=B, merge_budget=m)`` (``--cam N:m,...``, ``B``
+    the kept count) with torch's global generator seeded with ``--seed`` before the generation, against
+    ``cam(budget_tokens=B, decode_every=N, merge_budget=m, seed)``: the prompt is held whole, the cache compressed back
+    to ``B`` every ``N`` tokens, the Bernoulli merges drawn alike."""
+    for every, m in (tuple(int(x) for x in s.split(":")) for s in args.cam.split(",") if s):
+        pair(f"cam knorm N{every} m{m}", f"{name}/cam-{every}-{m}",
+             {"method": "cam", "params": {"budget_tokens": keep, "decode_every": every, "merge_budget": m,
+                                          "seed": args.seed}},
+             f"{name}/cam-{every}-{m}",
+             {"press": {"kind": "class", "name": "CAMPress", "compression_ratio": 0.0, "expect_prefill_kept": n,
+                        "seed": args.seed,
+                        "params": {"base_press": {"name": "KnormPress", "params": {}}, "compression_interval": every,
+                                   "target_size": keep, "merge_budget": m}}},
+             "CAMPress(KnormPress), seeded; the prompt whole until step N")
+
+
+def calibrated_cases(pair, name: str, n: int, keep: int, args) -> None:
+    """ThinK's rows (``--think``: alone, and composed after SnapKV), Q-Filters' (``--qfilter``) and calibrated Expected
+    Attention's (``--ea-stats``), see the module docstring."""
+    for c in (float(x) for x in args.think.split(",") if x):
+        think = {"name": "ThinKPress", "params": {"key_channel_compression_ratio": c}}
+        pair(f"think c{c:g}", f"{name}/think-{c:g}", {"method": "think", "params": {"key_channels": c},
+                                                      "zeroed_channels": True},
+             f"{name}/think-{c:g}", {"press": dict(think, kind="class", zeroed_channels=True)},
+             "ThinKPress alone: every position kept, key channels zeroed")
+        snap = {"window_size": 64, "kernel_size": 5}
+        inner = {"method": "snapkv", "params": dict(snap, budget_tokens=keep, pooling="avg", gqa_reduce="mean")}
+        pair(f"snapkv w64 k5 + think c{c:g}", f"{name}/snapkv-think-{c:g}",
+             {"method": "think", "params": {"key_channels": c, "cache": inner}, "zeroed_channels": True},
+             f"{name}/snapkv-think-{c:g}",
+             {"press": {"kind": "class", "name": "ComposedPress", "zeroed_channels": True,
+                        "params": {"presses": [{"name": "SnapKVPress", "params": dict(
+                            snap, compression_ratio=args.compression_ratio)}, think]}}},
+             "ComposedPress([SnapKVPress, ThinKPress])")
+    if args.qfilter_file:
+        pair("qfilter", f"{name}/qfilter", {"method": "qfilter", "params": {"config": args.qfilter_file,
+                                                                          "budget_tokens": keep}},
+             f"{name}/qfilter", {"press": {"kind": "qfilter", "file": args.qfilter_file, "expect_prefill_kept": keep,
+                                           "compression_ratio": args.compression_ratio}},
+             "QFilterPress with attnkit calibrate qfilter's filters (negated)")
+    if args.ea_stats_file:
+        pair("expected_attention stats", f"{name}/ea-stats",
+             {"method": "expected_attention", "params": {"stats": args.ea_stats_file, "budget_tokens": keep}},
+             f"{name}/ea-stats", {"press": {"kind": "expected_attention_stats", "file": args.ea_stats_file,
+                                            "expect_prefill_kept": keep, "compression_ratio": args.compression_ratio}},
+             "ExpectedAttentionStatsPress with attnkit calibrate expected_attention's statistics")
+
+
+def trained_cases(pair, name: str, n: int, keep: int, args) -> None:
+    """fastkvzip's rows (``--fastkvzip``: gates trained here, written in the authors' torch format and read by both
+    sides: ``FastKVzipPress`` across layers, its default, and with ``layerwise=True``) and lukv's (``--lukv``: a budget
+    curve profiled here, ``LUKVPress(ExpectedAttentionPress(epsilon=0.02))`` on the same ``.npy``). kvpress masks the
+    dropped keys (read back from its attention patch); attnkit removes them."""
+    kv, layers = args.kv_heads, args.n_layers
+    if args.fastkvzip_file:
+        for layerwise, total in ((False, layers * kv), (True, kv)):
+            ratio = ratio_pruning(total * n, total * (n - keep))
+            label = "fastkvzip" + (" layerwise" if layerwise else "")
+            pair(label, f"{name}/{label.replace(' ', '-')}",
+                 {"method": "fastkvzip", "params": {"config": args.fastkvzip_file, "budget_tokens": keep,
+                                                    "n_sink": args.n_sink, "layerwise": layerwise}},
+                 f"{name}/{label.replace(' ', '-')}",
+                 {"press": {"kind": "fastkvzip", "file": args.fastkvzip_file, "compression_ratio": ratio,
+                            "layerwise": layerwise, "n_sink": args.n_sink, "window_ratio": 0.02, "masked_keys": True}},
+                 f"FastKVzipPress(layerwise={layerwise}) with attnkit calibrate fastkvzip's gates (torch file)")
+    if args.lukv_file:
+        pair("lukv", f"{name}/lukv", {"method": "lukv", "params": {"curve": args.lukv_file, "budget_tokens": keep}},
+             f"{name}/lukv", {"press": {"kind": "lukv", "file": args.lukv_file, "masked_keys": True, "sink": 4,
+                                        "window": 1, "epsilon": 0.02, "compression_ratio": args.compression_ratio}},
+             "LUKVPress(ExpectedAttentionPress(epsilon=0.02)) with attnkit calibrate lukv's curve (.npy)")
+
+
+def wrapped_press(scorer: str, args, snap_sets, ratio: float | None, kernel: int | None = None) -> tuple[dict, dict]:
+    """(kvpress's inner press spec, attnkit's parameters of the same scorer) for a wrapper row."""
+    if scorer == "snapkv":
+        w, k = snap_sets[0]
+        k = k if kernel is None else kernel
+        press = {"window_size": w, "kernel_size": k}
+        inner = {"name": "SnapKVPress", "params": press if ratio is None else dict(press, compression_ratio=ratio)}
+        return inner, dict(press, pooling="avg", gqa_reduce="mean")
+    if scorer in ("kvzap", "qfilter"):  # weights calibrated here (--kvzap N, --qfilter N), read by both sides
+        file = args.kvzap_file if scorer == "kvzap" else args.qfilter_file
+        if not file:
+            raise SystemExit(f"wrapping {scorer} needs its weights: give --{scorer} N")
+        return ({"kind": scorer, "file": file, "compression_ratio": ratio or 0.0},
+                {"config": file, "window": 0} if scorer == "kvzap" else {"config": file})
+    return {"name": PRESSES[scorer], "params": {} if ratio is None else {"compression_ratio": ratio}}, {}
+
+
+def wrapper_cases(pair, name: str, n: int, keep: int, args, snap_sets) -> None:
+    """The rows of kvpress's wrapper presses (``--wrappers``; see the module docstring) for one prompt."""
+    cr = args.compression_ratio
+    for item in filter(None, args.wrappers.split(",")):
+        wrapper, scorers = item.split(":")
+        for scorer in scorers.split("+"):
+            tag = f"{name}/{wrapper}-{scorer}"
+            if wrapper in ("criticalkv", "criticalkv_ada"):
+                inner, params = wrapped_press(scorer, args, snap_sets, cr)
+                ada = wrapper == "criticalkv_ada"
+                press = {"kind": "class", "name": "CriticalAdaKVPress" if ada else "CriticalKVPress",
+                         "compression_ratio": cr, "expect_prefill_kept": keep, "params": {"press": inner}}
+                if ada:
+                    press.update(masked_keys=True)
+                    params = dict(params, head_budgets="adaptive")
+                pair(f"{wrapper} {scorer}", tag, {"method": scorer, "params": dict(params, budget_tokens=keep,
+                                                                                    criticalkv=True)},
+                     tag, {"press": press}, f"{press['name']}({scorer})")
+            elif wrapper == "chunk":
+                inner, params = wrapped_press(scorer, args, snap_sets, cr)
+                s = args.segment_length
+                pair(f"chunk {scorer} s{s}", tag, {"method": scorer, "params": dict(params, budget_tokens=keep,
+                                                                                   segment_length=s)},
+                     tag, {"press": {"kind": "class", "name": "ChunkPress", "compression_ratio": cr,
+                                     "params": {"press": inner, "chunk_length": s}}}, f"ChunkPress({scorer})")
+            elif wrapper == "block":
+                m = args.block_size
+                inner, params = wrapped_press(scorer, args, snap_sets, None, kernel=1)
+                a_case = {"method": scorer, "params": dict(params, budget_tokens=keep, block_size=m)}
+                chunks = [keep] + [m] * ((n - keep) // m) + ([(n - keep) % m] if (n - keep) % m else [])
+                pair(f"block {scorer} m{m}", tag, a_case, tag,
+                     {"press": {"kind": "class", "name": "DecodingPress", "prefill_chunks": chunks, "prompt_only": True,
+                                "params": {"base_press": inner, "compression_interval": 1, "target_size": keep}}},
+                     "kvpress fed block by block under DecodingPress(interval 1, target n)")
+                sim, _ = wrapped_press(scorer, args, snap_sets, cr, kernel=1)
+                pair(f"block {scorer} m{m} vs BlockPress", tag, a_case, f"{tag}-simulated",
+                     {"diagnostic": True, "press": {"kind": "class", "name": "BlockPress", "compression_ratio": cr,
+                                                    "expect_prefill_kept": keep,
+                                                    "params": {"press": sim, "block_size": m}}},
+                     "diagnostic: BlockPress prunes block by block after a full-attention prefill")
+            elif wrapper == "ratio_decoding":
+                every, f = args.ratio_decoding.split(":")
+                every, f = int(every), float(f)
+                inner, params = wrapped_press(scorer, args, snap_sets, None)
+                prefill, _ = wrapped_press(scorer, args, snap_sets, cr)
+                pair(f"ratio_decoding {scorer} N{every} f{f:g}", tag,
+                     {"method": scorer, "params": dict(params, budget_tokens=keep, decode_every=every,
+                                                       decode_fraction=f)},
+                     tag, {"press": {"kind": "class", "name": "PrefillDecodingPress", "compression_ratio": cr,
+                                     "expect_prefill_kept": keep,
+                                     "params": {"prefilling_press": prefill, "decoding_press": {
+                                         "name": "CompressionRatioDecodingPress",
+                                         "params": {"base_press": inner, "compression_interval": every,
+                                                    "target_compression_ratio": 1 - f}}}}},
+                     "PrefillDecodingPress(P, CompressionRatioDecodingPress(P))")
+            elif wrapper == "dms":
+                thresholds = dict(t.split("=") for t in args.dms_thresholds.split(";") if t)
+                if scorer not in thresholds:
+                    raise SystemExit(f"dms around {scorer} needs its threshold: --dms-thresholds {scorer}=T")
+                t, w, decoding = float(thresholds[scorer]), args.dms_window, args.dms_decoding
+                inner, params = wrapped_press(scorer, args, snap_sets, None)
+                pair(f"dms {scorer} t{t:g} w{w}" + (" decoding" if decoding else ""), tag,
+                     {"method": scorer, "params": dict(params, score_threshold=t, threshold_window=w,
+                                                       threshold_decode=decoding)},
+                     tag, {"press": {"kind": "class", "name": "DMSPress", "masked_keys": True, "decoding": decoding,
+                                     "params": {"press": inner, "threshold": t, "sliding_window_size": w,
+                                                "decoding": decoding}}},
+                     f"DMSPress({scorer}); kept counts per head vary (kept: unused)")
+            elif wrapper == "rerotation":
+                inner, params = wrapped_press(scorer, args, snap_sets, cr)
+                pair(f"rerotation {scorer}", tag, {"method": scorer, "original_labels": True,
+                                                   "params": dict(params, budget_tokens=keep, positions="reindexed")},
+                     tag, {"press": {"kind": "class", "name": "KeyRerotationPress", "rerotated": True,
+                                     "compression_ratio": cr, "expect_prefill_kept": keep,
+                                     "params": {"press": inner}}},
+                     f"KeyRerotationPress({scorer}); kvpress decodes at the cache's length")
+            else:
+                raise SystemExit(f"unknown wrapper {wrapper!r}: criticalkv, criticalkv_ada, chunk, block, "
+                                 f"ratio_decoding, dms, rerotation")
+
+
+def composed_cases(pair, name: str, n: int, args, snap_sets) -> None:
+    """``--composed FIRST+SECOND,...`` (``--composed-ratios R1:R2``): the first scorer with ``then=SECOND`` against
+    ``ComposedPress([FIRST(R1), SECOND(R2)])``, each ratio applying to what its press receives: attnkit takes
+    kvpress's counts, ``k1 = int(n (1 - R1))`` and ``k2 = int(k1 (1 - R2))``, as ``budget_tokens``."""
+    r1, r2 = (float(r) for r in args.composed_ratios.split(":"))
+    k1 = max(1, int(n * (1 - r1)))
+    k2 = max(1, int(k1 * (1 - r2)))
+    for item in filter(None, args.composed.split(",")):
+        first, second = item.split("+")
+        inner1, params1 = wrapped_press(first, args, snap_sets, r1)
+        inner2, params2 = wrapped_press(second, args, snap_sets, r2)
+        tag = f"{name}/composed-{first}-{second}"
+        a_case = {"method": first, "params": dict(params1, budget_tokens=k1,
+                                                  then={"method": second, "params": dict(params2, budget_tokens=k2)})}
+        pair(f"composed {first}({r1:g})+{second}({r2:g})", tag, a_case, tag,
+             {"press": {"kind": "class", "name": "ComposedPress",
+                        "params": {"presses": [inner1, inner2]}}},
+             f"ComposedPress; kept {k1} then {k2}", keep=k2)
 
 
 def per_layer_cases(pair, name: str, n: int, args) -> None:
@@ -377,9 +760,15 @@ def duo_cases(pair, name: str, args) -> None:
 
 PRESSES = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
            "expected_attention": "ExpectedAttentionPress", "random": "RandomPress", "lagkv": "LagKVPress",
-           "cur": "CURPress", "observed_attention": "ObservedAttentionPress"}
+           "cur": "CURPress", "observed_attention": "ObservedAttentionPress",
+           "cap": "CapPress",
+           "leverage": "LeverageScorePress", "non_causal_attention": "NonCausalAttnPress",
+           "compactor": "CompactorPress"}
 # parameters both sides take alike (kvpress's RandomPress draws differently on every call without a seed)
 SHARED_PARAMS = {"random": {"seed": 0}, "lagkv": {"lag_size": 64}}
+# attnkit's sketch seed per method: kvpress draws its Gaussian sketch from torch's global generator, unseeded; its
+# worker seeds that generator with the same value right before the prompt's forward, so both draw the same sketches
+SEEDED = {"leverage": "sketch_seed", "compactor": "sketch_seed"}
 # presses that read the attention matrix: kvpress runs them with transformers' eager attention
 EAGER = ("observed_attention",)
 # re-compressing while decoding matches kvpress's DecodingPress for knorm and keydiff; expected_attention's query
@@ -434,6 +823,37 @@ def kvzip_cases(pair, name: str, n: int, keep: int, args) -> None:
          "diagnostic: kvpress's default ranks across layers, attnkit keeps kv x B per layer")
 
 
+def kvgrad_cases(pair, name: str, n: int, keep: int, args) -> None:
+    """kvgrad's rows, mapped as kvzip's: ``kvgrad(budget_tokens=keep, head_budgets=adaptive, alpha_safeguard=0,
+    n_sink)`` against ``KVgradPress(compression_ratio=r, layerwise=True, n_sink)`` (both at their default chunk_size,
+    512), ``r`` pruning the layer's ``kv x (n - keep)`` lowest scores across its kv heads; as a diagnostic, against
+    kvpress's default ``layerwise=False`` (one ranking over all layers)."""
+    params = {"budget_tokens": keep, "head_budgets": "adaptive", "alpha_safeguard": 0.0, "n_sink": args.n_sink}
+    ratio = ratio_pruning(args.kv_heads * n, args.kv_heads * (n - keep))
+    for layerwise in (True, False) if args.diagnose else (True,):
+        pair("kvgrad" if layerwise else "kvgrad vs layerwise=False", f"{name}/kvgrad",
+             {"method": "kvgrad", "params": params}, f"{name}/kvgrad-{'layerwise' if layerwise else 'global'}",
+             {"diagnostic": not layerwise,
+              "press": {"kind": "class", "name": "KVgradPress", "masked_keys": True, "compression_ratio": ratio,
+                        "params": {"compression_ratio": ratio, "layerwise": layerwise, "n_sink": args.n_sink}}},
+             "attnkit head_budgets=adaptive,alpha_safeguard=0; kvpress layerwise=True" if layerwise else
+             "diagnostic: kvpress's default ranks across layers, attnkit keeps kv x B per layer")
+
+
+def kvcompose_cases(pair, name: str, args) -> None:
+    """kvcompose's rows: ``kvcompose(budget=1 - r)`` against ``KVComposePress(compression_ratio=r)``, structured (the
+    layer keeps its kept rows: matched to the prompt's keys) and not (kvpress masks: ``masked_key_indices``). kvpress
+    runs its replay inside the prompt's forward, called without position ids as its pipeline does (``"replay"``)."""
+    r = args.compression_ratio
+    for structured in (True, False):
+        label = "kvcompose" if structured else "kvcompose unstructured"
+        pair(label, f"{name}/{label}", {"method": "kvcompose", "params": {"budget": 1 - r, "structured": structured}},
+             f"{name}/{label}", {"press": {"kind": "class", "name": "KVComposePress", "compression_ratio": r,
+                                           "masked_keys": True, "replay": "removed" if structured else "masked",
+                                           "params": {"compression_ratio": r, "structured": structured}}},
+             "counts per layer (and head) from one budget; kvpress's unstructured cache keeps its replay")
+
+
 def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
     """The rows of knorm, keydiff, tova, expected_attention and kvzip (``--scorers``), and of ``decode_every``
     (``--decode-every``) for the prompt `name` of `n` tokens, `keep` of them kept; ``pair`` adds a row (see
@@ -442,12 +862,20 @@ def scorer_cases(pair, name: str, n: int, keep: int, args) -> None:
         if method == "kvzip":
             kvzip_cases(pair, name, n, keep, args)
             continue
+        if method == "kvcompose":
+            kvcompose_cases(pair, name, args)
+            continue
+        if method == "kvgrad":
+            kvgrad_cases(pair, name, n, keep, args)
+            continue
         press, shared = PRESSES[method], SHARED_PARAMS.get(method, {})
         k_case = {"press": {"kind": "class", "name": press,
                             "params": dict(shared, compression_ratio=args.compression_ratio),
                             "compression_ratio": args.compression_ratio, "expect_prefill_kept": keep,
                             "eager": method in EAGER}}
         a_case = {"method": method, "params": dict(shared, budget_tokens=keep)}
+        if method in SEEDED:
+            a_case["params"][SEEDED[method]] = k_case["press"]["torch_seed"] = args.seed
         note = "kvpress prefill-only; attnkit drops one per step" if method == "tova" else ""
         pair(method, f"{name}/{method}", a_case, f"{name}/{method}", k_case, note)
         if method == "tova":
@@ -511,6 +939,9 @@ def summarize(rows, ours_trace, theirs_trace, ours_times, theirs_times, n_sink: 
     for row in rows:
         a, b = ours_trace[row["ours"]], theirs_trace[row["theirs"]]
         row["prefill_kept"] = compare_sets(a["after_prefill"], b["after_prefill"])
+        if prompts:
+            row["prefill_kept"]["unequal_by_same_tokens"] = unequal_by_same_tokens(
+                [a["after_prefill"]], [b["after_prefill"]], prompts.get(row["prompt"], []))
         steps = [compare_sets(x, y) for x, y in zip(a["attended"], b["attended"])]
         seq = (prompts or {}).get(row["prompt"], []) + a["tokens"]
         row["attended"] = {"equal": sum(s["equal"] for s in steps), "total": sum(s["total"] for s in steps),
@@ -531,6 +962,8 @@ def summarize(rows, ours_trace, theirs_trace, ours_times, theirs_times, n_sink: 
                                      "until_first_token_diff": float(diff[: row["tokens"]["first_diff"] or len(diff)]
                                                                      .max())}
         row["final_cache_len"] = {"ours": a["final_cache_len"], "theirs": b["final_cache_len"]}
+        if "zeroed_channels" in a and "zeroed_channels" in b:  # ThinK: the pruned key channels per layer and kv head
+            row["zeroed_channels"] = compare_sets(a["zeroed_channels"], b["zeroed_channels"])
         if row["method"].startswith("streaming-rolling"):
             row["decode_evictions"] = {"ours": eviction_stats(a["attended"], n_sink),
                                        "theirs": eviction_stats(b["attended"], n_sink)}
@@ -593,10 +1026,18 @@ def format_table(rows) -> str:
             f"{'-' if tk['first_diff'] is None else tk['first_diff']:>4} {r['max_abs_logit_diff']['first']:>8.1e} "
             f"{times}")
     for r in rows:
-        at = r["attended"]
+        pk, at = r["prefill_kept"], r["attended"]
+        if pk["equal"] < pk["total"] and pk.get("unequal_by_same_tokens"):
+            lines.append(f"{r['prompt']} {r['method']}: of the {pk['total'] - pk['equal']} unequal prefill kept sets, "
+                         f"{pk['unequal_by_same_tokens']} differ only by positions holding the same tokens (ties)")
         if at["equal"] < at["total"] and at.get("unequal_by_same_tokens"):
             lines.append(f"{r['prompt']} {r['method']}: of the {at['total'] - at['equal']} unequal attended sets, "
                          f"{at['unequal_by_same_tokens']} differ only by positions holding the same tokens (ties)")
+    for r in rows:
+        if "zeroed_channels" in r:
+            zc = r["zeroed_channels"]
+            lines.append(f"{r['prompt']} {r['method']}: zeroed key channels equal on {zc['equal']}/{zc['total']} "
+                         f"(layer, kv head) pairs (+{zc['only_ours']}/-{zc['only_theirs']})")
     lines.append("prefill kept =: (layer, kv head) pairs whose kept prompt positions are the same set; (+a/-b): "
                  "positions only attnkit / only kvpress holds, summed. attended =: (decode step, layer, kv head) "
                  "triples attending to the same positions. tokens =: greedy tokens equal at the same index; 1st "
@@ -630,7 +1071,7 @@ def main(argv=None) -> int:
     p.add_argument("--kvzap", type=int, default=0, help="train kvzap's linear surrogate on this many windows of 256 "
                    "tokens and compare kvzap's budget mode with KVzapPress on those weights (0: none)")
     p.add_argument("--scorers", default=",".join(PRESSES) + ",kvzip",
-                   help=f"of {', '.join(PRESSES)}, kvzip (empty: none)")
+                   help=f"of {', '.join(PRESSES)}, kvzip, kvcompose (empty: none)")
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="kvzip's chunk_size (context tokens per "
                    "reconstruction forward), the same on both sides")
     p.add_argument("--duo", default="RS/SR:16:64",
@@ -638,6 +1079,46 @@ def main(argv=None) -> int:
                         "recent window, PATTERN:SINKS:RECENT, against DuoAttentionPress (empty: none)")
     p.add_argument("--chunk-length", default="16", help="ChunkKV chunk lengths (comma-separated) for ChunkKVPress "
                    f"around the presses of {', '.join(CHUNKKV_SCORERS)} (empty: none)")
+    p.add_argument("--wrappers", default="", help="kvpress's wrapper presses around scorers, WRAPPER:SCORER+SCORER,"
+                   "... (criticalkv, criticalkv_ada, chunk, block, ratio_decoding around snapkv, knorm, keydiff, "
+                   "kvzap; empty: none)")
+    p.add_argument("--dms-thresholds", default="knorm=-1.8;keydiff=-0.1", help="the --wrappers dms thresholds, "
+                   "SCORER=T;... (DMSPress's threshold, attnkit's score_threshold, on each scorer's own scale)")
+    p.add_argument("--dms-window", type=int, default=128, help="DMSPress's sliding_window_size (threshold_window)")
+    p.add_argument("--dms-decoding", action="store_true", help="DMSPress(decoding=True): threshold_decode=true")
+    p.add_argument("--segment-length", type=int, default=256,
+                   help="ChunkPress's chunk_length (attnkit: segment_length)")
+    p.add_argument("--composed", default="", help="FIRST+SECOND scorer pairs (comma-separated): FIRST with then=SECOND "
+                   "against kvpress's ComposedPress([FIRST, SECOND]), e.g. snapkv+knorm,knorm+keydiff")
+    p.add_argument("--composed-ratios", default="0.5:0.5", help="R1:R2, the compression_ratio of each press of "
+                   "--composed, each applying to what that press receives")
+    p.add_argument("--block-size", type=int, default=130, help="BlockPress's block_size (attnkit: block_size)")
+    p.add_argument("--ratio-decoding", default="4:0.25", help="N:f, CompressionRatioDecodingPress's interval and kept "
+                   "fraction 1 - target_compression_ratio (attnkit: decode_every=N, decode_fraction=f)")
+    p.add_argument("--merging", default="", help="MergingPress around these presses (knorm, snapkv:W:K; "
+                   "comma-separated) against the same attnkit scorer with merge=true (empty: none)")
+    p.add_argument("--merge-params", default="0:1,0.2:0.75", help="similarity_threshold:merge_fraction sets for "
+                   "--merging")
+    p.add_argument("--cam", default="", help="CAMPress(KnormPress) decode_every:merge_budget sets against cam "
+                   "(empty: none)")
+    p.add_argument("--think", default="", help="ThinK key_channels fractions (comma-separated): ThinKPress alone and "
+                   "ComposedPress([SnapKVPress, ThinKPress]) against think and snapkv+think (empty: none)")
+    p.add_argument("--qfilter", type=int, default=0, help="calibrate Q-Filters on this many windows of 256 tokens and "
+                   "compare qfilter with QFilterPress on them (0: none)")
+    p.add_argument("--fastkvzip", type=int, default=0, help="train Fast KVzip's gates on 4 windows of 256 tokens for this "
+                   "many steps and compare fastkvzip with FastKVzipPress on those weights (0: none)")
+    p.add_argument("--lukv", type=int, default=0, help="profile LU-KV's budget curve on this many pairs per task (512 "
+                   "tokens, 16 answer tokens) and compare lukv with LUKVPress on that curve (0: none)")
+    p.add_argument("--ea-stats", type=int, default=0, help="calibrate Expected Attention's query statistics on this "
+                   "many windows of 256 tokens and compare expected_attention:stats with ExpectedAttentionStatsPress "
+                   "(0: none)")
+    p.add_argument("--finch", default="", help="finch's question lengths (comma-separated) against FinchPress with "
+                   "that window (empty: none)")
+    p.add_argument("--simlayerkv", default="", help="THRESHOLD:N_LAST:N_RECENT:N_INITIAL sets (comma-separated) of "
+                   "simlayerkv against SimLayerKVPress (empty: none)")
+    p.add_argument("--entropy-chunk", default="", help="CHUNK:LOW_ENTROPY_CHUNK_LENGTH sets (comma-separated) for "
+                   f"EntropyGatedChunkKVPress around the presses of {', '.join(CHUNKKV_SCORERS)} against the same "
+                   "scorer with chunk_length and low_entropy_chunk_length (empty: none)")
     p.add_argument("--trim", type=int, default=0, help="cut every prompt to a multiple of this many tokens (a "
                    "prompt the chunk length divides: kvpress keeps a partial last chunk whole; 0: no cut)")
     p.add_argument("--decode-every", default="1,4", help=f"decode_every values for {', '.join(DECODE_EVERY_TWINS)} "
@@ -678,6 +1159,35 @@ def main(argv=None) -> int:
         layers, meta = calibrate_kvzap(model, samples=args.kvzap, length=256, heldout=1)
         args.kvzap_file = str(save_predictor(Path(tempfile.mkdtemp(prefix="compare-kvzap-")) / "kvzap.safetensors",
                                              "linear", layers, meta))
+    args.qfilter_file = args.ea_stats_file = None
+    if args.qfilter or args.ea_stats:  # calibration files made here for the model, read by both sides
+        from attnkit.calibrate.expected_attention import calibrate_expected_attention
+        from attnkit.calibrate.qfilter import calibrate_qfilter
+        from attnkit.methods.expected_attention_stats import save_moments
+        from attnkit.methods.qfilter import dumps_filters
+        folder = Path(tempfile.mkdtemp(prefix="compare-calibrated-"))
+        if args.qfilter:
+            args.qfilter_file = str(folder / "qfilter.json")
+            Path(args.qfilter_file).write_text(dumps_filters(calibrate_qfilter(model, samples=args.qfilter,
+                                                                               length=256)))
+        if args.ea_stats:
+            mean, cov, meta = calibrate_expected_attention(model, samples=args.ea_stats, length=256)
+            args.ea_stats_file = str(save_moments(folder / "expected_attention.safetensors", mean, cov, meta))
+    args.n_layers = model.geometry.n_layers
+    args.fastkvzip_file = args.lukv_file = None
+    if args.fastkvzip or args.lukv:  # trained here for the model, read by both sides in kvpress's formats
+        folder = Path(tempfile.mkdtemp(prefix="compare-trained-"))
+        if args.fastkvzip:
+            from attnkit.calibrate.fastkvzip import calibrate_fastkvzip
+            from attnkit.methods.fastkvzip_gates import save_kvpress_format
+            gates, _meta = calibrate_fastkvzip(model, samples=4, length=256, heldout=1, steps=args.fastkvzip)
+            args.fastkvzip_file = str(save_kvpress_format(folder / "q_dim16_sink16.pt", gates))
+        if args.lukv:
+            from attnkit.calibrate.lukv import calibrate_lukv
+            curve, _meta = calibrate_lukv(model, samples=args.lukv, length=512, new_tokens=16)
+            args.lukv_file = str(folder / "lukv.npy")
+            import numpy as np
+            np.save(args.lukv_file, curve)
     rows, ours, theirs = build_cases(prompts, args)
     warmup = min((ids for _, ids in prompts), key=len)  # a full-size warm-up generation (4 tokens), untimed
     with tempfile.TemporaryDirectory(prefix="compare-kvpress-") as tmp_dir:

@@ -56,24 +56,30 @@ NOT_UNLIMITED = {"minference_static": "indices fixed at calibration (sparse what
 
 
 def unlimited_specs(total: int, static_config: str, kvzap_config: str = "",
-                    triattention_config: str = "") -> dict[str, str]:
+                    triattention_config: str = "", qfilter_config: str = "", fastkvzip_config: str = "",
+                    lukv_config: str = "") -> dict[str, str]:
     """One spec per registered method that keeps every one of `total` tokens (prompt + generated); `kvzap_config` is
     a kvzap surrogate trained for the model (:func:`kvzap_surrogate`), `triattention_config` its query statistics
-    (:func:`triattention_stats`)."""
+    (:func:`triattention_stats`), `qfilter_config` its Q-Filters (:func:`triattention_stats` with ``qfilter``)."""
     b = f"budget_tokens={total}"
     specs = {
         "full": "full", "window": f"window:window={total}", "streaming": f"streaming:{b}", "h2o": f"h2o:{b}",
         "keyformer": f"keyformer:{b}", "snapkv": f"snapkv:{b}", "knorm": f"knorm:{b}", "keydiff": f"keydiff:{b}",
         "rkv": f"rkv:{b}", "tova": f"tova:{b}", "expected_attention": f"expected_attention:{b}",
-        "random": f"random:{b}", "lagkv": f"lagkv:{b}", "cur": f"cur:{b}", "observed_attention": f"observed_attention:{b}",
+        "random": f"random:{b}", "lagkv": f"lagkv:{b}", "cur": f"cur:{b}", "cap": f"cap:{b}", "kvcompose": f"kvcompose:{b}",
+        "observed_attention": f"observed_attention:{b}", "finch": f"finch:{b}",
+        "leverage": f"leverage:{b}", "non_causal_attention": f"non_causal_attention:{b}", "compactor": f"compactor:{b}",
+        "simlayerkv": "simlayerkv:lazy_threshold=1.0",  # no layer lazy: every entry kept
         "minference": f"minference:k_v=0,k_s={total}", "minference_static": f"minference_static:config={static_config}",
         "a_shape": f"a_shape:n_init={total},n_local={total}", "share": "share:config=none",
         "select": "select:filter_layer=1,p_decode=1.0", "gemfilter": f"gemfilter:filter_layer=1,k={total}",
         "compose": f"minference:k_v=0,k_s={total}+h2o:{b}", "duo_attention": f"duo_attention:retrieval_ratio=0,recent={total}",
-        "kivi": f"kivi:residual={total}",  # a residual holding every token: nothing is quantized
-        "kvzip": f"kvzip:{b}", "kvzap": f"kvzap:config={kvzap_config},{b}",
+        "cam": f"cam:{b}", "kivi": f"kivi:residual={total}",  # a residual holding every token: nothing is quantized
+        "kvzip": f"kvzip:{b}", "kvgrad": f"kvgrad:{b}", "kvzap": f"kvzap:config={kvzap_config},{b}",
         "quest": f"quest:token_budget={total},dense_layers=0",
         "triattention": f"triattention:config={triattention_config},{b}",
+        "qfilter": f"qfilter:config={qfilter_config},{b}", "think": "think:key_channels=0",  # no channel pruned
+        "fastkvzip": f"fastkvzip:config={fastkvzip_config},{b}", "lukv": f"lukv:curve={lukv_config},{b}",
     }
     missing = sorted(set(METHODS) - set(specs))
     if missing:
@@ -91,13 +97,25 @@ def static_patterns(model_spec: str, length: int, path: Path) -> str:
     return str(path)
 
 
-def triattention_stats(model_spec: str, path: Path) -> str:
-    """triattention's query statistics for the model (``attnkit calibrate triattention``, two windows of 128 tokens)."""
+def triattention_stats(model_spec: str, path: Path, tool: str = "triattention") -> str:
+    """triattention's query statistics for the model (``attnkit calibrate triattention``, two windows of 128 tokens), or
+    another calibration of the model's queries by the same arguments (`tool`: ``qfilter``)."""
     from attnkit.cli import main as cli_main
-    rc = cli_main(["calibrate", "triattention", "--model", model_spec, "--samples", "2", "--length", "128",
+    rc = cli_main(["calibrate", tool, "--model", model_spec, "--samples", "2", "--length", "128",
                    "--out", str(path)])
     if rc != 0:
-        raise SystemExit("gpu_check: the triattention statistics failed")
+        raise SystemExit(f"gpu_check: attnkit calibrate {tool} failed")
+    return str(path)
+
+
+def trained_file(model_spec: str, path: Path, tool: str) -> str:
+    """fastkvzip's gates (``attnkit calibrate fastkvzip``, one window of 128 tokens, 5 steps) or lukv's budget curve
+    (``attnkit calibrate lukv``, one passkey pair of 256 tokens, 4 answer tokens) for the model."""
+    from attnkit.cli import main as cli_main
+    args = {"fastkvzip": ["--samples", "1", "--length", "128", "--heldout", "1", "--steps", "5"],
+            "lukv": ["--tasks", "passkey", "--samples", "1", "--length", "256", "--new-tokens", "4"]}[tool]
+    if cli_main(["calibrate", tool, "--model", model_spec, *args, "--out", str(path)]) != 0:
+        raise SystemExit(f"gpu_check: attnkit calibrate {tool} failed")
     return str(path)
 
 
@@ -119,7 +137,10 @@ def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, 
     total = max(lengths) + new_tokens
     specs = unlimited_specs(total, static_patterns(model_spec, max(256, max(lengths)), tmp / "static.json"),
                             kvzap_surrogate(model_spec, tmp / "kvzap.safetensors"),
-                            triattention_stats(model_spec, tmp / "triattention.json"))
+                            triattention_stats(model_spec, tmp / "triattention.json"),
+                            triattention_stats(model_spec, tmp / "qfilter.json", "qfilter"),
+                            trained_file(model_spec, tmp / "fastkvzip.safetensors", "fastkvzip"),
+                            trained_file(model_spec, tmp / "lukv.safetensors", "lukv"))
     if not compile_kernels:
         specs = {k: (v + ",compile=false" if k in ("minference", "minference_static", "a_shape") else v)
                  for k, v in specs.items()}

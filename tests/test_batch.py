@@ -25,6 +25,10 @@ NEW = 10
 LENGTHS = (130, 95, 130, 160, 95)
 
 UNLIMITED = [
+    "snapkv:budget=1.0,window_size=8,then=knorm:budget=1.0",
+    "think:key_channels=0", "snapkv:budget_tokens=400+think:key_channels=0",
+    "finch:budget_tokens=400,question_tokens=8", "simlayerkv:lazy_threshold=1.0,n_recent=16",
+    "knorm:budget_tokens=400,chunk_length=8,low_entropy_chunk_length=2",
     "full", "window:window=400", "streaming:budget_tokens=400", "h2o:budget_tokens=400",
     "keyformer:budget_tokens=400", "keyformer:score=shared,budget_tokens=400", "snapkv:budget_tokens=400",
     "minference:k_v=0,k_s=400", "a_shape:n_init=200,n_local=200,block_size=16",
@@ -34,6 +38,10 @@ UNLIMITED = [
     "knorm:budget_tokens=400", "keydiff:budget_tokens=400,decode_every=2", "tova:budget_tokens=400",
     "random:budget_tokens=400,decode_every=2", "lagkv:budget_tokens=400,lag_size=16",
     "cur:budget_tokens=400,sketch=8", "observed_attention:budget_tokens=400",
+    "leverage:budget_tokens=400,decode_every=2", "non_causal_attention:budget_tokens=400,chunk_size=32",
+    "compactor:budget_tokens=400,chunk_size=32",
+    "cap:budget_tokens=400", "cap:budget_tokens=400,decode_every=2", "kvcompose:budget=1.0",
+    "kvcompose:budget_tokens=400,structured=false",
     "snapkv:budget_tokens=400,window_size=8,decode_every=3", "rkv:budget_tokens=400,window_size=4,decode_every=3",
     "expected_attention:budget_tokens=400", "expected_attention:budget_tokens=400,decode_every=2",
     "knorm:budget_tokens=400,head_budgets=adaptive",
@@ -41,11 +49,24 @@ UNLIMITED = [
     "kivi:residual=1000", "snapkv:budget_tokens=400+kivi:bits=2,residual=1000",
     "minference:k_v=0,k_s=400+h2o:budget_tokens=400+kivi:residual=1000",
     "kvzip:budget_tokens=400", "kvzip:budget_tokens=400,head_budgets=adaptive",
+    "kvgrad:budget_tokens=400,chunk_size=64",
     "quest:token_budget=400,dense_layers=0", "quest:budget=1.0,dense_layers=1,per_query_head=true",
     "h2o:budget_tokens=400,decode_every=8", "tova:budget_tokens=400,decode_every=3",
     "keyformer:score=shared,budget_tokens=400,decode_every=4",
+    "knorm:budget_tokens=400,merge=true", "cam:budget_tokens=400,decode_every=2",
+    "knorm:score_threshold=-inf,threshold_decode=true", "snapkv:budget_tokens=400,window_size=8,positions=reindexed",
 ]
 SMALL_BUDGET = [
+    "snapkv:budget_tokens=60,window_size=8,then=keydiff:budget=0.5",
+    "snapkv:budget_tokens=40,window_size=8,criticalkv=true",
+    "knorm:budget_tokens=32,criticalkv=true,head_budgets=adaptive",
+    "knorm:budget_tokens=32,segment_length=20", "snapkv:budget_tokens=40,window_size=8,block_size=16",
+    "knorm:score_threshold=-0.5,threshold_window=16,threshold_decode=true", "keydiff:budget_tokens=32,positions=reindexed",
+    "keydiff:budget=0.3,decode_every=3,decode_fraction=0.25",
+    "think:key_channels=0.5", "snapkv:budget_tokens=40,window_size=8+think:key_channels=0.5,window_size=16",
+    "finch:budget_tokens=32,question_tokens=8", "finch:budget=0.3,question_tokens=8,positions=original",
+    "simlayerkv:lazy_threshold=0,n_recent=24", "simlayerkv:lazy_threshold=0.5,n_recent=40,n_last=3",
+    "snapkv:budget_tokens=40,window_size=8,chunk_length=8,low_entropy_chunk_length=2",
     "window:window=32", "streaming:budget_tokens=32", "h2o:budget_tokens=32", "h2o:budget=0.3",
     "keyformer:budget_tokens=32", "keyformer:score=shared,budget=0.4", "snapkv:budget_tokens=40,window_size=8",
     "snapkv:budget=0.4,window_size=8", "minference:k_v=4,k_s=16", "a_shape:n_init=16,n_local=32,block_size=16",
@@ -57,6 +78,11 @@ SMALL_BUDGET = [
     "lagkv:budget=0.3,lag_size=16", "lagkv:budget_tokens=32,lag_size=8,decode_every=4,cross_scoring=true",
     "cur:budget=0.3", "cur:budget_tokens=32,leverage=kv_avg,local_window=0,decode_every=3", "cur:budget=0.3,sketch=8",
     "observed_attention:budget=0.3", "observed_attention:budget_tokens=32,head_budgets=adaptive",
+    "leverage:budget=0.3", "leverage:budget_tokens=32,sketch_dimension=0,decode_every=3",
+    "non_causal_attention:budget=0.3,chunk_size=32", "compactor:budget_tokens=32,chunk_size=24",
+    "compactor:budget=0.3,head_budgets=adaptive",
+    "cap:budget=0.3", "cap:budget_tokens=32,decode_every=3,tau=2.0", "kvcompose:budget=0.3",
+    "kvcompose:budget_tokens=32,structured=false",
     "snapkv:budget_tokens=40,window_size=8,decode_every=3", "rkv:budget_tokens=40,window_size=8,decode_every=3",
     "rkv:budget=0.4", "expected_attention:budget_tokens=32", "expected_attention:budget=0.3,decode_every=3",
     "snapkv:budget_tokens=40,window_size=8,head_budgets=adaptive", "knorm:budget_tokens=32,head_budgets=adaptive",
@@ -68,11 +94,14 @@ SMALL_BUDGET = [
     "knorm:budget_tokens=32,head_budgets=adaptive+kivi:residual=8,group=8",
     "a_shape:n_init=16,n_local=32,block_size=16+snapkv:budget_tokens=40,window_size=8+kivi:bits=2,residual=8,group=8",
     "kvzip:budget_tokens=32", "kvzip:budget=0.3,chunk_size=48",
+    "kvgrad:budget_tokens=32,chunk_size=48", "kvgrad:budget=0.3,head_budgets=adaptive,alpha_safeguard=0",
     "kvzip:budget_tokens=32,chunk_size=64,head_budgets=adaptive,alpha_safeguard=0",
     "quest:token_budget=32,dense_layers=0", "quest:budget=0.3,page_size=8,dense_layers=1,per_query_head=true",
     "h2o:budget_tokens=32,decode_every=8", "h2o:budget_tokens=40,layer_budgets=pyramid,decode_every=5",
     "tova:budget=0.3,decode_every=3", "keyformer:budget_tokens=32,decode_every=4",
     "keyformer:score=shared,budget=0.4,decode_every=3",
+    "snapkv:budget_tokens=40,window_size=8,decode_every=3,merge=true,merge_fraction=0.5",
+    "cam:budget_tokens=32,decode_every=3,merge_budget=8",
 ]
 
 
@@ -121,8 +150,11 @@ def test_unlimited_budget_batch_equals_alone_and_full(models, spec):
 
 def test_every_registered_method_is_covered():
     named = {part.split(":")[0] for spec in UNLIMITED + SMALL_BUDGET for part in spec.split("+")}
-    # compose: "A+B"; static, kvzap, triattention (they read a calibration file): below
-    assert set(METHODS) - {"compose", "minference_static", "kvzap", "triattention"} <= named
+    # compose: "A+B"; static, kvzap, triattention (they read a calibration file): below; qfilter (it reads one too):
+    # tests/methods/test_qfilter.py, batched
+    # fastkvzip, lukv (they read trained gates / a budget curve): test_fastkvzip_and_lukv_from_files
+    assert set(METHODS) - {"compose", "minference_static", "kvzap", "triattention", "qfilter", "fastkvzip",
+                           "lukv"} <= named
 
 
 def test_static_patterns_from_a_file(models, tmp_path):
@@ -157,6 +189,31 @@ def test_triattention_from_calibrated_statistics(models, arch, tmp_path):
         if "400" in params:
             full = attnkit.generate(models[arch], prompts(), "full", max_new_tokens=NEW, stop_at_eos=False)
             assert [b.token_ids for b in batch] == [f.token_ids for f in full]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
+def test_fastkvzip_and_lukv_from_files(models, arch, tmp_path):
+    """fastkvzip reads gates (`attnkit calibrate fastkvzip`'s training, a few steps), lukv a budget curve (any
+    [99, layers, kv heads] array); unlimited budgets give full's tokens, small ones each prompt's alone."""
+    import numpy as np
+
+    from attnkit.calibrate.fastkvzip import calibrate_fastkvzip
+    from attnkit.methods.fastkvzip_gates import save_gates
+    model = models[arch]
+    layers, meta = calibrate_fastkvzip(model, samples=2, length=96, heldout=1, steps=20, batch_size=64)
+    gates = save_gates(tmp_path / "gates.safetensors", layers, meta)
+    geo = model.geometry
+    rows = np.linspace(0.01, 0.99, 99, dtype=np.float32)[:, None, None]
+    np.save(tmp_path / "curve.npy", np.clip(rows + np.linspace(-0.1, 0.1, geo.n_layers * geo.n_kv_heads).reshape(
+        1, geo.n_layers, geo.n_kv_heads), 0, 0.99).astype(np.float32))
+    full = attnkit.generate(model, prompts(), "full", max_new_tokens=NEW, stop_at_eos=False)
+    for method in (f"fastkvzip:config={gates},budget_tokens=400", f"fastkvzip:config={gates},budget=1.0,layerwise=true",
+                   f"lukv:curve={tmp_path / 'curve.npy'},budget_tokens=400"):
+        batch = assert_batch_equals_alone(model, method)
+        assert [b.token_ids for b in batch] == [f.token_ids for f in full]
+    for method in (f"fastkvzip:config={gates},budget_tokens=40", f"fastkvzip:config={gates},budget=0.3,layerwise=true",
+                   f"lukv:curve={tmp_path / 'curve.npy'},budget=0.3"):
+        assert_batch_equals_alone(model, method)
 
 
 @pytest.mark.parametrize("spec", SMALL_BUDGET)

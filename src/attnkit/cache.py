@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnkit.errors import AttnkitError
+
 
 @dataclass
 class LayerKV:
@@ -106,6 +108,21 @@ class LayerKV:
         self.positions[:, :, slot] = pos.reshape(-1)[0]
         for stat in self.extras.values():
             stat[:, :, slot] = 0
+
+    def write_values(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite the values of the slots `slots` ``[b, kv, n]`` with `values` ``[b, kv, n, d]`` in place, their
+        keys and positions unchanged (evicted values merged into kept entries, :meth:`keep_merged`)."""
+        if self.values is None:  # a layer holding its values as codes (kivi, once sealed)
+            raise AttnkitError("merging rewrites kept entries' values, which this layer holds quantized")
+        self.values.scatter_(2, slots.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1]),
+                             values.to(self.values.dtype))
+
+    def keep_merged(self, indices: torch.Tensor, spare: int, values: torch.Tensor | None) -> None:
+        """:meth:`keep`, the kept slots' values replaced first by `values` ``[b, kv, n, d]`` when given: the host's side
+        of a merging method's compression (:meth:`attnkit.methods.base.Method.merged_values`)."""
+        if values is not None:
+            self.write_values(indices, values)
+        self.keep(indices, spare=spare)
 
     def keep(self, indices: torch.Tensor, spare: int = 0) -> None:
         """Keep only the slots `indices` ``[b, kv, n]`` per head, compacted into new tensors of

@@ -235,7 +235,12 @@ SMALL = ["snapkv:budget=0.3", "snapkv:budget_tokens=256,window_size=16,kernel_si
          "quest:page_size=128,budget=0.2,dense_layers=1,per_query_head=true",
          "quest:page_size=128,token_budget=384,dense_layers=0,first_page=true", "random:budget=0.3,seed=7",
          "lagkv:budget=0.3,lag_size=64", "cur:budget=0.3",
-         "observed_attention:budget=0.3"]
+         "observed_attention:budget=0.3", "cap:budget=0.3", "knorm:budget=0.3,merge=true,merge_fraction=0.75",
+         "leverage:budget=0.3,decode_every=16", "non_causal_attention:budget=0.3", "compactor:budget=0.3",
+         "finch:budget=0.3,question_tokens=32,positions=original",
+         "knorm:budget=0.3,chunk_length=16,low_entropy_chunk_length=4", "knorm:budget=0.3,segment_length=256",
+         "keydiff:budget=0.3,decode_every=4,decode_fraction=0.25",
+         "snapkv:budget=0.5,then=knorm:budget=0.5"]
 
 
 @pytest.mark.parametrize("spec", SMALL)

@@ -40,7 +40,8 @@ def test_plans_follow_the_method_and_the_prompt():
 @pytest.mark.parametrize("spec", ["snapkv:budget_tokens=512,decode_every=128", "h2o:budget_tokens=300",
                                   "keyformer:budget_tokens=300,decode_every=50", "streaming:budget_tokens=400",
                                   "window:window=500", "snapkv:budget_tokens=256", "full",
-                                  "quest:page_size=128,token_budget=256", "minference"])
+                                  "quest:page_size=128,token_budget=256", "minference",
+                                  "knorm:budget_tokens=256,decode_every=64,decode_fraction=0.2"])
 def test_a_plans_peak_blocks_are_the_most_it_holds_from_then_on(spec):
     """What the scheduler reserves for a request (``admission: planned``): from each point of its life, the most
     blocks its plan holds at once later on, worked out by stepping through every position; None where the plan
@@ -256,7 +257,8 @@ LIVE_SPECS = ["h2o:budget_tokens=40", "tova:budget_tokens=40", "keyformer:budget
               "knorm:budget_tokens=36,decode_every=7", "keydiff:budget_tokens=40,decode_every=5",
               "expected_attention:budget_tokens=40,decode_every=6", "rkv:budget_tokens=40,decode_every=8",
               "minference+h2o:budget_tokens=40", "snapkv:budget_tokens=40,decode_every=4,chunk_length=4",
-              "h2o:budget_tokens=40,decode_every=6", "tova:budget_tokens=40,decode_every=5"]
+              "h2o:budget_tokens=40,decode_every=6", "tova:budget_tokens=40,decode_every=5",
+              "knorm:budget_tokens=40,decode_every=4,decode_fraction=0.3"]
 
 
 ROPE16 = Rope(inv_freq=1.0 / (100.0 ** (torch.arange(0, 16, 2).float() / 16)))  # expected_attention un-rotates

@@ -226,7 +226,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """``attnkit calibrate patterns|heads|filter-layer|duo|kvzap|triattention``: the list arguments parsed here, then the tool's
+    """``attnkit calibrate patterns|heads|filter-layer|duo|kvzap|triattention|qfilter|expected_attention``: the list arguments parsed here, then the tool's
     ``main`` (module ``attnkit.calibrate.<args.calibration>``)."""
     if getattr(args, "tasks", None) is not None:
         args.tasks = name_list(args.tasks, "--tasks")

@@ -278,6 +278,40 @@ def _calibrate_parsers(sub) -> None:
     c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     c.set_defaults(func=cmd_calibrate, calibration="kvzap")
 
+    c = calibrations.add_parser("fastkvzip", help="Fast KVzip: train a gate per layer on kvzip's scores "
+                                                  "(fastkvzip:config=FILE)")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--out", required=True, help="the safetensors file to write (fastkvzip:config=FILE)")
+    c.add_argument("--samples", type=int, default=16, help="training windows of the corpus's training split")
+    c.add_argument("--length", type=int, default=1024, help="tokens per window")
+    c.add_argument("--heldout", type=int, default=2, help="held-out windows that measure the fit")
+    c.add_argument("--seed", type=int, default=0, help="seed of the windows, the initialisation and the batches")
+    c.add_argument("--dim", type=int, default=16, help="the gate's query and key dimension (the paper's 16)")
+    c.add_argument("--sinks", type=int, default=16, help="learnt sink keys per kv head (the paper's 16)")
+    c.add_argument("--steps", type=int, default=1000, help="SGD steps (the authors': 5000)")
+    c.add_argument("--lr", type=float, default=0.2, help="SGD's learning rate (momentum 0.9, the authors' schedule)")
+    c.add_argument("--batch-size", type=int, default=1000, help="tokens per step")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="fastkvzip")
+
+    c = calibrations.add_parser("lukv", help="LU-KV: profile a budget curve per layer and kv head around Expected "
+                                             "Attention (lukv:curve=FILE)")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--out", required=True, help="the safetensors curve to write (lukv:curve=FILE)")
+    c.add_argument("--npy", default=None, help="also write the curve as kvpress's .npy [99, layers, kv heads]")
+    c.add_argument("--tasks", default=None, help="task generators of the context/question pairs (comma-separated; "
+                                                 "default: passkey,niah_multikey,kv_retrieval,variable_tracking,"
+                                                 "needle_heldout)")
+    c.add_argument("--samples", type=int, default=2, help="pairs per task")
+    c.add_argument("--length", type=int, default=1024, help="prompt tokens per pair")
+    c.add_argument("--new-tokens", type=int, default=64, help="answer tokens the oracle utility observes")
+    c.add_argument("--temperature", type=float, default=0.7, help="the answers' sampling temperature (0: greedy)")
+    c.add_argument("--sink", type=int, default=4, help="first positions never evicted (lukv's sink)")
+    c.add_argument("--window", type=int, default=1, help="last positions never evicted (lukv's window)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the pairs and of the answers' sampling")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="lukv")
+
     c = calibrations.add_parser("triattention", help="TriAttention: pre-RoPE query statistics per head "
                                                      "(triattention:config=FILE)")
     c.add_argument("--model", default="tiny", help=MODEL_HELP)
@@ -287,3 +321,24 @@ def _calibrate_parsers(sub) -> None:
     c.add_argument("--seed", type=int, default=0, help="seed of the windows")
     c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     c.set_defaults(func=cmd_calibrate, calibration="triattention")
+
+    c = calibrations.add_parser("qfilter", help="Q-Filters: one query direction per layer and kv head "
+                                                "(qfilter:config=FILE)")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--out", required=True, help="the JSON filters to write (qfilter:config=FILE)")
+    c.add_argument("--samples", type=int, default=8, help="windows of the corpus's training split")
+    c.add_argument("--length", type=int, default=1024, help="tokens per window")
+    c.add_argument("--seed", type=int, default=0, help="seed of the windows")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="qfilter")
+
+    c = calibrations.add_parser("expected_attention", help="Expected Attention: pre-RoPE query mean and covariance "
+                                                           "per head (expected_attention:stats=FILE)")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--out", required=True, help="the safetensors statistics to write (expected_attention:stats=FILE)")
+    c.add_argument("--samples", type=int, default=8, help="windows of the corpus's training split")
+    c.add_argument("--length", type=int, default=1024, help="tokens per window")
+    c.add_argument("--n-sink", type=int, default=4, help="first positions of each window left out")
+    c.add_argument("--seed", type=int, default=0, help="seed of the windows")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="expected_attention")

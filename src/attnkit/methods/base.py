@@ -122,6 +122,13 @@ class Method:
         """Whether this method's prompt outputs are plain dense attention (its ``prefill_output`` is the base's)."""
         return type(self).prefill_output is Method.prefill_output
 
+    def merged_values(self, ctx: LayerContext, keep: torch.Tensor) -> torch.Tensor | None:
+        """A merging method's instruction to the host at a compression keeping the slots `keep` ``[b, kv, n]``
+        (ascending): those entries' new values ``[b, kv, n, d]``, the evicted entries' values folded in, keys and
+        positions unchanged (:meth:`attnkit.cache.LayerKV.keep_merged` applies it). None (the default): the
+        evicted entries are dropped."""
+        return None
+
     def rewrites_stored_keys(self) -> bool:
         """Whether this method overwrites keys it already stored (re-rotating them in place, say)."""
         return False

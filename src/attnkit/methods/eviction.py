@@ -294,8 +294,12 @@ class EvictionMethod(Method):
 
     def compact(self, ctx: LayerContext, count: int, spare: int, next_pos) -> None:
         """Keep `count` entries per kv head (protected first, then by rank) in fresh tensors."""
-        ctx.kv.keep(keep_top(self.rank(ctx), self.protect(ctx, next_pos), count), spare=spare)
+        self.keep_slots(ctx, keep_top(self.rank(ctx), self.protect(ctx, next_pos), count), spare)
         self._mark_evicting(ctx)
+
+    def keep_slots(self, ctx: LayerContext, keep: torch.Tensor, spare: int) -> None:
+        """Keep the slots `keep` ``[b, kv, n]``, values merged first when the method merges (:meth:`merged_values`)."""
+        ctx.kv.keep_merged(keep, spare, self.merged_values(ctx, keep))
 
     def _mark_evicting(self, ctx: LayerContext) -> None:
         if not ctx.state.evicting:

@@ -34,6 +34,13 @@ folded into the same running moments (prompt and generated queries alike), and e
 rotations over the ``T`` positions after the newest token. kvpress's ``DecodingPress`` instead estimates the
 moments from a buffer of the last (at most 256) generated hidden states only, and averages the rotations from
 the buffer's length rather than the absolute position; both differ by design.
+
+**Calibrated statistics** (``stats=FILE``, kvpress's ``ExpectedAttentionStatsPress``): ``mu`` and ``Sigma`` per layer
+and query head come from a file written by ``attnkit calibrate expected_attention`` (the model's queries before RoPE
+on its own text, :mod:`attnkit.calibrate.expected_attention`; :mod:`attnkit.methods.expected_attention_stats`) instead
+of the prompt's queries: nothing is gathered during the prompt or decoding, and every compression (the prompt's, and
+each ``decode_every`` one) rotates the same moments by the averaged RoPE of the ``T`` positions after the newest
+token. A model of another geometry or other RoPE frequencies is refused in one line.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.errors import AttnkitError
+from attnkit.methods.expected_attention_stats import load_moments
 from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
 from attnkit.methods.scoring import block_elements_for
 from attnkit.methods.spec import register
@@ -142,6 +150,7 @@ class ExpectedAttention(PromptScorer):
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
+    stats: str | None = None
 
     name = "expected_attention"
     layer_state_type = ExpectedAttentionState
@@ -155,6 +164,10 @@ class ExpectedAttention(PromptScorer):
         flag("use_covariance", self.use_covariance)
         flag("use_vnorm", self.use_vnorm)
         number("epsilon", self.epsilon, 0.0, what=" (added to the expected attention before the value-norm rescaling)")
+        if self.stats is not None and (not isinstance(self.stats, str) or not self.stats):
+            raise AttnkitError(f"stats must be the path of a file written by `attnkit calibrate expected_attention`, "
+                               f"got {self.stats!r}")
+        object.__setattr__(self, "_stats", None if self.stats is None else load_moments(self.stats))
 
     def budget_floor(self) -> int:
         return self.n_sink  # the sinks are always kept
@@ -164,6 +177,8 @@ class ExpectedAttention(PromptScorer):
         if s.rope is None:
             raise AttnkitError("expected_attention needs the model's rotary embedding (rotary_emb.inv_freq) to "
                                "recover the queries before RoPE; this model has none")
+        if self._stats is not None:
+            self._stats.check(s.n_layers, None, None, s.rope.inv_freq)
         compresses = budget < s.prompt_len or (
             self.decode_every and budget + self.decode_every < s.prompt_len + s.max_new_tokens)
         if compresses and self.n_sink >= budget:
@@ -186,6 +201,9 @@ class ExpectedAttention(PromptScorer):
         return super().attend_decode(ctx, q)
 
     def _observe(self, ctx: LayerContext, q: torch.Tensor) -> None:
+        if self._stats is not None:  # calibrated moments: the prompt's own are not needed
+            self._stats.check(ctx.session.n_layers, q.shape[1], q.shape[-1], ctx.session.rope.inv_freq)
+            return
         pos = ctx.q_pos
         if self.n_sink:
             outside = pos >= self.n_sink
@@ -217,7 +235,14 @@ class ExpectedAttention(PromptScorer):
         keys, values, positions = ctx.kv.view()
         start = st.next_pos if st.next_pos is not None else int(positions.max()) + 1
         b, kv, _, d = keys.shape
-        if st.count:
+        if self._stats is not None:
+            inv_freq = ctx.session.rope.inv_freq.to(keys.device)
+            c, s = ctx.step.shared_value(("expected_attention_rotation", start, self.n_future_positions, keys.device),
+                                         lambda: averaged_rotation(inv_freq, start, self.n_future_positions))
+            mean, cov = self._stats.layer(ctx.index, keys.device)
+            mu, sigma = future_moments(mean.expand(b, -1, -1), cov.expand(b, -1, -1, -1), 1, c, s)
+            logits = expected_attention_logits(keys, mu, sigma if self.use_covariance else None, ctx.scaling)
+        elif st.count:
             inv_freq = ctx.session.rope.inv_freq.to(keys.device)
             c, s = ctx.step.shared_value(("expected_attention_rotation", start, self.n_future_positions, keys.device),
                                          lambda: averaged_rotation(inv_freq, start, self.n_future_positions))

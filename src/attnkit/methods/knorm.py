@@ -37,6 +37,10 @@ class KNorm(PromptScorer):
     name = "knorm"
     summary = "keep the keys of lowest L2 norm (KNorm, Devoto et al. 2024)"
     kvpress = "KnormPress"
+    scores_entries_alone = True  # a key's norm is its own: score_threshold's threshold_decode scores each new token
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return key_norm_rank(ctx.kv.view()[0])
+
+    def entry_score(self, ctx: LayerContext, k: torch.Tensor) -> torch.Tensor:
+        return key_norm_rank(k)

@@ -42,17 +42,15 @@ weights is refused in one line. The hosts that hand over the layers' inputs are 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from attnkit import masks
 from attnkit.errors import AttnkitError
 from attnkit.methods.kvzap_predictor import load_predictor
 from attnkit.methods.prompt_scorer import ALPHA_SAFEGUARD, PromptScorer, PromptScorerState
-from attnkit.methods.scoring import flat_attention
 from attnkit.methods.spec import register
+from attnkit.methods.threshold import decode_room, decode_step, keep_above, threshold_evicts
 from attnkit.session import LayerContext
 from attnkit.validate import number, whole
 
@@ -99,7 +97,7 @@ class KVzap(PromptScorer):
                            "decode_every": (self.decode_every, 0), "head_budgets": (self.head_budgets, "uniform"),
                            "layer_budgets": (self.layer_budgets, "uniform"),
                            "alpha_safeguard": (self.alpha_safeguard, ALPHA_SAFEGUARD),
-                           "chunk_length": (self.chunk_length, 0)}
+                           "chunk_length": (self.chunk_length, 0), "merge": (self.merge, False)}
             for key, (value, default) in budget_only.items():
                 if value != default:
                     raise AttnkitError(f"kvzap: {key}={value!r} applies to a budget; with threshold={self.threshold} "
@@ -122,10 +120,7 @@ class KVzap(PromptScorer):
     def evicts(self, ctx: LayerContext) -> bool:
         if self.threshold is None:
             return super().evicts(ctx)
-        if ctx.state.evicts is None:
-            s = ctx.session
-            ctx.state.evicts = self.threshold > -math.inf and s.prompt_len + s.max_new_tokens > self.window
-        return ctx.state.evicts
+        return threshold_evicts(ctx, self.threshold, self.window, decode=True)
 
     def layer_capacity(self, ctx: LayerContext) -> tuple[int, bool]:
         if self.threshold is None or not self.evicts(ctx):
@@ -176,14 +171,7 @@ class KVzap(PromptScorer):
             return super().after_prefill(ctx, q, k, v)
         if not self.evicts(ctx):
             return
-        kv, s = ctx.kv, ctx.session
-        if kv.keys.shape[0] != 1:
-            raise AttnkitError(f"kvzap with a threshold scores one sequence per session, got {kv.keys.shape[0]}")
-        positions = kv.view()[2]
-        keep = (self.rank(ctx) >= self.threshold) | (positions >= s.prompt_len - self.window)
-        heads, slots = keep[0].nonzero(as_tuple=True)  # ordered by head, then slot
-        room = kv.keys.shape[1] * min(s.max_new_tokens, self.window + 1)
-        kv.keep_flat(heads[None], slots[None], room=room)
+        keep_above(ctx, self.rank(ctx), self.threshold, self.window, decode_room(ctx, self.window, decode=True))
         self._mark_evicting(ctx)
 
     def after_write(self, ctx: LayerContext, slot) -> None:
@@ -200,30 +188,8 @@ class KVzap(PromptScorer):
             return super().decode_attention(ctx, q, k, v)
         if q.shape[2] != 1:
             raise AttnkitError(f"kvzap with a threshold decodes one token per step, got {q.shape[2]} at once")
-        kv = ctx.kv
-        length, kv_heads = kv.length, k.shape[1]
-        heads, score = kv.extras["head"], kv.extras["score"]
-        # the entry leaving the window leaves the cache if it scores below the threshold
-        old = (kv.positions[:, 0, :length] < ctx.q_pos - self.window) & (score[:, 0, :length] < self.threshold)
-        heads[:, 0, :length].masked_fill_(old, -1)
-        new = self.predicted(ctx, 1)[:, :, 0]  # [b, kv]
-        free = heads[:, 0, :length] < 0
-        if int(free.sum(-1).min()) >= kv_heads:  # every row reuses dropped slots, one per kv head
-            slots = torch.sort((~free).int(), dim=-1, stable=True).indices[:, :kv_heads]  # [b, kv]
-            rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
-            kv.keys[rows, 0, slots] = k[:, :, 0]
-            kv.values[rows, 0, slots] = v[:, :, 0]
-            kv.positions[rows, 0, slots] = ctx.q_pos.reshape(-1)[0]
-            heads[rows, 0, slots] = torch.arange(kv_heads, device=slots.device)
-            kv.extras["score"][rows, 0, slots] = new
-        else:
-            kv.append_flat(k, v, ctx.q_pos)
-            kv.extras["score"][:, 0, kv.length - kv_heads:kv.length] = new
-        keys, values, positions = kv.view()
-        allowed = None
-        if ctx.native_window is not None:
-            allowed = masks.boolean_mask(masks.sliding_window(ctx.native_window), ctx.q_pos, positions)
-        return flat_attention(q, keys, values, kv.extras["head"][:, :, :kv.length], kv_heads, ctx.scaling, allowed)
+        # the same delayed eviction as every prompt scorer's score_threshold (attnkit.methods.threshold)
+        return decode_step(ctx, q, k, v, self.predicted(ctx, 1)[:, :, 0], self.threshold, self.window)
 
     def run_stats(self, session) -> dict:
         held = seen = 0

@@ -236,6 +236,7 @@ class KVzip(PromptScorer):
     layer_state_type = KVzipState
     summary = "keep what the model attends to when asked to repeat the prompt (KVzip, Kim et al. 2025)"
     kvpress = "KVzipPress"
+    threshold_refusal = reindex_refusal = "its scores come from a reconstruction pass that compresses the layers itself"  # score_threshold, positions=reindexed
 
     def __post_init__(self):
         super().__post_init__()

@@ -177,7 +177,7 @@ class RKV(PromptScorer):
         st = ctx.state
         keys, _, positions = ctx.kv.view()
         # the prompt: every head holds positions 0..n-1 (one shared, ascending axis); later, each its own
-        k_pos = positions[0, 0] if ctx.step.phase == "prefill" else positions
+        k_pos = positions[0, 0] if ctx.step.phase == "prefill" and not st.evicting else positions
         prefix = keys.shape[2] - st.window_q.shape[2]
         out = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
         if prefix <= 0:

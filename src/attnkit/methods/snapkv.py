@@ -144,14 +144,19 @@ class SnapKV(PromptScorer):
         heads, pooled along the entries before the window (held in position order)."""
         st = ctx.state
         keys, _, positions = ctx.kv.view()
-        # the prompt: every head holds positions 0..n-1 (one shared, ascending axis); later, each its own
-        k_pos = positions[0, 0] if ctx.step.phase == "prefill" else positions
+        # the prompt: every head holds positions 0..n-1 (one shared, ascending axis); later (or past a prompt block,
+        # block_size), each its own
+        k_pos = positions[0, 0] if ctx.step.phase == "prefill" and not st.evicting else positions
         votes = attention_statistics(st.window_q, keys, ctx.scaling, st.window_pos, k_pos,
                                      reduce=self.gqa_reduce, window=ctx.native_window)
         prefix = keys.shape[2] - st.window_q.shape[2]
         if prefix > 0:
             votes[:, :, :prefix] = avg_or_max_pool(votes[:, :, :prefix], self.kernel_size, self.pooling)
         return votes
+
+    def critical_score(self, ctx: LayerContext) -> torch.Tensor:
+        # the votes averaged over the window's queries: the attention share CriticalKV weights (kvpress's scale)
+        return self.rank(ctx) / ctx.state.window_q.shape[2]
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         votes = ctx.state.votes

@@ -18,9 +18,10 @@ stored after RoPE at their original positions, so where an entry sits never chan
 Methods (each kv head choosing its own entries, uniform budget per kv head and layer):
 
 - prompt scorers (``snapkv``, ``knorm``, ``keydiff``, ``random``, ``lagkv``, ``cur``, ``observed_attention``,
-  ``expected_attention``): compacted after the prompt; generated tokens are appended (decode reads ``[n - B, p]``).
-  ChunkKV's ``chunk_length`` runs as is: it changes
+  ``expected_attention``, ``cap``, ``leverage``, ``non_causal_attention``, ``compactor``): compacted after the
+  prompt; generated tokens are appended (decode reads ``[n - B, p]``). ChunkKV's ``chunk_length`` runs as is: it changes
   which ``B`` entries each kv head keeps (the method's own ``compact``), not how many.
+  So does ``then=SCORER`` (kvpress's ``ComposedPress``): ``B`` is the second scorer's count of what the first kept.
 - ``streaming``: sinks plus a window of ``B - sinks`` recent tokens; compacted after the prompt like a scorer
   (sinks first, so the window's entries land on slots equal to their positions), then every step reads the
   sinks and the last ``B - sinks`` positions; blocks between them are freed as the window moves.
@@ -67,12 +68,15 @@ from attnkit.methods.snapkv import SnapKV
 from attnkit.methods.streaming import Streaming
 from attnkit.methods.tova import TOVA
 from attnkit.methods.window import Window
+from attnkit.methods.wrappers import held_after
 from attnkit.recipe.core import Recipe, as_recipe, load_recipe_file
 from attnkit.session import Session, layer_contexts, planned_slots
 
-SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, random, lagkv, cur, "
-             "observed_attention, expected_attention, rkv (a budget or budget_tokens, one value for every layer and "
-             "kv head; decode_every re-compresses while decoding), h2o, tova, keyformer (per step, or buffered with "
+SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, random, lagkv, cur, cap, "
+             "observed_attention, expected_attention, finch (positions=original), qfilter, leverage, non_causal_attention, compactor, rkv (a budget or budget_tokens, one value for every layer and "
+             "kv head; decode_every re-compresses while decoding, to B or with decode_fraction to a share of the "
+             "tokens seen; segment_length; merge=true without decode_every; then=SCORER, a second scorer on what the first kept), h2o, tova, keyformer (per step, or "
+             "buffered with "
              "decode_every), quest (page_size = the engine's block size), a_shape, minference_static, minference, and "
              "PREFILL+CACHE of a sparse prefill with one of those cache methods but quest")
 PER_STEP = (H2O, TOVA, Keyformer)  # evict while decoding by their own statistics (one per token, or buffered)
@@ -110,6 +114,8 @@ def _unsupported(method: Method, source: str, why: str = "") -> AttnkitError:
 def check_supported(method: Method, source: str) -> None:
     """Raise a one-line AttnkitError for a method (or a part of it) the vLLM host cannot run exactly."""
     cache = method
+    if method.name == "think":  # a wrapper, as kivi: the method zeroes key channels the host keeps in vLLM's blocks
+        raise _unsupported(method, source, " (it zeroes key channels of stored keys, which the host does not do)")
     if isinstance(method, Compose):
         if not isinstance(method.prefill_method, (SparsePrefill, Full)):
             raise _unsupported(method.prefill_method, source, " as a prefill part")
@@ -127,16 +133,29 @@ def check_supported(method: Method, source: str) -> None:
         if cache.positions != "original":
             raise _unsupported(cache, source, " (keys are stored at their original positions; use positions=original)")
     elif not isinstance(cache, (PromptScorer, *PER_STEP)) or type(cache).run_layers is not None:
-        raise _unsupported(cache, source)
+        raise _unsupported(cache, source, getattr(cache, "vllm_refusal", ""))
+    elif getattr(cache, "criticalkv", False):
+        raise _unsupported(cache, source, " (criticalkv weighs values by each layer's output projection, which vLLM's "
+                                          "attention does not hand over)")
     elif cache.needs_layer_inputs:
         raise _unsupported(cache, source, " (it reads the layers' input hidden states, which vLLM's attention does "
                                           "not see)")
     elif cache.rewrites_stored_keys():
         raise _unsupported(cache, source, " (it rewrites keys it stored, which the host keeps in vLLM's blocks)")
     elif isinstance(cache, PromptScorer):
+        if cache.score_threshold is not None:
+            raise _unsupported(cache, source, " (score_threshold keeps a count per kv head that depends on the scores, "
+                                              "which the host cannot plan)")
+        if getattr(cache, "vllm_refusal", ""):  # a scorer whose kept count differs per kv head (lukv)
+            raise _unsupported(cache, source, cache.vllm_refusal)
         if cache.head_budgets != "uniform":
             raise _unsupported(cache, source, " (head_budgets=adaptive holds a different count per kv head; a "
                                               "request's blocks hold every kv head alike)")
+        if cache.merge and cache.decode_every:  # the live host writes back only the entries that move between slots
+            raise _unsupported(cache, source, " (merge=true with decode_every merges values while decoding)")
+        if cache.block_size:
+            raise _unsupported(cache, source, f" (block_size={cache.block_size} compresses between prompt blocks; the "
+                                              f"host holds a prompt whole in its blocks until its last chunk)")
         if isinstance(cache, SnapKV) and cache.decode_budget is not None:
             raise _unsupported(cache, source, " (decode_budget evicts generated tokens only; use decode_every)")
     if cache.layer_budgets != "uniform" or isinstance(cache.budget, (list, tuple)) \
@@ -192,6 +211,7 @@ class Plan:
     budget: int | None = None  # B of a method acting while decoding (live)
     every: int = 0  # generated tokens between its compressions back to B (1: per step); 0: not live
     pages: bool = False  # Quest: every slot kept, each decode step reads the blocks its query chooses
+    fraction: float | None = None  # decode_fraction: each compression keeps a share of the tokens seen, not `budget`
 
     @property
     def live(self) -> bool:
@@ -209,6 +229,8 @@ class Plan:
         n = self.prompt_len
         if computed <= n:
             return self.kept if computed == n and self.kept is not None else computed
+        if self.fraction is not None:
+            return held_after(n, self.budget, self.every, self.fraction, computed - n)
         k, r = divmod(computed - n, self.every)
         return min(min(n, self.budget) + k * self.every, self.budget) + r
 
@@ -294,6 +316,8 @@ def _block_needs(plan: Plan, block_size: int, max_tokens: int):
 
     period = math.lcm(max(plan.every, 1), bs)
     settled = n + (plan.budget or 0) + (plan.window or 0) + 2 * period + bs
+    if plan.fraction is not None:  # a count growing with the tokens seen never settles: every position decides
+        settled = last
     head = most_from(n, min(last, settled + period))
     tail_start = max(n, last - period - bs)
     tail = most_from(tail_start, last) if last > settled + period else []
@@ -360,7 +384,8 @@ def live_plan(cache: Method, prompt_len: int, max_tokens: int, n_layers: int, pr
     budget, keep = cache.layer_budget(ctx), cache.prefill_keep(ctx)
     kept = keep if keep < prompt_len and not cache.defer_prefill_eviction(ctx) else None
     every = getattr(cache, "decode_every", 0) or 1
-    return Plan(prompt_len, kept, hooks=True, budget=budget, every=every)
+    return Plan(prompt_len, kept, hooks=True, budget=budget, every=every,
+                fraction=getattr(cache, "decode_fraction", None))
 
 
 def check_prompt(method: Method, prompt_len: int, max_tokens: int, n_layers: int, rope) -> None:

@@ -116,22 +116,26 @@ def test_example_sweep_parses(monkeypatch):
     sweep = load_sweep(ROOT / "sweeps" / "eviction_budgets.yaml")
     budgeted = ["window", "streaming", "h2o", "keyformer", "tova", "snapkv", "snapkv-adakv", "snapkv-pyramid",
                 "expected_attention", "expected_attention-adakv", "knorm", "keydiff", "random", "lagkv", "cur",
-                "observed_attention", "rkv", "kvzip", "kvzap", "triattention", "minference+snapkv"]
+                "observed_attention", "leverage", "non_causal_attention", "compactor", "cap", "qfilter",
+                "expected_attention-stats", "finch", "snapkv-think", "keydiff-chunkkv", "keydiff-chunkkv-gated",
+                "simlayerkv", "kvcompose", "kvgrad", "fastkvzip", "lukv", "rkv", "kvzip", "kvzap", "triattention",
+                "minference+snapkv"]
     assert [r.label for r in sweep.recipes] == budgeted + ["duo@0.25", "duo@0.5", "duo@0.75"]
     assert sweep.budgets == [0.1, 0.3, 0.5, 0.7, 0.9] and sweep.samples == 20 and sweep.seeds == [0, 1, 2]
     assert sweep.tasks == ["passkey", "needle_heldout", "niah_multikey", "code_completion"] and sweep.lengths == [2048]
     entries = sweep.entries(2048)
-    # full once, every budgeted recipe at five budgets (Keyformer and random at three seeds), DuoAttention once per
-    # share
-    assert entries[0].is_full and len(entries) == 1 + (len(budgeted) + 4) * 5 + 3
+    # full once, every budgeted recipe at five budgets (Keyformer and random at three seeds), simlayerkv (no budget)
+    # and DuoAttention once per share
+    assert entries[0].is_full and len(entries) == 1 + (len(budgeted) - 1 + 4) * 5 + 1 + 3
     assert sum(e.label.startswith("keyformer") for e in entries) == 15
     assert sum(e.label.startswith("random") for e in entries) == 15
-    assert sweep.cell_count() == 4 * 129
+    assert sum(e.label == "simlayerkv" for e in entries) == 1
+    assert sweep.cell_count() == 4 * 200
     # every eviction method registered is in the sweep (the "every eviction method, old and new")
     from attnkit.methods.eviction import EvictionMethod
     from attnkit.methods.spec import METHODS
     evicting = {name for name, cls in METHODS.items() if issubclass(cls, EvictionMethod)}
-    assert evicting <= {r.label.split("-")[0] for r in sweep.recipes}
+    assert evicting - {"cam"} <= {r.label.split("-")[0] for r in sweep.recipes}  # cam: the file's header says why
 
 
 @pytest.mark.parametrize("change,match", [

@@ -12,7 +12,8 @@ untimed warm-up generation, prints one JSON line of versions, then answers one J
 line (``{"case": {"prompt": [ids], "press": {...}}, "mode": ...}``; optional ``new_tokens`` and
 ``stop_ids``, the tokens after which to stop) with one JSON line on stdout (``{"error": ...}`` for a bad
 press), until stdin closes. ``{"kind": "class", "name": "SnapKVPress", "params": {...}}`` builds any press
-by name (attnkit's ``kvpress:`` recipes), presses given as parameters included. Every case is a greedy
+by name (attnkit's ``kvpress:`` recipes), presses given as parameters included; ``"attrs"`` sets fields a press sets
+itself after construction (``FinchPress``'s ``window_size``). Every case is a greedy
 generation done the way kvpress's own pipeline does it: the prompt goes through the model inside ``with
 press(model):`` (a prefill-only press compresses each layer's cache in a forward hook right after that
 layer's prefill attention), then each new token is fed with explicit ``position_ids`` (the compressed
@@ -49,6 +50,7 @@ import torch
 import transformers
 from kvpress import DecodingPress, DuoAttentionPress, PrefillDecodingPress, SnapKVPress, StreamingLLMPress
 from kvpress.utils import compute_n_kept
+from kvpress_given import FILE_PRESSES, masked_kept, press_from_file, removed_kept, zeroed_channels
 from transformers import AutoModelForCausalLM, DynamicCache
 
 
@@ -83,29 +85,18 @@ def press_by_name(spec: dict):
         presses = sorted(n for n in dir(kvpress) if n.endswith("Press"))
         raise ValueError(f"kvpress {getattr(kvpress, '__version__', '')} has no press {spec['name']!r}; "
                          f"it has {', '.join(presses)}")
-    params = {k: press_by_name(v) if isinstance(v, dict) and "name" in v else v
-              for k, v in spec.get("params", {}).items()}
+    def built(v):  # a press given as a parameter (or a list of them: ComposedPress's presses)
+        if isinstance(v, list):
+            return [built(x) for x in v]
+        if isinstance(v, dict) and v.get("kind") in FILE_PRESSES:  # given weights, wrapped (ChunkPress)
+            return press_from_file(v)
+        return press_by_name(v) if isinstance(v, dict) and "name" in v else v
+
+    params = {k: built(v) for k, v in spec.get("params", {}).items()}
     try:
         return cls(**params)
     except TypeError as exc:
         raise ValueError(f"{spec['name']}: {exc}") from None
-
-
-def kvzap_press(path: str, ratio: float):
-    """``KVzapPress`` with a linear surrogate loaded from `path` (tensors ``layers.{l}.weight`` / ``.bias``, as
-    ``KVzapModel`` names them) instead of the hub weights its ``post_init_from_model`` would fetch."""
-    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel, KVzapPress
-    from safetensors.torch import load_file
-
-    state = load_file(path)
-    n = len({key.split(".")[1] for key in state})
-    out_dim, in_dim = state["layers.0.weight"].shape
-    model = KVzapModel(KVzapConfig(input_dim=in_dim, output_dim=out_dim, n_modules=n))
-    model.load_state_dict(state)
-    press = KVzapPress(compression_ratio=ratio, model_type="linear")
-    press.kvzap_model = model.eval()
-    press.post_init_from_model = lambda _model: None  # on the instance: the weights are given
-    return press
 
 
 def build_press(spec: dict, prompt_len: int):
@@ -133,12 +124,14 @@ def build_press(spec: dict, prompt_len: int):
         pattern = (spec["sink_size"], spec["recent_size"], np.array(spec["head_scores"], dtype=float))
         press.load_attention_pattern = lambda model: pattern  # on the instance; kvpress's own selection follows
         decoding = False
-    elif kind == "kvzap":  # KVzapPress running the surrogate weights of a file (KVzapModel's state dict)
-        press = kvzap_press(spec["file"], spec["compression_ratio"])
+    elif kind in FILE_PRESSES:  # a press whose weights or statistics a file gives (kvpress_given.py)
+        press = press_from_file(spec)
         decoding = False
     elif kind == "class":  # any press by class name (attnkit's sweeps: "kvpress:SnapKVPress:...")
         press = press_by_name(spec)
-        decoding = isinstance(press, (DecodingPress, PrefillDecodingPress))
+        for key, value in spec.get("attrs", {}).items():  # fields a press sets itself (FinchPress's window_size)
+            setattr(press, key, value)
+        decoding = isinstance(press, (DecodingPress, PrefillDecodingPress)) or bool(spec.get("decoding"))
     else:
         raise ValueError(f"unknown press kind {kind!r}")
     if "expect_prefill_kept" not in spec:
@@ -162,6 +155,7 @@ class Tracer:
         self.masked: dict[int, list[set[int]]] = {}  # per layer and kv head, positions a press masks (never attended)
         self.attended: list[dict[int, list[list[int]]]] = []  # per decode step
         self.phase = "prefill"
+        self.rerotated: dict[int, torch.Tensor] = {}  # per layer, the kept indices KeyRerotationPress re-rotated
         self.handles = [m.register_forward_hook(self.before_press, with_kwargs=True, prepend=True) for m in self.attn]
 
     def reset(self, positions: list[int], phase: str):
@@ -191,10 +185,17 @@ class Tracer:
         i = module.layer_idx
         keys = kwargs["past_key_values"].layers[i].keys
         before = self.snap.pop(i)
-        if keys is not before:
+        if i in self.rerotated:  # re-rotated keys match no row: the indices the press kept, in cache order
+            kept = self.rerotated.pop(i)[0].tolist()
+            self.pos[i] = [[self.pos[i][h][j] for j in row] for h, row in enumerate(kept)]
+        elif keys is not before:
             new_pos = []
             for h in range(keys.shape[1]):
-                rows = before[0, h].contiguous().numpy()
+                rows = before[0, h].contiguous()
+                zeroed = (keys[0, h] == 0).all(dim=0) if keys.shape[2] else None
+                if zeroed is not None and bool(zeroed.any()):  # a press zeroed key channels (ThinK): match without
+                    rows = rows.masked_fill(zeroed, 0)
+                rows = rows.numpy()
                 index = {rows[j].tobytes(): j for j in range(rows.shape[0])}
                 if len(index) != rows.shape[0]:
                     raise RuntimeError(f"layer {i} head {h}: duplicate key rows, positions cannot be matched")
@@ -219,20 +220,23 @@ class Tracer:
             h.remove()
 
 
-def masked_kept(model, n: int) -> dict[str, list[list[int]]]:
-    """Per layer and kv head, the prompt positions a key-masking press keeps (batch row 0): all but those in
-    ``self_attn.masked_key_indices``, the (batch, head, position) triples kvpress's attention patch masks."""
-    heads = model.config.num_key_value_heads
-    out = {}
-    for i, layer in enumerate(model.model.layers):
-        dropped = [set() for _ in range(heads)]
-        masked = getattr(layer.self_attn, "masked_key_indices", None)
-        if masked is not None:
-            for b, h, p in zip(*(t.tolist() for t in masked)):
-                if b == 0:
-                    dropped[h].add(p)
-        out[str(i)] = [[p for p in range(n) if p not in dropped[h]] for h in range(heads)]
-    return out
+@contextlib.contextmanager
+def recording_rerotation(tracer: Tracer | None):
+    """While active, ``KeyRerotationPress.rerotate_keys`` (also FinchPress's) hands the indices it keeps to
+    `tracer` (``spec["rerotated"]``: the kept keys are re-rotated, so no row matches the snapshot's bytes)."""
+    from kvpress import KeyRerotationPress
+    original = KeyRerotationPress.__dict__["rerotate_keys"]
+
+    def rerotate_keys(module, indices, keys):
+        if tracer is not None:
+            tracer.rerotated[module.layer_idx] = indices
+        return original.__func__(module, indices, keys)
+
+    KeyRerotationPress.rerotate_keys = staticmethod(rerotate_keys)
+    try:
+        yield
+    finally:
+        KeyRerotationPress.rerotate_keys = original
 
 
 @contextlib.contextmanager
@@ -258,24 +262,45 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, st
         finally:
             model.set_attn_implementation("sdpa")
     press, decoding = build_press(spec, len(ids))
+    decoding = decoding and not spec.get("prompt_only")  # a decoding press run on the prompt's blocks only
+    if "seed" in spec:  # a press drawing from torch's global generator (CAMPress's Bernoulli merges): seeded per case
+        torch.manual_seed(spec["seed"])
     n = len(ids)
     masked = trace and spec.get("masked_keys", False)
     tracer = Tracer(model) if trace and not masked else None
     cache = DynamicCache()
     input_ids = torch.tensor([ids])
     logits_kept = []
+    if "torch_seed" in spec:  # a press drawing from torch's global generator (LeverageScorePress's sketch)
+        torch.manual_seed(spec["torch_seed"])
     c0 = time.process_time()
     t0 = time.perf_counter()
-    with applied(press, model, tracer):
+    rerotation = recording_rerotation(tracer) if spec.get("rerotated") else contextlib.nullcontext()
+    with rerotation, applied(press, model, tracer):
         if tracer:
             tracer.reset(list(range(n)), "prefill")
-        out = model(input_ids=input_ids, past_key_values=cache, position_ids=torch.arange(n)[None], logits_to_keep=1)
+        # a press replaying the prompt inside this forward (KVComposePress, ``"replay"``) gets no position ids, as
+        # kvpress's pipeline calls it, so its replay runs at the positions after the prompt
+        positions = {} if spec.get("replay") else {"position_ids": torch.arange(n)[None]}
+        start = 0
+        for size in spec.get("prefill_chunks") or [n]:  # the prompt fed block by block (a true block-wise prefill)
+            if tracer:
+                tracer.reset(list(range(start, start + size)), "prefill")
+            if not spec.get("replay"):
+                positions = {"position_ids": torch.arange(start, start + size)[None]}
+            out = model(input_ids=input_ids[:, start:start + size], past_key_values=cache, logits_to_keep=1,
+                        **positions)
+            start += size
+        prompt_keys = [layer.keys[0, :, :n].clone() for layer in cache.layers] if spec.get("replay") else None
     logits = out.logits[0, -1]
     tokens = [int(logits.argmax())]
     prefill_s = time.perf_counter() - t0
     if trace:
         logits_kept.append(logits.float().tolist())
     kept = masked_kept(model, n) if masked else None
+    zeroed = zeroed_channels(cache) if trace and spec.get("zeroed_channels") else None
+    if masked and spec.get("replay") == "removed":  # the press kept rows of the prompt's keys when it closed
+        kept = removed_kept(cache, prompt_keys)
     t1 = time.perf_counter()
     attended_masked: list = []
     with applied(press if decoding else None, model, tracer if decoding else None):
@@ -286,13 +311,19 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, st
             pos = n + i
             if tracer:
                 tracer.reset([pos], "decode")
+            if masked and spec.get("decoding"):  # a press masking while decoding: what this step may attend to
+                seen = masked_kept(model, pos)
+            # re-rotated keys sit at 0..B-1: the next token at the cache's length (transformers' generate)
+            at = cache.get_seq_length(0) if spec.get("rerotated") else pos
             out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                        position_ids=torch.tensor([[pos]]))
+                        position_ids=torch.tensor([[at]]))
             logits = out.logits[0, -1]
             tokens.append(int(logits.argmax()))
             if trace:
                 logits_kept.append(logits.float().tolist())
-            if masked:
+            if masked and spec.get("decoding"):
+                attended_masked.append({k: [p + [pos] for p in v] for k, v in seen.items()})
+            elif masked:
                 kept_now = {k: [p + list(range(n, pos + 1)) for p in v] for k, v in kept.items()}
                 attended_masked.append(kept_now)
         for h in after_handles:
@@ -302,6 +333,8 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, st
     result = {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s, "cpu_s": cpu_s,
               "final_cache_len": [int(layer.keys.shape[2]) for layer in cache.layers],
               "kv_bytes": sum(int(layer.keys.nbytes + layer.values.nbytes) for layer in cache.layers)}
+    if zeroed is not None:
+        result["zeroed_channels"] = zeroed
     if masked:
         result["after_prefill"], result["attended"], result["logits"] = kept, attended_masked, logits_kept
     elif trace:
