@@ -131,6 +131,14 @@ Parameter mapping (kvpress -> attnkit), exact:
 - ``LUKVPress(ExpectedAttentionPress(epsilon=0.02), compression_ratio, sink=4, window=1)`` (``--lukv P``: a budget
   curve profiled here by ``attnkit calibrate lukv`` on P pairs per task of 512 tokens, 16 answer tokens, saved as
   ``.npy`` and set as the press's ``_budget_curves``) -> ``lukv(curve=that file, budget_tokens=n)``.
+- ``RestoreKVPress(compression_ratio=r, layerwise=True, n_sink, chunk_size)`` (``--restorekv FILE``: restore weights
+  of ``attnkit calibrate restorekv`` for the model, written as kvpress loads them, a peft adapter folder plus
+  ``restore_embeddings.safetensors``, and loaded into the model by the press's own ``load_adapter`` call) ->
+  ``restorekv(config=FILE, budget_tokens=n, head_budgets="adaptive", alpha_safeguard=0, n_sink, chunk_size)``, ``r``
+  chosen so that KVzipPress, at ``r + R/L`` after the restore tokens joined, prunes ``kv x (L - n + R)`` entries per
+  layer, as attnkit keeps ``kv x (n - R)`` prompt entries and the ``R`` restore entries per kv head. Both sides hold the
+  restore entries at positions ``L .. L+R-1`` and feed later tokens from ``L + R`` on (kvpress's pipeline places them
+  at the cache's length; the worker does the same, ``at_cache_length``).
 - ``MergingPress(press=P, similarity_threshold=t, merge_fraction=f)`` with ``P`` ``KnormPress`` or ``SnapKVPress``
   (``--merging``, ``--merge-params``) -> the same scorer with ``merge=true, similarity_threshold=t, merge_fraction=f``
   at ``budget_tokens=n``: the kept positions are the scorer's; the merged values show in the decode steps' logits.
@@ -429,6 +437,7 @@ def build_cases(prompts, args) -> tuple[list[dict], list[dict], list[dict]]:
         cam_cases(pair, name, n, keep, args)
         calibrated_cases(pair, name, n, keep, args)
         trained_cases(pair, name, n, keep, args)
+        restorekv_cases(pair, name, n, keep, args)
         wrapper_cases(pair, name, n, keep, args, snap_sets[:1])
         composed_cases(pair, name, n, args, snap_sets[:1] or [(64, 5)])
         duo_cases(pair, name, args)
@@ -799,6 +808,30 @@ def ratio_pruning(total: int, pruned: int) -> float:
     raise SystemExit(f"no compression_ratio prunes exactly {pruned} of {total}")
 
 
+def restorekv_cases(pair, name: str, n: int, keep: int, args) -> None:
+    """restorekv's row (``--restorekv FILE``): mapped as kvzip's, the budget counting the ``R`` restore entries."""
+    if not args.restorekv_dir:
+        return
+    kv, r = args.kv_heads, args.restore_tokens
+    pruned, total = kv * (n - keep + r), kv * n
+    ratio = pruned / total - r / n
+    for _ in range(64):  # KVzipPress's count: int(total * min(1, ratio + R/n)), after RestoreKVPress adds R/n
+        got = int(total * min(1.0, ratio + r / n))
+        if got == pruned:
+            break
+        ratio = math.nextafter(ratio, math.inf if got < pruned else -math.inf)
+    else:
+        raise SystemExit(f"no compression_ratio prunes exactly {pruned} of {total} with {r} restore tokens")
+    params = {"config": args.restorekv, "budget_tokens": keep, "head_budgets": "adaptive", "alpha_safeguard": 0.0,
+              "n_sink": args.n_sink, "chunk_size": args.kvzip_chunk}
+    pair("restorekv", f"{name}/restorekv", {"method": "restorekv", "params": params}, f"{name}/restorekv",
+         {"press": {"kind": "restorekv", "file": args.restorekv_dir, "compression_ratio": ratio, "layerwise": True,
+                    "n_sink": args.n_sink, "chunk_size": args.kvzip_chunk, "masked_keys": True,
+                    "at_cache_length": True}},
+         "RestoreKVPress(layerwise=True) with attnkit calibrate restorekv's weights (peft folder); attnkit "
+         "head_budgets=adaptive,alpha_safeguard=0")
+
+
 def kvzip_cases(pair, name: str, n: int, keep: int, args) -> None:
     """kvzip's rows: ``kvzip(budget_tokens=keep, head_budgets=adaptive, alpha_safeguard=0)`` against ``KVzipPress(
     layerwise=True)`` pruning the layer's ``kv x (n - keep)`` lowest scores across its kv heads (equal by design),
@@ -1109,6 +1142,8 @@ def main(argv=None) -> int:
                    "many steps and compare fastkvzip with FastKVzipPress on those weights (0: none)")
     p.add_argument("--lukv", type=int, default=0, help="profile LU-KV's budget curve on this many pairs per task (512 "
                    "tokens, 16 answer tokens) and compare lukv with LUKVPress on that curve (0: none)")
+    p.add_argument("--restorekv", default="", help="restore weights of `attnkit calibrate restorekv` for the model: "
+                   "compare restorekv with RestoreKVPress on them (written as its peft folder; empty: none)")
     p.add_argument("--ea-stats", type=int, default=0, help="calibrate Expected Attention's query statistics on this "
                    "many windows of 256 tokens and compare expected_attention:stats with ExpectedAttentionStatsPress "
                    "(0: none)")
@@ -1188,6 +1223,15 @@ def main(argv=None) -> int:
             args.lukv_file = str(folder / "lukv.npy")
             import numpy as np
             np.save(args.lukv_file, curve)
+    args.restorekv_dir, args.restore_tokens = None, 0
+    if args.restorekv:  # the same weights for kvpress: a peft adapter folder and the restore embeddings
+        from attnkit.methods.restorekv_weights import load_weights, save_kvpress_format
+        weights = load_weights(args.restorekv)
+        weights.check_model(model)
+        args.restore_tokens = weights.tokens
+        args.restorekv = str(Path(args.restorekv).resolve())
+        args.restorekv_dir = str(save_kvpress_format(Path(tempfile.mkdtemp(prefix="compare-restorekv-")),
+                                                     weights.embeddings, weights.lora, weights.meta))
     rows, ours, theirs = build_cases(prompts, args)
     warmup = min((ids for _, ids in prompts), key=len)  # a full-size warm-up generation (4 tokens), untimed
     with tempfile.TemporaryDirectory(prefix="compare-kvpress-") as tmp_dir:

@@ -57,7 +57,7 @@ NOT_UNLIMITED = {"minference_static": "indices fixed at calibration (sparse what
 
 def unlimited_specs(total: int, static_config: str, kvzap_config: str = "",
                     triattention_config: str = "", qfilter_config: str = "", fastkvzip_config: str = "",
-                    lukv_config: str = "") -> dict[str, str]:
+                    lukv_config: str = "", restorekv_config: str = "") -> dict[str, str]:
     """One spec per registered method that keeps every one of `total` tokens (prompt + generated); `kvzap_config` is
     a kvzap surrogate trained for the model (:func:`kvzap_surrogate`), `triattention_config` its query statistics
     (:func:`triattention_stats`), `qfilter_config` its Q-Filters (:func:`triattention_stats` with ``qfilter``)."""
@@ -80,6 +80,7 @@ def unlimited_specs(total: int, static_config: str, kvzap_config: str = "",
         "triattention": f"triattention:config={triattention_config},{b}",
         "qfilter": f"qfilter:config={qfilter_config},{b}", "think": "think:key_channels=0",  # no channel pruned
         "fastkvzip": f"fastkvzip:config={fastkvzip_config},{b}", "lukv": f"lukv:curve={lukv_config},{b}",
+        "restorekv": f"restorekv:config={restorekv_config},{b}",  # nothing evicted: no restore token added
     }
     missing = sorted(set(METHODS) - set(specs))
     if missing:
@@ -109,11 +110,14 @@ def triattention_stats(model_spec: str, path: Path, tool: str = "triattention") 
 
 
 def trained_file(model_spec: str, path: Path, tool: str) -> str:
-    """fastkvzip's gates (``attnkit calibrate fastkvzip``, one window of 128 tokens, 5 steps) or lukv's budget curve
-    (``attnkit calibrate lukv``, one passkey pair of 256 tokens, 4 answer tokens) for the model."""
+    """fastkvzip's gates (``attnkit calibrate fastkvzip``, one window of 128 tokens, 5 steps), lukv's budget curve
+    (``attnkit calibrate lukv``, one passkey pair of 256 tokens, 4 answer tokens) or restorekv's weights (``attnkit
+    calibrate restorekv``, one passkey prompt of 256 tokens, one step) for the model."""
     from attnkit.cli import main as cli_main
     args = {"fastkvzip": ["--samples", "1", "--length", "128", "--heldout", "1", "--steps", "5"],
-            "lukv": ["--tasks", "passkey", "--samples", "1", "--length", "256", "--new-tokens", "4"]}[tool]
+            "lukv": ["--tasks", "passkey", "--samples", "1", "--length", "256", "--new-tokens", "4"],
+            "restorekv": ["--tasks", "passkey", "--samples", "1", "--length", "256", "--heldout", "1", "--new-tokens",
+                          "4", "--steps", "1", "--batch-size", "1", "--split", "calibration"]}[tool]
     if cli_main(["calibrate", tool, "--model", model_spec, *args, "--out", str(path)]) != 0:
         raise SystemExit(f"gpu_check: attnkit calibrate {tool} failed")
     return str(path)
@@ -140,7 +144,8 @@ def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, 
                             triattention_stats(model_spec, tmp / "triattention.json"),
                             triattention_stats(model_spec, tmp / "qfilter.json", "qfilter"),
                             trained_file(model_spec, tmp / "fastkvzip.safetensors", "fastkvzip"),
-                            trained_file(model_spec, tmp / "lukv.safetensors", "lukv"))
+                            trained_file(model_spec, tmp / "lukv.safetensors", "lukv"),
+                            trained_file(model_spec, tmp / "restorekv.safetensors", "restorekv"))
     if not compile_kernels:
         specs = {k: (v + ",compile=false" if k in ("minference", "minference_static", "a_shape") else v)
                  for k, v in specs.items()}

@@ -153,8 +153,9 @@ def test_every_registered_method_is_covered():
     # compose: "A+B"; static, kvzap, triattention (they read a calibration file): below; qfilter (it reads one too):
     # tests/methods/test_qfilter.py, batched
     # fastkvzip, lukv (they read trained gates / a budget curve): test_fastkvzip_and_lukv_from_files
+    # restorekv (it reads trained restore weights): tests/methods/test_restorekv.py, batched
     assert set(METHODS) - {"compose", "minference_static", "kvzap", "triattention", "qfilter", "fastkvzip",
-                           "lukv"} <= named
+                           "lukv", "restorekv"} <= named
 
 
 def test_static_patterns_from_a_file(models, tmp_path):

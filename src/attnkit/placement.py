@@ -193,6 +193,22 @@ def execution_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def module_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
+    """`module`'s parameter `name` with its data, on the module's execution device: where accelerate offloads it (to
+    the CPU or the disk: the parameter sits on meta between the module's calls) it is read from the hook's weights
+    map, as the hook itself does before each call. For a method that reads a projection outside its forward (the
+    value-weighting scorers read ``o_proj.weight`` from inside the attention)."""
+    tensor = getattr(module, name)
+    if tensor.device.type != "meta":
+        return tensor
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", [hook]) if hook is not None else []:
+        weights = getattr(h, "weights_map", None)
+        if weights is not None and name in weights:
+            return weights[name].to(execution_device(module))
+    raise AttnkitError(f"{type(module).__name__}.{name} is on the meta device and no accelerate hook holds its data")
+
+
 def is_placed(hf: nn.Module) -> bool:
     """True when accelerate spread `hf` over several devices or offloads some of its weights."""
     device_map = getattr(hf, "hf_device_map", None) or {}

@@ -34,8 +34,9 @@ SCORERS = {"snapkv": "window_size=8", "knorm": "", "keydiff": "", "expected_atte
            "observed_attention": "", "leverage": "sketch_dimension=8", "non_causal_attention": "chunk_size=32",
            "compactor": "chunk_size=32", "finch": "question_tokens=8,positions=original", "qfilter": "",
            "kvgrad": "chunk_size=32"}
-# the prompt scorers whose trained files choose every kv head's count once: they refuse chunk_length
-NO_CHUNKS = {"fastkvzip", "lukv"}
+# the prompt scorers whose trained files choose every kv head's count once (restorekv: add trained entries after the
+# compression): they refuse chunk_length
+NO_CHUNKS = {"fastkvzip", "lukv", "restorekv"}
 # the entries each one never evicts when the prompt of n tokens is compressed
 PROTECTED = {"snapkv": lambda n: range(n - 8, n), "finch": lambda n: range(n - 8, n),
              "expected_attention": lambda n: range(4),
@@ -72,7 +73,8 @@ def test_every_prompt_scorer_is_covered():
 
 
 @pytest.mark.parametrize("spec", ["fastkvzip:config=gates.safetensors,budget=0.3,chunk_length=8",
-                                  "lukv:curve=curve.npy,budget=0.3,chunk_length=8"])
+                                  "lukv:curve=curve.npy,budget=0.3,chunk_length=8",
+                                  "restorekv:config=restore.safetensors,budget=0.3,chunk_length=8"])
 def test_scorers_of_trained_counts_refuse_chunks_in_one_line(spec):
     with pytest.raises(AttnkitError, match=r"chunk_length=8 is not supported") as err:
         parse_method_spec(spec)

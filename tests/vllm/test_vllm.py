@@ -22,7 +22,11 @@ from attnkit.vllm.stats import SchedulerWatch
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
 # the bundled model's query statistics (attnkit calibrate triattention), committed with the decode-time sweep
-TRIATTENTION = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps", "triattention_tiny.json")
+SWEEPS = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps")
+TRIATTENTION = os.path.join(SWEEPS, "triattention_tiny.json")
+# its q-filters and query statistics (attnkit calibrate qfilter / expected_attention), committed with the eviction sweep
+QFILTER = os.path.join(SWEEPS, "qfilter_tiny.json")
+EA_STATS = os.path.join(SWEEPS, "expected_attention_tiny.safetensors")
 LENGTHS = (1024, 2048, 3000, 1500)
 NEW = 24
 BLOCKS = 96  # of 128 tokens
@@ -240,7 +244,8 @@ SMALL = ["snapkv:budget=0.3", "snapkv:budget_tokens=256,window_size=16,kernel_si
          "finch:budget=0.3,question_tokens=32,positions=original",
          "knorm:budget=0.3,chunk_length=16,low_entropy_chunk_length=4", "knorm:budget=0.3,segment_length=256",
          "keydiff:budget=0.3,decode_every=4,decode_fraction=0.25",
-         "snapkv:budget=0.5,then=knorm:budget=0.5"]
+         "snapkv:budget=0.5,then=knorm:budget=0.5", f"qfilter:config={QFILTER},budget=0.3",
+         f"expected_attention:stats={EA_STATS},budget=0.3,decode_every=16"]
 
 
 @pytest.mark.parametrize("spec", SMALL)

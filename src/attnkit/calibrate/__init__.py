@@ -7,6 +7,7 @@
 - :mod:`attnkit.calibrate.kvzap`: KVzap's surrogate of kvzip's scores per layer (Jégou, Jeblick).
 - :mod:`attnkit.calibrate.fastkvzip`: Fast KVzip's gates per layer, distilled from kvzip's scores (Kim et al.).
 - :mod:`attnkit.calibrate.lukv`: LU-KV's budget curve per layer and kv head (Tang et al.).
+- :mod:`attnkit.calibrate.restorekv`: RestoreKV's restore tokens and LoRA adapters, self-distilled around kvzip.
 - :mod:`attnkit.calibrate.triattention`: TriAttention's pre-RoPE query statistics per head (Mao et al.).
 - :mod:`attnkit.calibrate.qfilter`: Q-Filters' query direction per layer and kv head (Godey et al.).
 - :mod:`attnkit.calibrate.expected_attention`: Expected Attention's pre-RoPE query mean and covariance (Devoto et al.).

@@ -294,6 +294,31 @@ def _calibrate_parsers(sub) -> None:
     c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     c.set_defaults(func=cmd_calibrate, calibration="fastkvzip")
 
+    c = calibrations.add_parser("restorekv", help="RestoreKV: train restore tokens and LoRA adapters by "
+                                                  "self-distillation around kvzip (restorekv:config=FILE)")
+    c.add_argument("--model", default="tiny", help=MODEL_HELP)
+    c.add_argument("--out", required=True, help="the safetensors file to write (restorekv:config=FILE)")
+    c.add_argument("--kvpress-dir", default=None, help="also write the weights as kvpress loads them (a peft "
+                                                       "adapter folder plus restore_embeddings.safetensors)")
+    c.add_argument("--tasks", default=None, help="task generators of the prompts (comma-separated; default: "
+                                                 "passkey,niah_multikey,kv_retrieval,variable_tracking,needle_heldout)")
+    c.add_argument("--samples", type=int, default=64, help="training prompts (the training split)")
+    c.add_argument("--length", type=int, default=1024, help="prompt tokens")
+    c.add_argument("--heldout", type=int, default=8, help="held-out prompts that measure the KL")
+    c.add_argument("--new-tokens", type=int, default=64, help="continuation tokens the full-cache model writes")
+    c.add_argument("--tokens", type=int, default=8, help="restore tokens (the published weights' 8)")
+    c.add_argument("--rank", type=int, default=2, help="LoRA rank")
+    c.add_argument("--alpha", type=float, default=2.0, help="LoRA alpha (the adapters scale by alpha / rank)")
+    c.add_argument("--steps", type=int, default=400, help="Adam steps")
+    c.add_argument("--batch-size", type=int, default=4, help="prompts per step")
+    c.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate (cosine decay)")
+    c.add_argument("--eval-budget", type=float, default=0.2, help="the budget of the held-out KL")
+    c.add_argument("--split", choices=["train", "calibration"], default="train",
+                   help="text of the training prompts: the training split, or the held-out one (quicker)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the prompts, the initialisation and the draws")
+    c.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    c.set_defaults(func=cmd_calibrate, calibration="restorekv")
+
     c = calibrations.add_parser("lukv", help="LU-KV: profile a budget curve per layer and kv head around Expected "
                                              "Attention (lukv:curve=FILE)")
     c.add_argument("--model", default="tiny", help=MODEL_HELP)

@@ -35,6 +35,7 @@ from attnkit.methods.observed_attention import ObservedAttention
 from attnkit.methods.qfilter import QFilter
 from attnkit.methods.quest import Quest
 from attnkit.methods.random_scores import Random
+from attnkit.methods.restorekv import RestoreKV
 from attnkit.methods.rkv import RKV
 from attnkit.methods.select import Select
 from attnkit.methods.share import Share
@@ -50,5 +51,5 @@ from attnkit.methods.window import Window
 __all__ = ["METHODS", "Method", "make_method", "parse_method_spec", "AShape", "CaM", "Cap", "Compactor", "Compose", "CUR",
            "DuoAttention", "ExpectedAttention", "FastKVzip", "Finch", "Full", "GemFilter", "H2O", "KeyDiff", "Keyformer", "Kivi",
            "KNorm", "KVCompose", "KVgrad", "KVzap", "KVzip", "LagKV", "Leverage", "LUKV", "MInference", "MInferenceStatic", "NonCausalAttention",
-           "ObservedAttention", "QFilter", "Quest", "Random", "RKV", "Select", "Share", "SimLayerKV", "SnapKV", "Streaming",
+           "ObservedAttention", "QFilter", "Quest", "Random", "RestoreKV", "RKV", "Select", "Share", "SimLayerKV", "SnapKV", "Streaming",
            "Think", "TOVA", "TriAttention", "Window"]

@@ -43,6 +43,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.scoring import adaptive_keep as ada_allocation
+from attnkit.placement import module_weight
 from attnkit.validate import flag, number
 
 EPSILON = 1e-4
@@ -77,7 +78,7 @@ def output_projection(ctx) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise AttnkitError(f"criticalkv=true weighs values by the layer's output projection (o_proj), which layer "
                            f"{ctx.index}'s attention module does not offer here")
-    return weight
+    return module_weight(proj)  # its data where accelerate offloads it
 
 
 def projected_value_norms(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

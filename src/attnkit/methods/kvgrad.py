@@ -58,6 +58,7 @@ from attnkit.methods.kvzip import ANSWER_PREFIX, CONTINUE_PROMPT, OVERLAP, REPEA
 from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
 from attnkit.methods.scoring import block_elements_for, visible
 from attnkit.methods.spec import register
+from attnkit.placement import module_weight
 from attnkit.session import LayerContext, Session, Step, layer_contexts
 from attnkit.validate import whole
 
@@ -239,7 +240,7 @@ class KVgrad(PromptScorer):
                              else grad.float().norm(dim=-1).to(q.device))
                 score = attribution(q, torch.cat([keys[:, :, :sink], keys[:, :, start:end], own], 2), scaling,
                                     pos.to(q.device), scored.to(q.device), slice(sink, sink + end - start),
-                                    value_output_norms(values[:, :, start:end], module.o_proj.weight), grad_norm,
+                                    value_output_norms(values[:, :, start:end], module_weight(module.o_proj)), grad_norm,
                                     window)
                 st = ctx.state
                 if st.score is None:

@@ -73,12 +73,13 @@ from attnkit.recipe.core import Recipe, as_recipe, load_recipe_file
 from attnkit.session import Session, layer_contexts, planned_slots
 
 SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, random, lagkv, cur, cap, "
-             "observed_attention, expected_attention, finch (positions=original), qfilter, leverage, non_causal_attention, compactor, rkv (a budget or budget_tokens, one value for every layer and "
-             "kv head; decode_every re-compresses while decoding, to B or with decode_fraction to a share of the "
-             "tokens seen; segment_length; merge=true without decode_every; then=SCORER, a second scorer on what the first kept), h2o, tova, keyformer (per step, or "
-             "buffered with "
-             "decode_every), quest (page_size = the engine's block size), a_shape, minference_static, minference, and "
-             "PREFILL+CACHE of a sparse prefill with one of those cache methods but quest")
+             "observed_attention, expected_attention, finch (positions=original), qfilter, leverage, "
+             "non_causal_attention, compactor, rkv (a budget or budget_tokens, one value for every layer and kv head; "
+             "decode_every re-compresses while decoding, to B or with decode_fraction to a share of the tokens seen; "
+             "segment_length; merge=true without decode_every; then=SCORER, a second scorer on what the first kept), "
+             "h2o, tova, keyformer (per step, or buffered with decode_every), quest (page_size = the engine's block "
+             "size), a_shape, minference_static, minference, and PREFILL+CACHE of a sparse prefill with one of those "
+             "cache methods but quest")
 PER_STEP = (H2O, TOVA, Keyformer)  # evict while decoding by their own statistics (one per token, or buffered)
 RECIPE_SUFFIXES = (".json", ".yaml", ".yml")
 

@@ -118,8 +118,8 @@ def test_example_sweep_parses(monkeypatch):
                 "expected_attention", "expected_attention-adakv", "knorm", "keydiff", "random", "lagkv", "cur",
                 "observed_attention", "leverage", "non_causal_attention", "compactor", "cap", "qfilter",
                 "expected_attention-stats", "finch", "snapkv-think", "keydiff-chunkkv", "keydiff-chunkkv-gated",
-                "simlayerkv", "kvcompose", "kvgrad", "fastkvzip", "lukv", "rkv", "kvzip", "kvzap", "triattention",
-                "minference+snapkv"]
+                "simlayerkv", "kvcompose", "kvgrad", "fastkvzip", "lukv", "rkv", "kvzip", "restorekv", "kvzap",
+                "triattention", "minference+snapkv"]
     assert [r.label for r in sweep.recipes] == budgeted + ["duo@0.25", "duo@0.5", "duo@0.75"]
     assert sweep.budgets == [0.1, 0.3, 0.5, 0.7, 0.9] and sweep.samples == 20 and sweep.seeds == [0, 1, 2]
     assert sweep.tasks == ["passkey", "needle_heldout", "niah_multikey", "code_completion"] and sweep.lengths == [2048]
@@ -130,7 +130,7 @@ def test_example_sweep_parses(monkeypatch):
     assert sum(e.label.startswith("keyformer") for e in entries) == 15
     assert sum(e.label.startswith("random") for e in entries) == 15
     assert sum(e.label == "simlayerkv" for e in entries) == 1
-    assert sweep.cell_count() == 4 * 200
+    assert sweep.cell_count() == 4 * 205
     # every eviction method registered is in the sweep (the "every eviction method, old and new")
     from attnkit.methods.eviction import EvictionMethod
     from attnkit.methods.spec import METHODS

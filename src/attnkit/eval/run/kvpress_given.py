@@ -7,7 +7,7 @@ the key channels it zeroed (ThinK's).
 import json
 
 import torch
-from kvpress_trained import fastkvzip_press, lukv_press  # beside this file (the worker's sys.path[0])
+from kvpress_trained import fastkvzip_press, lukv_press, restorekv_press  # beside this file (sys.path[0])
 
 
 def kvzap_press(path: str, ratio: float):
@@ -54,7 +54,7 @@ def stats_press(path: str, ratio: float):
     return press
 
 
-FILE_PRESSES = ("kvzap", "qfilter", "expected_attention_stats", "fastkvzip", "lukv")
+FILE_PRESSES = ("kvzap", "qfilter", "expected_attention_stats", "fastkvzip", "lukv", "restorekv")
 
 
 def press_from_file(spec: dict):
@@ -68,6 +68,8 @@ def press_from_file(spec: dict):
         return stats_press(path, ratio)
     if kind == "fastkvzip":  # FastKVzipPress with the gates of a file (the authors' torch format)
         return fastkvzip_press(path, ratio, spec["layerwise"], spec["n_sink"], spec["window_ratio"])
+    if kind == "restorekv":  # RestoreKVPress with a folder's peft adapter and restore embeddings
+        return restorekv_press(path, ratio, spec["layerwise"], spec["n_sink"], spec["chunk_size"])
     return lukv_press(path, ratio, spec["sink"], spec["window"], spec["epsilon"])  # budget curve of a .npy
 
 

@@ -1,6 +1,7 @@
 """kvpress's presses whose weights their authors trained, built on weights given as files instead of downloaded:
-``FastKVzipPress`` (its gates, the authors' torch file ``{"module": [state dict per layer]}``) and ``LUKVPress`` (its
-budget curve, a ``.npy`` ``[99, layers, kv heads]``). Imported by :mod:`attnkit.eval.run.kvpress_worker` in
+``FastKVzipPress`` (its gates, the authors' torch file ``{"module": [state dict per layer]}``), ``LUKVPress`` (its
+budget curve, a ``.npy`` ``[99, layers, kv heads]``) and ``RestoreKVPress`` (a folder holding a peft LoRA adapter and
+``restore_embeddings.safetensors``, as on the hub). Imported by :mod:`attnkit.eval.run.kvpress_worker` in
 kvpress's own environment: only the standard library, torch, numpy and kvpress, never attnkit."""
 
 from __future__ import annotations
@@ -38,3 +39,25 @@ def lukv_press(path: str, ratio: float, sink: int, window: int, epsilon: float):
     press._budget_curves = np.load(path, allow_pickle=False)
     return press
 
+
+
+def restorekv_press(folder: str, ratio: float, layerwise: bool, n_sink: int, chunk_size: int):
+    """``RestoreKVPress`` whose restore embeddings and LoRA adapter come from `folder` (``attnkit calibrate restorekv
+    --kvpress-dir``) instead of ``higokri/RestoreKV-<model>``: its ``post_init_from_model`` is answered on the instance
+    by loading the adapter into the model once (transformers' ``load_adapter``, peft), switched off as kvpress's own
+    leaves it; the press switches it on for the restore pass only."""
+    from kvpress.presses.restorekv_press import RestoreKVPress
+    from safetensors.torch import load_file
+
+    press = RestoreKVPress(compression_ratio=ratio, layerwise=layerwise, n_sink=n_sink, chunk_size=chunk_size)
+
+    def given(model):
+        if press.restore_embeddings is None:
+            embeddings = load_file(f"{folder}/restore_embeddings.safetensors")["restore_embeddings"]
+            press.restore_embeddings = embeddings.to(model.device, dtype=model.dtype)
+        if press.adapter_name not in getattr(model, "peft_config", {}):
+            model.load_adapter(folder, adapter_name=press.adapter_name)
+        model.disable_adapters()
+
+    press.post_init_from_model = given
+    return press

@@ -34,6 +34,8 @@ what a head holds and attends to. ``{"kind": "duo", ...}`` builds ``DuoAttention
 sink and recent sizes given in the request (kvpress would download them or compute them from a dataset).
 ``KVzipPress`` also masks evicted keys (its compression runs its own forwards when the press's context closes;
 the spec says ``"masked_keys": true``): its kept positions are read from ``masked_key_indices`` once it is done.
+``"at_cache_length": true`` (``RestoreKVPress``, whose restore tokens join the cache after the prompt): the held
+entries are read up to the cache's length and later tokens fed there, as kvpress's pipeline feeds them.
 """
 
 from __future__ import annotations
@@ -297,7 +299,9 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, st
     prefill_s = time.perf_counter() - t0
     if trace:
         logits_kept.append(logits.float().tolist())
-    kept = masked_kept(model, n) if masked else None
+    # a press appending entries after the prompt (RestoreKVPress's restore tokens): later tokens at the cache's length
+    held = cache.get_seq_length(0) if spec.get("at_cache_length") else n
+    kept = masked_kept(model, held) if masked else None
     zeroed = zeroed_channels(cache) if trace and spec.get("zeroed_channels") else None
     if masked and spec.get("replay") == "removed":  # the press kept rows of the prompt's keys when it closed
         kept = removed_kept(cache, prompt_keys)
@@ -314,7 +318,7 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, st
             if masked and spec.get("decoding"):  # a press masking while decoding: what this step may attend to
                 seen = masked_kept(model, pos)
             # re-rotated keys sit at 0..B-1: the next token at the cache's length (transformers' generate)
-            at = cache.get_seq_length(0) if spec.get("rerotated") else pos
+            at = cache.get_seq_length(0) if spec.get("rerotated") or spec.get("at_cache_length") else pos
             out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
                         position_ids=torch.tensor([[at]]))
             logits = out.logits[0, -1]
@@ -324,7 +328,7 @@ def generate(model, ids: list[int], spec: dict, new_tokens: int, trace: bool, st
             if masked and spec.get("decoding"):
                 attended_masked.append({k: [p + [pos] for p in v] for k, v in seen.items()})
             elif masked:
-                kept_now = {k: [p + list(range(n, pos + 1)) for p in v] for k, v in kept.items()}
+                kept_now = {k: [p + list(range(held, at + 1)) for p in v] for k, v in kept.items()}
                 attended_masked.append(kept_now)
         for h in after_handles:
             h.remove()
