@@ -12,7 +12,7 @@ import torch
 
 import attnkit
 from attnkit import AttnkitError
-from attnkit.calibrate.kvzap import collect, fit_linear, held_out_fit, text_windows
+from attnkit.calibrate.kvzap import collect, collect_text, fit_linear, held_out_fit, mixture_windows, text_windows
 from attnkit.cli import main
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.hf_cache import AttnkitCache
@@ -136,19 +136,20 @@ def test_threshold_keeps_what_scores_above_it_at_prefill_and_while_decoding(mode
 
 # ---- the surrogate predicts kvzip ----------------------------------------------------------------------------
 def test_surrogate_trained_on_tiny_predicts_kvzip_on_held_out_text():
-    """Trained on 4 windows of 256 tokens of tiny's training text, it ranks held-out entries as kvzip does: the
-    log scores correlate (Pearson, every layer) and most of kvzip's top 30 % is kept; the same fit on shuffled
-    targets does neither (chance: 0 and 0.3)."""
+    """Trained on 9 windows of 256 tokens of the default mixture (one of each kind), it ranks held-out entries (one
+    window of each kind's held-out text) as kvzip does: the log scores correlate (Pearson, every layer) and most of
+    kvzip's top 30 % is kept; the same fit on shuffled targets does neither (chance: 0 and 0.3)."""
     model = attnkit.load_model("tiny")
-    xs, ys = collect(model, text_windows(model, "train", 4, 256, seed=1), lambda _: None)
-    test_x, test_y = collect(model, text_windows(model, "heldout", 2, 256, seed=1), lambda _: None)
+    xs, ys, _ = collect_text(model, mixture_windows(model, "train", 9, 256, seed=1)[0], lambda _: None)
+    test_x, test_y, counts = collect_text(model, mixture_windows(model, "heldout", 9, 256, seed=1)[0], lambda _: None)
     g = torch.Generator().manual_seed(0)
-    fits = [held_out_fit("linear", fit_linear(x, y, 1.0), tx, ty, 2) for x, y, tx, ty in zip(xs, ys, test_x, test_y)]
-    shuffled = [held_out_fit("linear", fit_linear(x, y[torch.randperm(y.shape[0], generator=g)], 1.0), tx, ty, 2)
+    fits = [held_out_fit("linear", fit_linear(x, y, 1.0), tx, ty, counts)
+            for x, y, tx, ty in zip(xs, ys, test_x, test_y)]
+    shuffled = [held_out_fit("linear", fit_linear(x, y[torch.randperm(y.shape[0], generator=g)], 1.0), tx, ty, counts)
                 for x, y, tx, ty in zip(xs, ys, test_x, test_y)]
     mean = {key: sum(f[key] for f in fits) / len(fits) for key in ("pearson", "kept_overlap")}
-    assert min(f["pearson"] for f in fits) > 0.25 and mean["pearson"] > 0.35
-    assert mean["kept_overlap"] > 0.42
+    assert min(f["pearson"] for f in fits) > 0.3 and mean["pearson"] > 0.4
+    assert mean["kept_overlap"] > 0.45
     assert max(abs(f["pearson"]) for f in shuffled) < 0.15
     assert sum(f["kept_overlap"] for f in shuffled) / len(shuffled) < 0.35
 

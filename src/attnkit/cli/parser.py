@@ -266,9 +266,13 @@ def _calibrate_parsers(sub) -> None:
     c.add_argument("--out", required=True, help="the safetensors file to write (kvzap:config=FILE)")
     c.add_argument("--kind", choices=["linear", "mlp"], default="linear",
                    help="the surrogate: ridge regression (closed form) or a two-layer MLP")
-    c.add_argument("--samples", type=int, default=64, help="training windows of the corpus's training split")
+    c.add_argument("--data", default=None, metavar="DIR",
+                   help="train on your own text: a folder of *.txt files and *.jsonl files with a \"text\" field "
+                        "(default: attnkit's mixture of nine kinds of text, docs/methods.md#kvzap)")
+    c.add_argument("--samples", type=int, default=72, help="training windows (the mixture: 8 of each kind)")
     c.add_argument("--length", type=int, default=1024, help="tokens per window")
-    c.add_argument("--heldout", type=int, default=4, help="held-out windows that measure the fit")
+    c.add_argument("--heldout", type=int, default=9,
+                   help="held-out windows that measure the fit (the mixture: one per kind; --data: texts held out)")
     c.add_argument("--seed", type=int, default=0, help="seed of the windows (and of the MLP's training)")
     c.add_argument("--alpha", type=float, default=1.0, help="linear: the ridge penalty")
     c.add_argument("--hidden-dim", type=int, default=512, help="mlp: hidden units")

@@ -14,7 +14,8 @@ input norm, handed over by the host: :meth:`attnkit.session.LayerContext.layer_i
 
     s_hat[l, h] = f_l(x)[h]    ~  log S[l, h]   (S: kvzip's score of the token's entry)
 
-``f_l`` is trained by ``attnkit calibrate kvzap`` (:mod:`attnkit.calibrate.kvzap`) on the model's own text. The
+``f_l`` is trained by ``attnkit calibrate kvzap`` (:mod:`attnkit.calibrate.kvzap`) on attnkit's mixture of text or
+the user's own; kvpress's published ``KVzapModel`` folders load too (:mod:`attnkit.methods.kvzap_predictor`). The
 paper's target is the log of its KVzip+ score (the attention scaled by ``||W_O v|| / ||h||``); attnkit's is the log
 of attnkit's ``kvzip`` score, so that ``kvzap`` approximates the method it replaces here.
 

@@ -21,6 +21,14 @@ MLP's two ``nn.Linear`` around its GELU), float32, ``[out, in]``, so the same we
 metadata (JSON under ``attnkit``) records the model, its geometry, a fingerprint of each layer's key projection,
 the target and the training settings. Loading refuses another format in one line, and the method refuses a model
 of another geometry or other weights (:meth:`KVzapPredictor.check_model`, :meth:`KVzapPredictor.check_layer`).
+
+**kvpress's published weights** (``nvidia/KVzap-{linear,mlp}-MODEL``, read by ``KVzapModel.from_pretrained``) load
+too, from a folder on disk: ``config.json`` (``model_type`` ``kvzap`` and ``KVzapConfig``'s ``input_dim``,
+``output_dim``, ``n_modules``, ``hidden_dim``: None for the linear model) and ``model.safetensors`` (or the shards
+its index names) holding the state dict named as above, in whatever dtype (read as float32). ``config=`` names the
+folder or that model.safetensors; the kind comes from ``hidden_dim``, the tensors must match the config. Such a
+folder records no model weights, so only the geometry is checked (layers, hidden size, kv heads), and its scores
+are in kvpress's units: the log of KVzip+ scores, not of attnkit's ``kvzip`` scores.
 """
 
 from __future__ import annotations
@@ -137,32 +145,87 @@ def save_predictor(path: str | Path, kind: str, layers: list[list[torch.Tensor]]
     return path
 
 
-def load_predictor(path) -> KVzapPredictor:
-    """A surrogate from its file, refused in one line if it is not one."""
-    source = f"kvzap config {str(path)!r}"
-    if not isinstance(path, (str, Path)) or not Path(path).is_file():
-        raise AttnkitError(f"{source} does not exist (write one with `attnkit calibrate kvzap --model M --out FILE`)")
+def _read(path: Path, source: str) -> tuple[dict, dict]:
+    """A safetensors file's metadata and tensors, refused in one line if it is not one."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        meta = json.loads(header.get("attnkit", "{}"))
-    except Exception as exc:  # not safetensors, or its metadata is not JSON
+            return f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # not safetensors
         raise AttnkitError(f"{source} is not a kvzap surrogate ({type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}); write one with `attnkit calibrate "
                            f"kvzap`") from None
-    kind = meta.get("kind")
-    if header.get("format") != FORMAT or kind not in KINDS:
-        raise AttnkitError(f"{source} is not a kvzap surrogate (format {header.get('format')!r}, kind {kind!r}; "
-                           f"expected {FORMAT!r}); write one with `attnkit calibrate kvzap`")
+
+
+def _kvpress_config(folder: Path, source: str) -> dict | None:
+    """The fields of a ``KVzapConfig`` in `folder`'s config.json (None where there is no kvzap config.json)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("model_type") != "kvzap":
+        return None
+    fields = {key: config.get(key) for key in ("input_dim", "output_dim", "n_modules", "hidden_dim")}
+    if not all(isinstance(v, int) and v > 0 for k, v in fields.items() if k != "hidden_dim" or v is not None):
+        raise AttnkitError(f"{source}: config.json's KVzapConfig fields are not positive integers ({fields})")
+    return fields
+
+
+def _kvpress_tensors(folder: Path, source: str) -> dict:
+    """The state dict of a ``KVzapModel.save_pretrained`` folder: model.safetensors, or the shards its index names."""
+    if (folder / "model.safetensors").is_file():
+        return _read(folder / "model.safetensors", source)[1]
+    try:
+        shards = sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise AttnkitError(f"{source}: a KVzapModel folder without model.safetensors (or its index); other weight "
+                           f"files (pytorch_model.bin) are not read") from None
+    return {name: t for shard in shards for name, t in _read(folder / shard, source)[1].items()}
+
+
+def load_predictor(path) -> KVzapPredictor:
+    """A surrogate from its file, or from kvpress's published ``KVzapModel`` weights (a ``save_pretrained`` folder,
+    or its model.safetensors with the folder's config.json beside it); refused in one line if it is neither."""
+    source = f"kvzap config {str(path)!r}"
+    if not isinstance(path, (str, Path)) or not str(path) or not Path(path).exists():
+        raise AttnkitError(f"{source} does not exist (write one with `attnkit calibrate kvzap --model M --out FILE`)")
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    header, tensors = ({}, None) if path.is_dir() else _read(path, source)
+    if header.get("format") == FORMAT:
+        try:
+            meta = json.loads(header.get("attnkit", "{}"))
+        except ValueError:
+            meta = None
+        kind = meta.get("kind") if isinstance(meta, dict) else None
+        if kind not in KINDS:
+            raise AttnkitError(f"{source}: its attnkit metadata is not JSON naming a kind of {KINDS}")
+        config = None
+    else:
+        config = _kvpress_config(folder, source)
+        if config is None:
+            raise AttnkitError(f"{source} is not a kvzap surrogate (format {header.get('format')!r}; expected "
+                               f"{FORMAT!r}, or kvpress's KVzapModel folder with its config.json); write one with "
+                               f"`attnkit calibrate kvzap`")
+        tensors = _kvpress_tensors(folder, source) if tensors is None else tensors
+        kind = "linear" if config["hidden_dim"] is None else "mlp"
+        meta = {"model": folder.name, "format": "kvpress KVzapModel", "n_layers": config["n_modules"],
+                "hidden_size": config["input_dim"], "n_kv_heads": config["output_dim"], "kind": kind,
+                "target": "kvpress's: the log of KVzip+ scores (thresholds in its units)"}
     layers, i = [], 0
     while all(name in tensors for name in tensor_names(kind, i)):
         layers.append([tensors.pop(name).float() for name in tensor_names(kind, i)])
         i += 1
     if not layers or tensors:
         raise AttnkitError(f"{source}: tensors missing or unexpected ({', '.join(sorted(tensors)) or 'no layer 0'})")
-    shapes_ok = all(len({tuple(layer[0].shape) for layer in layers}) == 1 and
-                    all(t.dim() == (2 if j % 2 == 0 else 1) for j, t in enumerate(layer)) for layer in layers)
-    if not shapes_ok or not all(math.isfinite(float(t.abs().sum())) for layer in layers for t in layer):
-        raise AttnkitError(f"{source}: the layers' tensors differ in shape or hold non-finite values")
+    d, h = layers[0][0].shape[-1], layers[0][-1].shape[0]
+    m = layers[0][0].shape[0] if kind == "mlp" else None
+    shapes = [(h, d), (h,)] if kind == "linear" else [(m, d), (m,), (h, m), (h,)]
+    if not all([tuple(t.shape) for t in layer] == shapes for layer in layers):
+        raise AttnkitError(f"{source}: the layers' tensors differ in shape")
+    if config is not None and (config["n_modules"], config["input_dim"], config["output_dim"],
+                               config["hidden_dim"]) != (len(layers), d, h, m):
+        raise AttnkitError(f"{source}: config.json ({config}) does not match its tensors ({len(layers)} layers, "
+                           f"input {d}, output {h}, hidden {m})")
+    if not all(math.isfinite(float(t.abs().sum())) for layer in layers for t in layer):
+        raise AttnkitError(f"{source}: the layers' tensors hold non-finite values")
     return KVzapPredictor(kind, layers, meta, source)
