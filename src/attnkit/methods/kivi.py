@@ -27,11 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
-from attnkit.methods.spec import method_from_dict, parse_method_spec, register
+from attnkit.methods.cache_wrapper import CacheWrapper, parse_cache
+from attnkit.methods.spec import register
 from attnkit.quant.kivi import BITS
 from attnkit.quant.layer import KiviLayerKV
 from attnkit.session import LayerContext
@@ -39,15 +38,7 @@ from attnkit.validate import choice, whole
 
 
 def _wrapped(value) -> Method:
-    if isinstance(value, Method):
-        method = value
-    elif isinstance(value, str):
-        method = parse_method_spec(value)
-    elif isinstance(value, dict):
-        method = method_from_dict(value, "kivi cache")
-    else:
-        raise AttnkitError(f"cache must be a method spec ('snapkv:budget=0.3'), a recipe dict or a Method, "
-                           f"got {type(value).__name__}")
+    method = parse_cache(value, "kivi cache")
     if isinstance(method, Kivi):
         raise AttnkitError("the cache method is already quantized (one kivi part per spec)")
     if method.run_layers is not None:
@@ -65,7 +56,7 @@ def _wrapped(value) -> Method:
 
 @register
 @dataclass(frozen=True)
-class Kivi(Method):
+class Kivi(CacheWrapper):
     """The cache of `cache` held as KIVI codes: keys per channel, values per token, a full-precision residual."""
 
     bits: int = 4
@@ -82,57 +73,10 @@ class Kivi(Method):
         choice("bits", self.bits, BITS)
         whole("residual", self.residual, 0, what=" (newest tokens kept in full precision)")
         whole("group", self.group, 1, what=" (tokens per key group, channels per value group)")
-        inner = _wrapped(self.cache)
-        object.__setattr__(self, "_cache", inner)  # derived once from `cache`; params() reports the spec given
-        if not isinstance(self.cache, (str, dict)):
-            object.__setattr__(self, "cache", {"method": inner.name, "params": inner.params()})
+        self.wrap(_wrapped(self.cache))
 
-    @property
-    def cache_method(self) -> Method:
-        return self._cache
-
-    @property
-    def batches(self) -> bool:
-        return self._cache.batches
-
-    @property
-    def needs_layer_inputs(self) -> bool:
-        return self._cache.needs_layer_inputs
-
-    def describe(self) -> str:
-        own = f"kivi(bits={self.bits}, residual={self.residual}, group={self.group})"
-        return own if self._cache.name == "full" else f"{self._cache.describe()}+{own}"
-
-    # ---- everything but the storage: the wrapped method's, with its own states -----------------------------
-    def new_layer_state(self):
-        return self._cache.new_layer_state()
-
-    def new_session_state(self):
-        return self._cache.new_session_state()
-
-    def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
-        self._cache.keep_rows(layer_states, session_state, rows)
-
-    def run_stats(self, session) -> dict:
-        return self._cache.run_stats(session)
-
-    def layer_capacity(self, ctx: LayerContext):
-        return self._cache.layer_capacity(ctx)
-
-    def planned_slots(self, ctx: LayerContext) -> int:
-        return self._cache.planned_slots(ctx)
-
-    def dense_prefill_output(self) -> bool:
-        return self._cache.dense_prefill_output()
-
-    def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
-        return self._cache.prefill_output(ctx, q, keys, values, positions)
-
-    def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
-        return self._cache.prefill_attention(ctx, q, k, v)
-
-    def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
-        return self._cache.decode_attention(ctx, q, k, v)
+    def own_description(self) -> str:
+        return f"kivi(bits={self.bits}, residual={self.residual}, group={self.group})"
 
     def decode_only_appends(self) -> bool:
         return False  # the residual moves on: dropping the newest slots would not undo a step

@@ -48,6 +48,7 @@ from attnkit.errors import AttnkitError
 from attnkit.forward import run_decoder_layers, run_layer_attention
 from attnkit.methods.base import Method
 from attnkit.methods.budget import check_budget
+from attnkit.methods.kvzip import prompt_then
 from attnkit.methods.scoring import block_elements_for, flat_attention, visible
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext, Session, Step, layer_contexts
@@ -187,19 +188,12 @@ class KVCompose(Method):
 
     # ---- the model-level hook: the prompt, then its replay -------------------------------------------
     def run_layers(self, model, step: Step, hidden: torch.Tensor, all_positions: bool) -> torch.Tensor:
-        session = step.session
-        prompt = (step.phase == "prefill" and not isinstance(step, ReplayStep)
-                  and int(step.q_pos[0]) < session.prompt_len)
-        if not prompt or not self.compresses(session, model.geometry.n_kv_heads):
-            return run_decoder_layers(model, hidden, step.q_pos, step)
-        run = session.state
-        run.embeddings.append(hidden)
-        out = run_decoder_layers(model, hidden, step.q_pos, step)
-        if step.last_chunk:
-            embeddings, run.embeddings = torch.cat(run.embeddings, dim=1), []
+        def after(session, embeddings):
             self.replay(model, session, embeddings)
             self.compress(session)
-        return out
+
+        return prompt_then(model, step, hidden, ReplayStep,
+                           lambda session: self.compresses(session, model.geometry.n_kv_heads), after)
 
     def replay(self, model, session: Session, embeddings: torch.Tensor) -> None:
         """The prompt read again at positions ``n..2n-1``: every layer scores its entries. The last layer runs its

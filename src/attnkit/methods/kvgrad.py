@@ -54,7 +54,7 @@ import torch
 from attnkit.attention import position_mask, sdpa
 from attnkit.errors import AttnkitError
 from attnkit.forward import run_decoder_layers
-from attnkit.methods.kvzip import ANSWER_PREFIX, CONTINUE_PROMPT, OVERLAP, REPEAT_PROMPT, KVzipRun
+from attnkit.methods.kvzip import ANSWER_PREFIX, CONTINUE_PROMPT, OVERLAP, REPEAT_PROMPT, KVzipRun, prompt_then
 from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState
 from attnkit.methods.scoring import block_elements_for, visible
 from attnkit.methods.spec import register
@@ -166,18 +166,9 @@ class KVgrad(PromptScorer):
 
     # ---- the model-level hook: the prompt, then its reconstruction with gradients ---------------------------
     def run_layers(self, model, step: Step, hidden: torch.Tensor, all_positions: bool) -> torch.Tensor:
-        session = step.session
-        prompt = (step.phase == "prefill" and not isinstance(step, GradientStep)
-                  and int(step.q_pos[0]) < session.prompt_len)
-        if not prompt or not any(self.evicts(ctx) for ctx in layer_contexts(session)):
-            return run_decoder_layers(model, hidden, step.q_pos, step)
-        run = session.state
-        run.embeddings.append(hidden)
-        out = run_decoder_layers(model, hidden, step.q_pos, step)
-        if step.last_chunk:
-            embeddings, run.embeddings = torch.cat(run.embeddings, dim=1), []
-            self.reconstruct(model, session, embeddings)
-        return out
+        return prompt_then(model, step, hidden, GradientStep,
+                           lambda session: any(self.evicts(ctx) for ctx in layer_contexts(session)),
+                           lambda session, embeddings: self.reconstruct(model, session, embeddings))
 
     def reconstruct(self, model, session: Session, embeddings: torch.Tensor) -> None:
         """Score every prompt entry of the layers that evict from the reconstruction of the prompt (input embeddings

@@ -223,6 +223,25 @@ def one_pass_reconstruction(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     return out.view(b, hq, m, -1), best
 
 
+def prompt_then(model, step: Step, hidden: torch.Tensor, second: type, acts, after) -> torch.Tensor:
+    """``run_layers`` of a method that reads its prompt a second time once the prompt is in (kvzip's reconstruction,
+    kvgrad's, kvcompose's replay, restorekv's pass): every chunk runs the layers as usual and its input embeddings are
+    kept, then after the last chunk ``after(session, embeddings)`` runs with the whole prompt's ``[rows, n, hidden]``.
+    A step of the `second` pass itself, a step past the prompt, or a session where ``acts(session)`` is false runs
+    the layers only."""
+    session = step.session
+    prompt = step.phase == "prefill" and not isinstance(step, second) and int(step.q_pos[0]) < session.prompt_len
+    if not prompt or not acts(session):
+        return run_decoder_layers(model, hidden, step.q_pos, step)
+    run = session.state
+    run.embeddings.append(hidden)
+    out = run_decoder_layers(model, hidden, step.q_pos, step)
+    if step.last_chunk:
+        embeddings, run.embeddings = torch.cat(run.embeddings, dim=1), []
+        after(session, embeddings)
+    return out
+
+
 @register
 @dataclass(frozen=True)
 class KVzip(PromptScorer):
@@ -259,18 +278,9 @@ class KVzip(PromptScorer):
 
     # ---- the model-level hook: the prompt, then its reconstruction -------------------------------------
     def run_layers(self, model, step: Step, hidden: torch.Tensor, all_positions: bool) -> torch.Tensor:
-        session = step.session
-        prompt = (step.phase == "prefill" and not isinstance(step, ReconstructionStep)
-                  and int(step.q_pos[0]) < session.prompt_len)
-        if not prompt or not any(self.evicts(ctx) for ctx in layer_contexts(session)):
-            return run_decoder_layers(model, hidden, step.q_pos, step)
-        run = session.state
-        run.embeddings.append(hidden)
-        out = run_decoder_layers(model, hidden, step.q_pos, step)
-        if step.last_chunk:
-            embeddings, run.embeddings = torch.cat(run.embeddings, dim=1), []
-            self.reconstruct(model, session, embeddings)
-        return out
+        return prompt_then(model, step, hidden, ReconstructionStep,
+                           lambda session: any(self.evicts(ctx) for ctx in layer_contexts(session)),
+                           lambda session, embeddings: self.reconstruct(model, session, embeddings))
 
     def reconstruct(self, model, session: Session, embeddings: torch.Tensor) -> None:
         """Run the reconstruction inputs of the prompt (input embeddings `embeddings` ``[rows, n, hidden]``) through

@@ -52,7 +52,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.forward import run_decoder_layers
-from attnkit.methods.kvzip import KVzip, KVzipRun, ReconstructionStep
+from attnkit.methods.kvzip import KVzip, KVzipRun, ReconstructionStep, prompt_then
 from attnkit.methods.restorekv_weights import load_weights, restore_entries
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext, Session, Step
@@ -139,25 +139,22 @@ class RestoreKV(KVzip):
         if run.restored and not isinstance(step, ReconstructionStep):  # after the restore tokens: R positions on
             shifted = dataclasses.replace(step, q_pos=step.q_pos + run.restored, memo={})
             return run_decoder_layers(model, hidden, shifted.q_pos, shifted)
-        prompt = (step.phase == "prefill" and not isinstance(step, ReconstructionStep)
-                  and int(step.q_pos[0]) < session.prompt_len)
-        if not prompt or not self.restoring(session):
-            return run_decoder_layers(model, hidden, step.q_pos, step)
-        run.embeddings.append(hidden)
-        out = run_decoder_layers(model, hidden, step.q_pos, step)
-        if step.last_chunk:
-            embeddings, run.embeddings = torch.cat(run.embeddings, dim=1), []
-            entries = self.restore(model, session)  # from the whole cache, before any eviction
-            self.reconstruct(model, session, embeddings)  # KVzip's scores; each evicting layer keeps B - R
-            positions = torch.arange(session.prompt_len, session.prompt_len + self.restore_tokens)
-            for layer, (k, v) in zip(session.cache.layers, entries):
-                pos = positions.to(k.device)
-                if "head" in layer.extras:  # a flat layer (head_budgets=adaptive): each kv head owns its entries
-                    layer.append_flat(k, v, pos)
-                else:
-                    layer.append(k, v, pos)
-            run.restored = self.restore_tokens
-        return out
+        return prompt_then(model, step, hidden, ReconstructionStep, self.restoring,
+                           lambda session, embeddings: self.restore_then_evict(model, session, embeddings))
+
+    def restore_then_evict(self, model, session: Session, embeddings: torch.Tensor) -> None:
+        """After the prompt: the restore entries from the whole cache, KVzip's eviction to ``B - R``, the entries
+        appended at ``n .. n+R-1``."""
+        entries = self.restore(model, session)  # from the whole cache, before any eviction
+        self.reconstruct(model, session, embeddings)  # KVzip's scores; each evicting layer keeps B - R
+        positions = torch.arange(session.prompt_len, session.prompt_len + self.restore_tokens)
+        for layer, (k, v) in zip(session.cache.layers, entries):
+            pos = positions.to(k.device)
+            if "head" in layer.extras:  # a flat layer (head_budgets=adaptive): each kv head owns its entries
+                layer.append_flat(k, v, pos)
+            else:
+                layer.append(k, v, pos)
+        session.state.restored = self.restore_tokens
 
     def restore(self, model, session: Session) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's ``R`` restore keys and values from its whole cached prompt (the weights checked first)."""

@@ -42,7 +42,8 @@ import torch
 from attnkit.cache import LayerKV
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
-from attnkit.methods.spec import method_from_dict, parse_method_spec, register
+from attnkit.methods.cache_wrapper import CacheWrapper, parse_cache
+from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import fraction, whole
 
@@ -93,15 +94,7 @@ def pruned_channels(queries: torch.Tensor, keys: torch.Tensor, count: int) -> to
 
 
 def _wrapped(value) -> Method:
-    if isinstance(value, Method):
-        method = value
-    elif isinstance(value, str):
-        method = parse_method_spec(value)
-    elif isinstance(value, dict):
-        method = method_from_dict(value, "think cache")
-    else:
-        raise AttnkitError(f"cache must be a method spec ('snapkv:budget=0.3'), a recipe dict or a Method, "
-                           f"got {type(value).__name__}")
+    method = parse_cache(value, "think cache")
     if isinstance(method, Think):
         raise AttnkitError("the cache method already prunes key channels (one think part per spec)")
     if method.run_layers is not None:
@@ -122,7 +115,7 @@ def _wrapped(value) -> Method:
 
 @register
 @dataclass(frozen=True)
-class Think(Method):
+class Think(CacheWrapper):
     """The cache of `cache` with the ``key_channels`` share of each kv head's prompt key channels of least query x key
     energy zeroed (ThinK); generated tokens stored whole."""
 
@@ -140,62 +133,13 @@ class Think(Method):
         fraction("key_channels", self.key_channels, allow_zero=True, allow_one=False,
                  what=" (the share of each kv head's key channels pruned)")
         whole("window_size", self.window_size, 1, what=" (the prompt's last queries that score the channels)")
-        inner = _wrapped(self.cache)
-        object.__setattr__(self, "_cache", inner)  # derived once from `cache`; params() reports the spec given
-        if not isinstance(self.cache, (str, dict)):
-            object.__setattr__(self, "cache", {"method": inner.name, "params": inner.params()})
+        self.wrap(_wrapped(self.cache))
 
-    @property
-    def cache_method(self) -> Method:
-        return self._cache
+    def own_description(self) -> str:
+        return f"think(key_channels={self.key_channels}, window_size={self.window_size})"
 
-    @property
-    def batches(self) -> bool:
-        return self._cache.batches
-
-    @property
-    def needs_layer_inputs(self) -> bool:
-        return self._cache.needs_layer_inputs
-
-    def describe(self) -> str:
-        own = f"think(key_channels={self.key_channels}, window_size={self.window_size})"
-        return own if self._cache.name == "full" else f"{self._cache.describe()}+{own}"
-
-    # ---- everything but ThinK's own step: the wrapped method's, with its own states ------------------------
-    def new_layer_state(self):
-        return self._cache.new_layer_state()
-
-    def new_session_state(self):
-        return self._cache.new_session_state()
-
-    def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
-        self._cache.keep_rows(layer_states, session_state, rows)
-
-    def run_stats(self, session) -> dict:
-        return self._cache.run_stats(session)
-
-    def layer_capacity(self, ctx: LayerContext):
-        return self._cache.layer_capacity(ctx)
-
-    def planned_slots(self, ctx: LayerContext) -> int:
-        return self._cache.planned_slots(ctx)
-
-    def dense_prefill_output(self) -> bool:
-        return self._cache.dense_prefill_output()
-
-    def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
-        return self._cache.prefill_output(ctx, q, keys, values, positions)
-
-    def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
-        return self._cache.decode_attention(ctx, q, k, v)
-
-    def after_decode(self, ctx: LayerContext) -> None:
-        self._cache.after_decode(ctx)
-
-    def decode_only_appends(self) -> bool:
-        return self._cache.decode_only_appends()  # generated tokens are stored whole: nothing of think's to undo
-
-    # ---- the storage and ThinK's pruning ---------------------------------------------------------------------
+    # ---- the storage and ThinK's pruning (generated tokens are stored whole: the other steps are the wrapped
+    # method's, CacheWrapper's) -------------------------------------------------------------------------------
     def allocate_layer(self, ctx: LayerContext, k, slots: int, ring: bool) -> ThinLayerKV:
         return ThinLayerKV.wrap(self._cache.allocate_layer(ctx, k, slots, ring))
 
