@@ -46,7 +46,7 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.fastkvzip_gates import load_gates
-from attnkit.methods.prompt_scorer import ALPHA_SAFEGUARD, PromptScorer, PromptScorerState
+from attnkit.methods.prompt_scorer import COUNTS_FIXED, PromptScorer, PromptScorerState
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import flag, fraction, whole
@@ -106,15 +106,8 @@ class FastKVzip(PromptScorer):
                  what=" (share of the prompt, at least one token, never evicted at the end of the prompt)")
         whole("window_size", self.window_size, 1, what=f" (recent tokens never evicted from {LONG_CONTEXT} on)")
         flag("layerwise", self.layerwise)
-        shared = {"decode_every": (self.decode_every, 0), "head_budgets": (self.head_budgets, "uniform"),
-                  "alpha_safeguard": (self.alpha_safeguard, ALPHA_SAFEGUARD), "chunk_length": (self.chunk_length, 0),
-                  "merge": (self.merge, False), "criticalkv": (self.criticalkv, False),
-                  "segment_length": (self.segment_length, 0), "block_size": (self.block_size, 0),
-                  "decode_fraction": (self.decode_fraction, None)}
-        for key, (value, default) in shared.items():
-            if value != default:
-                raise AttnkitError(f"fastkvzip: {key}={value!r} is not supported (the gates choose across kv heads"
-                                   f"{'' if self.layerwise else ' and layers'} once, after the prompt)")
+        across = "kv heads" if self.layerwise else "kv heads and layers"
+        self.refuse_options(COUNTS_FIXED, f"the gates choose across {across} once, after the prompt")
         object.__setattr__(self, "_gates", load_gates(self.config))
 
     @property

@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 
 from attnkit.errors import AttnkitError
 from attnkit.methods.expected_attention import ExpectedAttention
-from attnkit.methods.prompt_scorer import ALPHA_SAFEGUARD
+from attnkit.methods.prompt_scorer import COUNTS_FIXED
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import whole
@@ -152,15 +152,7 @@ class LUKV(ExpectedAttention):
                 or self.layer_budgets != "uniform":
             raise AttnkitError("lukv takes one budget (the global compression ratio 1 - B/n picks the curve's row); "
                                "the curve sets each layer's and kv head's share")
-        shared = {"decode_every": (self.decode_every, 0), "head_budgets": (self.head_budgets, "uniform"),
-                  "alpha_safeguard": (self.alpha_safeguard, ALPHA_SAFEGUARD), "chunk_length": (self.chunk_length, 0),
-                  "merge": (self.merge, False), "criticalkv": (self.criticalkv, False),
-                  "segment_length": (self.segment_length, 0), "block_size": (self.block_size, 0),
-                  "decode_fraction": (self.decode_fraction, None)}
-        for key, (value, default) in shared.items():
-            if value != default:
-                raise AttnkitError(f"lukv: {key}={value!r} is not supported (the curve sets every layer's and kv "
-                                   f"head's count once, after the prompt)")
+        self.refuse_options(COUNTS_FIXED, "the curve sets every layer's and kv head's count once, after the prompt")
         object.__setattr__(self, "_curve", load_curve(self.curve))
 
     vllm_refusal = " (its kept count differs per kv head, which vLLM's blocks hold alike)"

@@ -65,7 +65,7 @@ a recent window instead of keeping a budget (kvpress's ``DMSPress``; :mod:`attnk
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -84,6 +84,9 @@ from attnkit.validate import choice, fraction, whole
 
 HEAD_BUDGETS = ("uniform", "adaptive")
 ALPHA_SAFEGUARD = 0.2
+# the options a scorer that sets every kv head's count once, after the prompt, cannot take (PromptScorer.refuse_options)
+COUNTS_FIXED = ("decode_every", "head_budgets", "alpha_safeguard", "chunk_length", "merge", "criticalkv",
+                "segment_length", "block_size", "decode_fraction")
 
 
 PromptScorerState = EvictionState  # a prompt scorer's per-layer state: the eviction flow's, decode steps counted
@@ -131,6 +134,15 @@ class PromptScorer(EvictionMethod):
     scores_entries_alone = False  # whether entry_score scores a generated token alone (threshold_decode)
     threshold_refusal = ""  # why score_threshold does not apply to this scorer ("": it does)
     reindex_refusal = ""  # why positions=reindexed does not apply to this scorer ("": it does)
+
+    def refuse_options(self, names: tuple[str, ...], why: str) -> None:
+        """Refuse in one line any of the scorer options `names` not at its default, `why` saying why (a scorer whose
+        trained file or own rule fixes what those options would change: fastkvzip, lukv, restorekv)."""
+        defaults = {f.name: f.default for f in fields(PromptScorer)}
+        for name in names:
+            value = getattr(self, name)
+            if value != defaults[name]:
+                raise AttnkitError(f"{self.name}: {name}={value!r} is not supported ({why})")
 
     def __post_init__(self):
         if not threshold.check_threshold(self):

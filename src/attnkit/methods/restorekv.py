@@ -58,9 +58,8 @@ from attnkit.methods.spec import register
 from attnkit.session import LayerContext, Session, Step
 
 # the shared parameters of the prompt scorers that restorekv does not take, with their defaults
-NOT_SUPPORTED = {"chunk_length": 0, "low_entropy_chunk_length": 0, "merge": False, "criticalkv": False,
-                 "segment_length": 0, "block_size": 0, "decode_fraction": None, "then": None, "score_threshold": None,
-                 "positions": "original"}
+NOT_SUPPORTED = ("chunk_length", "low_entropy_chunk_length", "merge", "criticalkv", "segment_length", "block_size",
+                 "decode_fraction", "then", "score_threshold", "positions")
 
 
 @dataclass
@@ -88,11 +87,8 @@ class RestoreKV(KVzip):
         if not isinstance(self.config, str) or not self.config:
             raise AttnkitError(f"restorekv needs config=FILE, restore weights trained for the model (`attnkit "
                                f"calibrate restorekv --model M --out FILE`); got config={self.config!r}")
-        for key, default in NOT_SUPPORTED.items():
-            value = getattr(self, key)
-            if value != default:
-                raise AttnkitError(f"restorekv: {key}={value!r} is not supported (KVzip's budget rules only: the "
-                                   f"restore entries join each layer after its compression)")
+        self.refuse_options(NOT_SUPPORTED, "KVzip's budget rules only: the restore entries join each layer after its "
+                                           "compression")
         super().__post_init__()
         object.__setattr__(self, "_weights", load_weights(self.config))
 
