@@ -6,8 +6,9 @@ Reads the plain-text tables that ``attnkit eval --sweep`` prints (one line per t
 ran; one column per ``method@budget``, each cell ``score [interval] (ratio x full)``, ``~`` marking a difference from
 full inside the noise) and prints one Markdown table per protocol: a row per method, a column per task, each cell the
 smallest budget from which the method keeps full's score at that budget and every larger one ("keeps": the
-difference is inside the noise, or the score is above full's), ``-`` where no budget of the sweep keeps it. Rows
-sort by the mean rank of their cells. Several tables (e.g. the sweep's first methods and those added later, run with
+difference is inside the noise, or the score is above full's), ``-`` where no budget of the sweep keeps it, ``n/r``
+where the method did not run on that task, ``all`` where a method without a budget (``simlayerkv``) keeps it. Rows
+sort by the mean of their measured cells (``-`` counting as 1). Several tables (e.g. the sweep's first methods and those added later, run with
 ``--only``) merge; a column measured twice keeps the first table's cell.
 """
 
@@ -49,8 +50,18 @@ def keeps(cell: str) -> bool:
     return found is not None and (found.group(2) == "~" or float(found.group(1)) >= 1.0)
 
 
+def measured(columns: dict[str, str], method: str) -> bool:
+    """Whether the table holds every score of `method` for this task (a sweep cut short, or run with ``--only`` on
+    some tasks, leaves ``-`` where nothing ran)."""
+    cells = [cell for c, cell in columns.items() if c.split("@")[0] == method]
+    return bool(cells) and all(CELL.search(cell) for cell in cells)
+
+
 def smallest_keeping(columns: dict[str, str], method: str) -> float | None:
-    """The smallest budget of `method` from which every larger budget keeps full's score."""
+    """The smallest budget of `method` from which every larger budget keeps full's score (a method without a budget,
+    ``simlayerkv``: 1 when it keeps it)."""
+    if method in columns:
+        return 1.0 if keeps(columns[method]) else None
     budgets = sorted((float(c.split("@")[1]), cell) for c, cell in columns.items()
                      if "@" in c and c.split("@")[0] == method)
     first = None
@@ -70,12 +81,16 @@ def leaderboard(tables: list[dict]) -> str:
     out = []
     for protocol in dict.fromkeys(p for _, p in merged):
         tasks = [t for t, p in merged if p == protocol]
-        methods = list(dict.fromkeys(c.split("@")[0] for t in tasks for c in merged[t, protocol] if "@" in c))
+        methods = list(dict.fromkeys(c.split("@")[0] for t in tasks for c in merged[t, protocol] if c != "full"))
         rows = []
         for method in methods:
-            firsts = [smallest_keeping(merged[t, protocol], method) for t in tasks]
-            rank = sum(1.0 if f is None else f for f in firsts) / len(firsts)
-            rows.append((rank, method, ["-" if f is None else f"{f:g}" for f in firsts]))
+            ran = [measured(merged[t, protocol], method) for t in tasks]
+            if not any(ran):
+                continue
+            firsts = [smallest_keeping(merged[t, protocol], method) if r else None for t, r in zip(tasks, ran)]
+            rank = sum(1.0 if f is None else f for f, r in zip(firsts, ran) if r) / sum(ran)
+            rows.append((rank, method, ["n/r" if not r else "-" if f is None else "all" if method in merged[t, protocol]
+                                        else f"{f:g}" for t, f, r in zip(tasks, firsts, ran)]))
         out += [f"{protocol}: the smallest budget (fraction of the prompt) keeping full's score at it and above", "",
                 "| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
         out += [f"| {m} | " + " | ".join(cells) + " |" for _, m, cells in sorted(rows, key=lambda r: (r[0], r[1]))]

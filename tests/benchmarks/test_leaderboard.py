@@ -45,3 +45,16 @@ def test_reads_the_committed_sweep_table():
     board = leaderboard.leaderboard([leaderboard.read_table(
         (ROOT / "docs" / "results" / "eviction_budgets_tiny_v2.txt").read_text())])
     assert "| kvzip | 0.1 | 0.1 | 0.1 | 0.1 |" in board and "| knorm | - | - | - | - |" in board
+
+
+def test_a_task_not_run_and_a_method_without_a_budget():
+    """A sweep cut short leaves ``-`` cells: ``n/r`` there, ranked on what ran; a method without a budget is ``all``
+    where it keeps full's score."""
+    text = """task      length             full          a@0.1            a@0.5              lazy
+--------  ------  -------------  -------------  ---------------  -----------------
+passkey     2048  100% [84-100]  95% [76-99] (0.95x~)  100% [84-100] (1.00x~)  100% [84-100] (1.00x~)
+code        2048  49% [42-56]  -  -  30% [20-40] (0.61x)
+"""
+    board = leaderboard.leaderboard([leaderboard.read_table(text)])
+    assert "| a | 0.1 | n/r |" in board and "| lazy | all | - |" in board
+    assert board.index("| a |") < board.index("| lazy |")  # a: 0.1 on what ran; lazy: (1 + 1) / 2
