@@ -113,11 +113,7 @@ class Cap(PromptScorer):
         if s.rope is None:
             raise AttnkitError("cap needs the model's rotary embedding (rotary_emb.inv_freq) to recover the queries "
                                "before RoPE; this model has none")
-        compresses = budget < s.prompt_len or (
-            self.decode_every and budget + self.decode_every < s.prompt_len + s.max_new_tokens)
-        if compresses and self.n_sink >= budget:
-            raise AttnkitError(f"cap: n_sink={self.n_sink} sinks leave no slot to choose in the {budget}-slot budget "
-                               f"of layer {ctx.index}; lower n_sink or raise the budget")
+        self.check_sinks(ctx, budget)
 
     def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
         for st in layer_states:

@@ -179,11 +179,7 @@ class ExpectedAttention(PromptScorer):
                                "recover the queries before RoPE; this model has none")
         if self._stats is not None:
             self._stats.check(s.n_layers, None, None, s.rope.inv_freq)
-        compresses = budget < s.prompt_len or (
-            self.decode_every and budget + self.decode_every < s.prompt_len + s.max_new_tokens)
-        if compresses and self.n_sink >= budget:
-            raise AttnkitError(f"expected_attention: n_sink={self.n_sink} sinks leave no slot to choose in the "
-                               f"{budget}-slot budget of layer {ctx.index}; lower n_sink or raise the budget")
+        self.check_sinks(ctx, budget)
 
     def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
         for st in layer_states:

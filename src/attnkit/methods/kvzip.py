@@ -269,9 +269,7 @@ class KVzip(PromptScorer):
         return self.n_sink
 
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
-        if budget < ctx.session.prompt_len and self.n_sink >= budget:
-            raise AttnkitError(f"kvzip: n_sink={self.n_sink} sinks leave no slot to choose in the {budget}-slot "
-                               f"budget of layer {ctx.index}; lower n_sink or raise the budget")
+        self.check_sinks(ctx, budget)
 
     def new_session_state(self) -> KVzipRun:
         return KVzipRun()

@@ -135,6 +135,16 @@ class PromptScorer(EvictionMethod):
     threshold_refusal = ""  # why score_threshold does not apply to this scorer ("": it does)
     reindex_refusal = ""  # why positions=reindexed does not apply to this scorer ("": it does)
 
+    def check_sinks(self, ctx: LayerContext, budget: int) -> None:
+        """Refuse in one line a `budget` that the method's ``n_sink`` first positions (always kept) fill whole in a
+        layer that compresses: a prompt above the budget, or generated tokens growing past it with ``decode_every``."""
+        s = ctx.session
+        compresses = budget < s.prompt_len or (
+            self.decode_every and budget + self.decode_every < s.prompt_len + s.max_new_tokens)
+        if compresses and self.n_sink >= budget:
+            raise AttnkitError(f"{self.name}: n_sink={self.n_sink} sinks leave no slot to choose in the {budget}-slot "
+                               f"budget of layer {ctx.index}; lower n_sink or raise the budget")
+
     def refuse_options(self, names: tuple[str, ...], why: str) -> None:
         """Refuse in one line any of the scorer options `names` not at its default, `why` saying why (a scorer whose
         trained file or own rule fixes what those options would change: fastkvzip, lukv, restorekv)."""
