@@ -10,6 +10,7 @@ from transformers import DynamicCache
 import attnkit
 from attnkit import AttnkitError
 from attnkit.forward import prefill
+from attnkit.methods import kvcompose, scoring_native
 from attnkit.methods.spec import parse_method_spec
 from attnkit.session import new_session
 from attnkit.vllm.plan import check_supported
@@ -143,6 +144,27 @@ def test_generated_tokens_follow_the_compressed_cache(arch_models):
     assert out.token_ids[0] == full.token_ids[0] == flat.token_ids[0]  # the prompt's own logits
     assert out.stats.final_kv_bytes < full.stats.final_kv_bytes / 3
     assert flat.stats.final_kv_bytes < full.stats.final_kv_bytes / 3
+
+
+@pytest.mark.skipif(scoring_native.library() is None, reason="no C++ compiler")  # CI has one
+@pytest.mark.parametrize("task", ["max", "mean"])
+@pytest.mark.parametrize("group", ["max", "mean"])
+def test_the_replay_through_the_cpu_kernel_equals_the_torch_path(monkeypatch, task, group):
+    n, m, hq, kv, d = 300, 300, 8, 2, 32
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, m, hq, d, generator=gen).transpose(1, 2)  # the layout the projections give
+    keys, values = torch.randn(2, 1, kv, n + m, d, generator=gen)
+    ran = []
+    original = kvcompose._replay_native
+    monkeypatch.setattr(kvcompose, "_replay_native", lambda *a: ran.append(original(*a)) or ran[-1])
+    native = [kvcompose.replay_attention(q, keys, values, d ** -0.5, n, task, group, output=o) for o in (True, False)]
+    assert len(ran) == 2 and None not in ran and native[1][0] is None  # the kernel ran both times
+    monkeypatch.setattr(kvcompose, "_replay_native", lambda *a: None)
+    out, score = kvcompose.replay_attention(q, keys, values, d ** -0.5, n, task, group)
+    torch.testing.assert_close(native[0][0], out, rtol=1e-5, atol=1e-6)
+    for _, got in native:
+        assert got.shape == (1, kv, n)
+        torch.testing.assert_close(got, score, rtol=1e-5, atol=1e-7)
 
 
 def test_attnkit_cache_refuses_it_in_one_line(arch_models):

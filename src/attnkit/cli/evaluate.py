@@ -108,18 +108,18 @@ def eval_sweep(args: argparse.Namespace) -> int:
     given = [f"--{n}" for n in ("tasks", "methods", "recipe", "data", "queries", "seeds") if getattr(args, n)]
     given += [f"--{n.replace('_', '-')}" for n in ("continuation_tokens", "stretch_tokens")
               if getattr(args, n) is not None]
-    if args.protocol != "query-aware":
-        given.append("--protocol")
     if given:
         raise AttnkitError(f"--sweep FILE sets the tasks, recipes, data, protocols, queries, seeds and long-output "
                            f"tokens (continuation_tokens, stretch_tokens); drop "
-                           f"{', '.join(given)}")
+                           f"{', '.join(given)} (--only and --protocol pick among its recipes and protocols)")
     if not args.out:
         raise AttnkitError("--sweep needs --out DIR (where results.jsonl is written and resumed from)")
     check_ray_options(args)
     sweep = load_sweep(args.sweep)
     if args.only:
         sweep.recipes = only_recipes(sweep.recipes, args.only, args.sweep)
+    if args.protocol is not None:
+        sweep.protocols = only_protocols(sweep.protocols, args.protocol, args.sweep)
     if args.model:
         sweep.model = args.model
     if args.batch_size is not None:
@@ -146,6 +146,16 @@ def only_recipes(recipes: list, names: str, source: str) -> list:
         raise AttnkitError(f"--only {names!r}: {', '.join(unknown) or 'no name'} is not a recipe of {source}; "
                            f"its recipes: {', '.join(labels)}")
     return [r for r in recipes if r.label in wanted]
+
+
+def only_protocols(protocols: list[str], names: str, source: str) -> list[str]:
+    """The protocols of a sweep named in ``--protocol`` (comma-separated), in the sweep's order."""
+    wanted = name_list(names, "--protocol")
+    unknown = [n for n in wanted if n not in protocols]
+    if unknown:
+        raise AttnkitError(f"--protocol {names!r}: {unknown[0]} is not a protocol of {source}; its protocols: "
+                           f"{', '.join(protocols)}")
+    return [p for p in protocols if p in wanted]
 
 
 def check_ray_options(args: argparse.Namespace) -> None:

@@ -121,10 +121,11 @@ def _eval_parser(sub) -> None:
     p.add_argument("--data", action="append", metavar="PATH",
                    help="LongBench, RULER or InfiniteBench JSONL items (a file, or a folder of them; repeatable): "
                         "tasks longbench:DATASET, ruler:TASK, infinitebench:TASK")
-    p.add_argument("--protocol", default="query-aware", metavar="NAME[,NAME...]",
+    p.add_argument("--protocol", default=None, metavar="NAME[,NAME...]",
                    help="query-aware (the question is in the compressed prompt), query-agnostic (the context is "
                         "compressed, then the question fed), multi-query (a context compressed once answers "
-                        "--queries questions); comma-separated to run several side by side; default: query-aware")
+                        "--queries questions); comma-separated to run several side by side; default: query-aware; "
+                        "with --sweep: run only these protocols of the sweep")
     p.add_argument("--queries", type=int, default=None, metavar="K",
                    help="questions per context, the task's own first (default: 1, or 4 with multi-query)")
     p.add_argument("--seeds", default=None, metavar="S,...",

@@ -46,6 +46,7 @@ import torch
 from attnkit import masks
 from attnkit.errors import AttnkitError
 from attnkit.forward import run_decoder_layers, run_layer_attention
+from attnkit.methods import scoring_native
 from attnkit.methods.base import Method
 from attnkit.methods.budget import check_budget
 from attnkit.methods.kvzip import prompt_then
@@ -89,6 +90,10 @@ def replay_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     b, hq, m, d = q.shape
     kv, total = keys.shape[1], keys.shape[2]
     g = hq // kv
+    if b == 1 and window is None and total == n + m:
+        done = _replay_native(q, keys, values, scaling, n, task, group, output)
+        if done is not None:
+            return done
     positions = torch.arange(total, device=q.device)
     block = max(1, block_elements_for(q.device) // max(1, b * hq * total))
     grouped = q.reshape(b, kv, g, m, d)
@@ -111,6 +116,34 @@ def replay_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         per_head /= m
     score = per_head.amax(dim=2) if group == "max" else per_head.mean(dim=2)
     return (None if out is None else out.view(b, hq, m, -1)), score
+
+
+def _replay_native(q, keys, values, scaling, n, task, group, output):
+    """:func:`replay_attention` of one sequence through the CPU scoring kernel (:mod:`attnkit.methods.scoring_native`)
+    where it runs and pays, else None. The replay's queries sit at the last ``m`` of ``n + m`` contiguous positions,
+    as the kernel's prompt queries do. The kernel reduces a kv group's query heads before the queries, this score the
+    queries first (per head), so each query head runs as a kv head of its own: the group's heads become the batch
+    (views, the keys and values shared through a zero stride)."""
+    _, hq, m, d = q.shape
+    kv = keys.shape[1]
+    g = hq // kv
+    heads = q[0].view(kv, g, m, d).transpose(0, 1)  # [g, kv, m, d]: batch j holds head j of every group
+    shared_keys = keys.expand(g, -1, -1, -1)
+    shared_values = values.expand(g, -1, -1, -1) if output else None
+    if not scoring_native.kernel_pays(heads, shared_keys, shared_values):
+        return None
+    rows = "max" if task == "max" else "sum"
+    if output:
+        out, stats = scoring_native.prompt_attention_with_statistics(heads, shared_keys, shared_values, scaling,
+                                                                     rows=rows)
+        out = out.transpose(0, 1).reshape(1, hq, m, -1).to(values.dtype)
+    else:
+        out, stats = None, scoring_native.prompt_statistics(heads, shared_keys, scaling, rows=rows)
+    per_head = stats[..., :n]  # [g, kv, n]
+    if task == "mean":
+        per_head = per_head / m
+    score = per_head.amax(dim=0) if group == "max" else per_head.mean(dim=0)
+    return out, score[None]
 
 
 def composite_counts(scores: torch.Tensor, kept: int, head: str, structured: bool, lower_bound: int) -> torch.Tensor:

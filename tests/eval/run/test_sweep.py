@@ -122,7 +122,8 @@ def test_example_sweep_parses(monkeypatch):
                 "triattention", "minference+snapkv"]
     assert [r.label for r in sweep.recipes] == budgeted + ["duo@0.25", "duo@0.5", "duo@0.75"]
     assert sweep.budgets == [0.1, 0.3, 0.5, 0.7, 0.9] and sweep.samples == 20 and sweep.seeds == [0, 1, 2]
-    assert sweep.tasks == ["passkey", "needle_heldout", "niah_multikey", "code_completion"] and sweep.lengths == [2048]
+    assert sweep.tasks == ["niah_multikey", "needle_heldout", "passkey", "code_completion"] and sweep.lengths == [2048]
+    assert sweep.protocols == ["query-aware", "query-agnostic"]
     entries = sweep.entries(2048)
     # full once, every budgeted recipe at five budgets (Keyformer and random at three seeds), simlayerkv (no budget)
     # and DuoAttention once per share
@@ -130,7 +131,7 @@ def test_example_sweep_parses(monkeypatch):
     assert sum(e.label.startswith("keyformer") for e in entries) == 15
     assert sum(e.label.startswith("random") for e in entries) == 15
     assert sum(e.label == "simlayerkv" for e in entries) == 1
-    assert sweep.cell_count() == 4 * 205
+    assert sweep.cell_count() == 4 * 2 * 205
     # every eviction method registered is in the sweep (the issue's "every eviction method, old and new")
     from attnkit.methods.eviction import EvictionMethod
     from attnkit.methods.spec import METHODS
@@ -292,6 +293,28 @@ def test_only_runs_the_named_recipes_with_full(reference, tmp_path, capsys):
     want = [r for r in rows if r["method_spec"] in ("full", "window@0.25", "window@0.5")]
     assert len(want) == 6 and len(got) == 6  # (full + window at two budgets) x two tasks
     assert _stable(got) == _stable(want)
+
+
+def test_protocol_runs_only_the_named_protocols_of_a_sweep(reference, tmp_path, capsys):
+    """A sweep of two protocols: ``--protocol query-aware`` writes the rows of a one-protocol sweep; then
+    ``--protocol query-agnostic --only window`` adds that protocol's cells of full and window alone; a protocol the
+    sweep does not name is refused in one line."""
+    rows, _ = reference
+    both = _write(tmp_path, dict(SWEEP, protocols=["query-aware", "query-agnostic"], tasks=["passkey"],
+                                 recipes=SWEEP["recipes"][:3]))  # the speculative recipe runs query-aware only
+    out = tmp_path / "out"
+    assert main(["eval", "--sweep", str(both), "--out", str(out), "--protocol", "query-aware", "--no-progress"]) == 0
+    got = results_store.read_results(out / results_store.RESULTS_FILE)
+    assert _stable(got) == _stable([r for r in rows if r["task"] == "passkey" and r["recipe_name"] != "pl"])
+    assert main(["eval", "--sweep", str(both), "--out", str(out), "--protocol", "query-agnostic", "--only", "window",
+                 "--no-progress"]) == 0
+    got = results_store.read_results(out / results_store.RESULTS_FILE)[len(got):]
+    assert [(r["protocol"], r["method_spec"]) for r in got] == [
+        ("query-agnostic", s) for s in ("full", "window@0.25", "window@0.5")]
+    capsys.readouterr()
+    assert main(["eval", "--sweep", str(both), "--out", str(out), "--protocol", "multi-query"]) == 2
+    err = capsys.readouterr().err
+    assert "--protocol 'multi-query': multi-query is not a protocol of" in err and err.count("\n") == 1
 
 
 # ---- peers ---------------------------------------------------------------------------------------
