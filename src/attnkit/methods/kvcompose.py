@@ -127,7 +127,7 @@ def _replay_native(q, keys, values, scaling, n, task, group, output):
     _, hq, m, d = q.shape
     kv = keys.shape[1]
     g = hq // kv
-    heads = q[0].view(kv, g, m, d).transpose(0, 1)  # [g, kv, m, d]: batch j holds head j of every group
+    heads = q[0].reshape(kv, g, m, d).transpose(0, 1)  # [g, kv, m, d]: batch j holds head j of every group
     shared_keys = keys.expand(g, -1, -1, -1)
     shared_values = values.expand(g, -1, -1, -1) if output else None
     if not scoring_native.kernel_pays(heads, shared_keys, shared_values):
