@@ -113,14 +113,15 @@ def mixture_windows(model: LoadedModel, split: str, count: int, length: int, see
     where = "train" if split == "train" else "eval"
     out, kinds = [], []
     for i in range(count):
-        kind = MIXTURE[i % len(MIXTURE)]
-        for _ in range(DRAWS if kind not in ("code", "docs") else 0):
-            try:
-                ids = list(retrieval_data.example(kind, model.tokenizer, body, rng, where).ids)
-                break
-            except ValueError:  # this draw's layout does not fit the window
-                continue
-        else:
+        kind, ids = MIXTURE[i % len(MIXTURE)], None
+        if kind not in ("code", "docs"):  # a task's example: up to DRAWS layouts tried
+            for _ in range(DRAWS):
+                try:
+                    ids = list(retrieval_data.example(kind, model.tokenizer, body, rng, where).ids)
+                    break
+                except ValueError:  # this draw's layout does not fit the window
+                    continue
+        if ids is None:  # plain text (a task none of whose draws fit the window: code, and reported as code)
             kind = kind if kind == "docs" else "code"
             ids = retrieval_data.filler(model.tokenizer, kind, where, body, rng)
         out.append(prefix + ids)

@@ -25,6 +25,24 @@ def parse_cache(value, what: str) -> Method:
                        f"got {type(value).__name__}")
 
 
+def wrappable(value, wrapper: type, name: str, *, again: str, layers: str, storage: str, rotates: str) -> Method:
+    """The method a wrapper's ``cache`` names (:func:`parse_cache`), refused in one line where wrapper `name` (of class
+    `wrapper`) cannot hold its cache, each reason in the wrapper's own words: the method is already one of `wrapper`
+    (`again`), it runs the decoder layers itself (`layers`), it keeps storage of its own (`storage`), it re-rotates keys
+    it already stored (`rotates`)."""
+    method = parse_cache(value, f"{name} cache")
+    if isinstance(method, wrapper):
+        raise AttnkitError(again)
+    if method.run_layers is not None:
+        raise AttnkitError(f"{method.name!r} runs the decoder layers itself (a model-level hook){layers}")
+    inner = getattr(method, "cache_method", method)  # a composition's cache part holds the cache
+    if type(inner).allocate_layer is not Method.allocate_layer:
+        raise AttnkitError(f"{inner.name!r} keeps its own cache storage, {storage}; use it without {name}")
+    if method.rewrites_stored_keys():
+        raise AttnkitError(f"{method.describe()} re-rotates keys it already stored, {rotates}; use positions=original")
+    return method
+
+
 class CacheWrapper(Method):
     """The wrapped method's steps, with its own states. A subclass (a frozen dataclass with fields ``cache`` and
     ``_cache``) calls :meth:`wrap` in ``__post_init__`` with the method its checks accepted, and says what it is

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
-from attnkit.methods.cache_wrapper import CacheWrapper, parse_cache
+from attnkit.methods.cache_wrapper import CacheWrapper, wrappable
 from attnkit.methods.spec import register
 from attnkit.quant.kivi import BITS
 from attnkit.quant.layer import KiviLayerKV
@@ -38,20 +37,9 @@ from attnkit.validate import choice, whole
 
 
 def _wrapped(value) -> Method:
-    method = parse_cache(value, "kivi cache")
-    if isinstance(method, Kivi):
-        raise AttnkitError("the cache method is already quantized (one kivi part per spec)")
-    if method.run_layers is not None:
-        raise AttnkitError(f"{method.name!r} runs the decoder layers itself (a model-level hook) and cannot be "
-                           f"quantized")
-    inner = getattr(method, "cache_method", method)  # a composition's cache part holds the cache
-    if type(inner).allocate_layer is not Method.allocate_layer:
-        raise AttnkitError(f"{inner.name!r} keeps its own cache storage, which a quantized cache cannot hold; use it "
-                           f"without kivi")
-    if method.rewrites_stored_keys():
-        raise AttnkitError(f"{method.describe()} re-rotates keys it already stored, which a quantized cache "
-                           f"cannot do without quantizing them again; use positions=original")
-    return method
+    return wrappable(value, Kivi, "kivi", again="the cache method is already quantized (one kivi part per spec)",
+                     layers=" and cannot be quantized", storage="which a quantized cache cannot hold",
+                     rotates="which a quantized cache cannot do without quantizing them again")
 
 
 @register

@@ -42,7 +42,7 @@ import torch
 from attnkit.cache import LayerKV
 from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
-from attnkit.methods.cache_wrapper import CacheWrapper, parse_cache
+from attnkit.methods.cache_wrapper import CacheWrapper, wrappable
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import fraction, whole
@@ -94,19 +94,10 @@ def pruned_channels(queries: torch.Tensor, keys: torch.Tensor, count: int) -> to
 
 
 def _wrapped(value) -> Method:
-    method = parse_cache(value, "think cache")
-    if isinstance(method, Think):
-        raise AttnkitError("the cache method already prunes key channels (one think part per spec)")
-    if method.run_layers is not None:
-        raise AttnkitError(f"{method.name!r} runs the decoder layers itself (a model-level hook); think cannot prune "
-                           f"its keys")
-    inner = getattr(method, "cache_method", method)  # a composition's cache part holds the cache
-    if type(inner).allocate_layer is not Method.allocate_layer:
-        raise AttnkitError(f"{inner.name!r} keeps its own cache storage, whose keys think cannot prune; use it "
-                           f"without think")
-    if method.rewrites_stored_keys():
-        raise AttnkitError(f"{method.describe()} re-rotates keys it already stored, which would mix a pruned channel "
-                           f"with its RoPE pair; use positions=original")
+    method = wrappable(value, Think, "think", again="the cache method already prunes key channels (one think part per "
+                       "spec)", layers="; think cannot prune its keys", storage="whose keys think cannot prune",
+                       rotates="which would mix a pruned channel with its RoPE pair")
+    inner = getattr(method, "cache_method", method)
     if getattr(inner, "head_budgets", "uniform") != "uniform" or inner.name == "duo_attention":
         raise AttnkitError(f"{inner.describe()} holds a different number of entries per kv head (a flat layer), which "
                            f"think does not prune; use head_budgets=uniform")
