@@ -133,11 +133,10 @@ def kvzap_surrogate(model_spec: str, path: Path) -> str:
     return str(path)
 
 
-def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, compile_kernels: bool,
-                   tmp: Path) -> list[dict]:
-    """Every method at an unlimited budget on one batch of prompts of `lengths`, against full's batch."""
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, model.geometry.vocab_size, (n,), generator=g).tolist() for n in lengths]
+def exactness_specs(model_spec: str, lengths: list[int], new_tokens: int, compile_kernels: bool,
+                    tmp: Path) -> dict[str, str]:
+    """The specs of :func:`exactness_rows`: :func:`unlimited_specs` with the model's calibrations written to `tmp`
+    (once: the placed model of part 4 is the same model and takes the same files)."""
     total = max(lengths) + new_tokens
     specs = unlimited_specs(total, static_patterns(model_spec, max(256, max(lengths)), tmp / "static.json"),
                             kvzap_surrogate(model_spec, tmp / "kvzap.safetensors"),
@@ -150,6 +149,13 @@ def exactness_rows(model, model_spec: str, lengths: list[int], new_tokens: int, 
         specs = {k: (v + ",compile=false" if k in ("minference", "minference_static", "a_shape") else v)
                  for k, v in specs.items()}
         specs["compose"] = specs["compose"].replace("+", ",compile=false+", 1)
+    return specs
+
+
+def exactness_rows(model, specs: dict[str, str], lengths: list[int], new_tokens: int) -> list[dict]:
+    """Every method of `specs` (:func:`exactness_specs`) on one batch of prompts of `lengths`, against full's."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.geometry.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
     def run(spec):
         return attnkit.generate(model, prompts, parse_method_spec(spec), max_new_tokens=new_tokens,
@@ -342,12 +348,13 @@ def main(argv=None) -> int:
     result["kernel_statistics"] = kernel_statistics_rows(args.device, dtype, [n for n in lengths if n <= 32768])
     save()
     with tempfile.TemporaryDirectory() as tmp:
-        result["exactness"] = exactness_rows(model, spec, exact, args.new_tokens, compiled, Path(tmp))
+        specs = exactness_specs(spec, exact, args.new_tokens, compiled, Path(tmp))
+        result["exactness"] = exactness_rows(model, specs, exact, args.new_tokens)
         save()
         if importlib.util.find_spec("accelerate") is not None:
             placed, device_map = placed_model(spec, args.device, dtype, Path(tmp) / "offload")
             result["placement"] = {"device_map": device_map, "layer_devices": [str(d) for d in placed.layer_devices()],
-                                   "rows": exactness_rows(placed, spec, exact, args.new_tokens, compiled, Path(tmp))}
+                                   "rows": exactness_rows(placed, specs, exact, args.new_tokens)}
             del placed
             save()
     sparse = [m if compiled or m == "full" else m + (",compile=false" if ":" in m else ":compile=false")

@@ -13,6 +13,7 @@ from attnkit.cache import KVCache
 from attnkit.rope import Rope
 from attnkit.sampling import SamplingConfig, next_token_distribution
 from attnkit.session import Session, Step
+from attnkit.speculative import speculative_generate
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 SMALL = "layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128"
@@ -60,10 +61,11 @@ def _filled(session):
     return out
 
 
-def sharpened(seed: int, scale: float = 40.0, noise: float = 0.0):
-    """A small random llama whose LM head is scaled up, so its distributions are far from uniform;
-    `noise` perturbs the head (a draft that agrees with the target only partly)."""
-    model = attnkit.load_model(f"random:llama:{SMALL},seed={seed}")
+def sharpened(seed: int, scale: float = 40.0, noise: float = 0.0, layers: int = 1):
+    """A small random llama (one layer by default: the chi-square tests run it for thousands of samples) whose LM
+    head is scaled up, so its distributions are far from uniform; `noise` perturbs the head (a draft that agrees with
+    the target only partly)."""
+    model = attnkit.load_model(f"random:llama:{SMALL.replace('layers=2', f'layers={layers}')},seed={seed}")
     with torch.no_grad():
         model.hf.lm_head.weight.mul_(scale)
         if noise:
@@ -86,6 +88,17 @@ def target_joint(target, prompt: torch.Tensor, config: SamplingConfig, n: int) -
             walk(prefix + (x,), mass * float(q[x]))
 
     walk((), 1.0)
+    return out
+
+
+def sampled_runs(target, prompt: torch.Tensor, source, runs: int, singles: int = 10, **options) -> list:
+    """`runs` sampled speculative generations of `prompt`, run ``i`` with seed ``i``: one batch of `runs` copies of
+    the prompt (row ``i`` samples with seed ``i``; the sequences of a batch are independent), of which the first
+    `singles` rows must be the single-prompt call with that seed, token for token: the samples are those of a loop
+    of single-prompt calls, drawn side by side (one target forward per round for all of them)."""
+    out = speculative_generate(target, prompt[None].expand(runs, -1), source, seed=0, **options)
+    for seed in range(singles):
+        assert speculative_generate(target, prompt, source, seed=seed, **options).token_ids == out[seed].token_ids, seed
     return out
 
 

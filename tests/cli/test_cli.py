@@ -372,13 +372,14 @@ def test_pipe_and_interrupt_in_process(monkeypatch, capsys, error, status, err):
 
 
 def test_closed_pipe_ends_quietly():
-    head = subprocess.run(" ".join(shlex.quote(a) for a in _cli("methods")) + " | head -1", shell=True,
-                          env=_env(), capture_output=True, text=True, timeout=300)
-    assert head.returncode == 0 and head.stderr == "", head.stderr
-    assert len(head.stdout.splitlines()) == 1
+    # both commands at once: each spends seconds importing torch and transformers before it writes
     proc = subprocess.Popen(_cli("methods"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader is gone before the first write
+    head = subprocess.run(" ".join(shlex.quote(a) for a in _cli("methods")) + " | head -1", shell=True,
+                          env=_env(), capture_output=True, text=True, timeout=300)
     _, err = proc.communicate(timeout=300)
+    assert head.returncode == 0 and head.stderr == "", head.stderr
+    assert len(head.stdout.splitlines()) == 1
     assert proc.returncode == 141 and err == b"", err.decode()
 
 

@@ -76,16 +76,26 @@ def test_heads_without_tiles_are_zero(calls):
                                   "a_shape:n_init=16,n_local=48,block_size=16,dense_above=1"])
 def test_generations_keep_flexattentions_tokens(monkeypatch, spec):
     """Every layer sparse (``dense_above=1`` keeps dense-ish heads on their pattern): the same tokens as
-    FlexAttention's, logits within 1e-4."""
+    FlexAttention's, logits within 1e-4. FlexAttention runs eagerly (``compile=false``: it evaluates the layout's
+    mask on every pair, no graph to compile; the compiled one is held to the same reference in
+    tests/methods/test_minference.py)."""
     model = attnkit.load_model(f"random:llama:{SMALL}")
     ids = random_ids(260, seed=9)
-    run = lambda: attnkit.generate(model, ids, parse_method_spec(spec), max_new_tokens=6,  # noqa: E731
-                                   stop_at_eos=False, keep_logits=True)
-    with sa.profile() as prof:
-        native = run()
-    assert prof.sparse_calls == model.geometry.n_layers
-    monkeypatch.setattr(sa.kernels, "native_pays", lambda *a: False)
-    flex = run()
+    kernel_calls = []
+    kernel = sa.kernels.native_sparse_attention
+    monkeypatch.setattr(sa.kernels, "native_sparse_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+
+    def run(options):
+        with sa.profile() as prof:
+            out = attnkit.generate(model, ids, parse_method_spec(spec + options), max_new_tokens=6, stop_at_eos=False,
+                                   keep_logits=True)
+        assert prof.sparse_calls == model.geometry.n_layers
+        return out
+
+    native = run("")
+    assert len(kernel_calls) == model.geometry.n_layers  # the C++ kernel ran every layer's prefill
+    flex = run(",compile=false")
+    assert len(kernel_calls) == model.geometry.n_layers  # and none of FlexAttention's
     assert native.token_ids == flex.token_ids
     assert max((x - y).abs().max().item() for x, y in zip(native.logits, flex.logits)) < 1e-4
 

@@ -18,14 +18,15 @@ from helpers import SIGNIFICANCE, _filled, chi_square_p_value, random_ids, repet
 def test_judging_a_guess_draws_from_the_draft_distribution():
     """:meth:`ModelDraft._judge` (accept the guess with probability q(guess), else draw from q without
     it) gives tokens distributed as q itself, at temperature 1 and with top-p, for a likely and an
-    unlikely guess (chi-square over 20000 draws)."""
+    unlikely guess (chi-square over 5000 draws: a rejection that draws from q with the guess left in, the
+    subtle mistake, fails it with probability ~1 for the unlikely guess at temperature 1 too)."""
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
     for config in (SamplingConfig(True), SamplingConfig(True, top_p=0.8)):
         d = ModelDraft(None, "snapkv:budget_tokens=8,window_size=2")
         d.sampling, d.generator = config, torch.Generator().manual_seed(3)
         q = next_token_distribution(logits, config).double()
         for guess in (0, 4):
-            n, counts = 20000, {}
+            n, counts = 5000, {}
             for _ in range(n):
                 _, tok, dist = d._judge(logits, guess)
                 counts[tok] = counts.get(tok, 0) + 1

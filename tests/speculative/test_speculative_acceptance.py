@@ -4,6 +4,7 @@ greedily."""
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -114,9 +115,12 @@ def test_greedy_accept_rule(as_tensor):
 @pytest.mark.parametrize("p_kind", ["sampled", "point_mass"])
 def test_sampled_joint_matches_target_chi_square(config, p_kind):
     """Run the acceptance sampler in a loop over 5-token toy models (prefix-dependent p and q, gamma=3)
-    and compare the empirical joint of the first two tokens with the target's (25 cells)."""
+    and compare the empirical joint of the first two tokens with the target's (25 cells). The drafts are
+    drawn from p in Python (``random``, its own seed), and a round's stacked p and q rows are built once per
+    (prefix, drafts): the loop's time is the sampler's."""
     V, N, gamma, runs = 5, 2, 3, 6000
     gen = torch.Generator().manual_seed(1234)
+    draw = random.Random(1234)
     cache: dict = {}
 
     def dist(prefix, salt):
@@ -125,22 +129,31 @@ def test_sampled_joint_matches_target_chi_square(config, p_kind):
             cache[key] = toy_dist(prefix, V, salt, config).float()
         return cache[key]
 
+    def draft_token(prefix):  # a draw from p, or p's argmax for a point mass
+        key = (prefix, "token")
+        if key not in cache:
+            p = dist(prefix, 2)
+            cache[key] = int(p.argmax()) if p_kind == "point_mass" else list(itertools.accumulate(p.tolist()))
+        weights = cache[key]
+        return weights if p_kind == "point_mass" else draw.choices(range(V), cum_weights=weights)[0]
+
+    def round_inputs(prefix, drafts):  # the sampler's arguments for these drafts after `prefix`
+        key = (prefix, drafts)
+        if key not in cache:
+            probs = None if p_kind == "point_mass" else torch.stack([dist(prefix + drafts[:i], 2) for i in range(gamma)])
+            qs = torch.stack([dist(prefix + drafts[:i], 1) for i in range(gamma + 1)])
+            cache[key] = torch.tensor(drafts), probs, qs
+        return cache[key]
+
     counts: dict[tuple, int] = {}
     for _ in range(runs):
         out: tuple = ()
         while len(out) < N:
-            drafts, probs = [], []
+            drafts: tuple = ()
             for _ in range(gamma):
-                p = dist(out + tuple(drafts), 2)
-                if p_kind == "point_mass":
-                    tok = int(p.argmax())
-                else:
-                    tok = int(torch.multinomial(p, 1, generator=gen))
-                    probs.append(p)
-                drafts.append(tok)
-            qs = torch.stack([dist(out + tuple(drafts[:i]), 1) for i in range(gamma + 1)])
-            res = speculative_accept(torch.tensor(drafts), torch.stack(probs) if probs else None, qs, gen)
-            out = out + tuple(res.tokens(drafts))
+                drafts += (draft_token(out + drafts),)
+            res = speculative_accept(*round_inputs(out, drafts), gen)
+            out = out + tuple(res.tokens(list(drafts)))
         counts[out[:N]] = counts.get(out[:N], 0) + 1
     expected = {}
     for seq in itertools.product(range(V), repeat=N):

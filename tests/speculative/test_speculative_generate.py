@@ -10,12 +10,20 @@ import torch
 import attnkit
 from attnkit.sampling import SamplingConfig
 from attnkit.speculative import DraftSource, ModelDraft, PromptLookupDraft, Proposal, speculative_generate
-from helpers import SIGNIFICANCE, chi_square_p_value, random_ids, repetitive_prompt, sharpened, target_joint
+from helpers import (
+    SIGNIFICANCE,
+    chi_square_p_value,
+    random_ids,
+    repetitive_prompt,
+    sampled_runs,
+    sharpened,
+    target_joint,
+)
 
 
 @pytest.fixture(scope="module")
 def target_and_draft():
-    # the draft is the target with a perturbed head: about half of its drafts are accepted, so
+    # the draft is the target with a perturbed head: a quarter to a half of its drafts are accepted, so
     # rejections resample from a residual that differs from q
     return sharpened(0), sharpened(0, noise=0.3)
 
@@ -23,7 +31,8 @@ def target_and_draft():
 @pytest.mark.parametrize("source", ["draft_model", "self", "self+lookup", "draft_model+confidence"])
 def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source, monkeypatch):
     """The first three of four tokens generated with speculation (top-k 3, gamma 3: the first round
-    drafts 2) over 1000 seeds match the target's exact joint distribution (27 cells), computed from the
+    drafts 2) over 1000 seeds (drawn side by side as one batch, the first rows checked against single-prompt
+    calls: helpers.sampled_runs) match the target's exact joint distribution (27 cells), computed from the
     target's logits. ``self+lookup``: the draft judges prompt-lookup guesses (a prompt of all-distinct
     tokens: every lookup succeeds). ``draft_model+confidence``: drafting stops after a token the draft
     gave less than probability 0.6 (which happens in most rounds here)."""
@@ -49,12 +58,10 @@ def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source,
     original = ModelDraft._judge
     monkeypatch.setattr(ModelDraft, "_judge", lambda self, *a: judged.append(1) or original(self, *a))
     runs, counts = 1000, {}
-    for seed in range(runs):
-        out = speculative_generate(target, prompt, source.split("+")[0], draft=spec, draft_lookup=lookup,
-                                   draft_confidence=confidence, gamma=3, max_new_tokens=4, stop_at_eos=False,
-                                   seed=seed, **kw)
-        first = tuple(out.token_ids[:3])
-        counts[first] = counts.get(first, 0) + 1
+    out = sampled_runs(target, prompt, source.split("+")[0], runs, draft=spec, draft_lookup=lookup,
+                       draft_confidence=confidence, gamma=3, max_new_tokens=4, stop_at_eos=False, **kw)
+    for g in out:
+        counts[tuple(g.token_ids[:3])] = counts.get(tuple(g.token_ids[:3]), 0) + 1
     assert (len(judged) > runs / 2) == lookup  # guesses were judged, and only with lookup
     assert (sum(stops) > runs / 2) == (confidence is not None)  # drafting stopped early, and only then
     expected = target_joint(target, prompt, config, 3)
@@ -63,38 +70,48 @@ def test_end_to_end_sampling_matches_target_chi_square(target_and_draft, source,
 
 class ArgmaxDraft(DraftSource):
     """A deterministic draft through the public interface: the target's own greedy continuation
-    (point masses on its most likely tokens, so acceptance is partial and the residual matters)."""
+    (point masses on its most likely tokens, so acceptance is partial and the residual matters). The
+    argmax after a context is computed once (`memo`, shared with the copies :meth:`fork` makes)."""
 
     kind = "argmax"
 
-    def __init__(self, model):
-        self.model, self.proposals = model, 0
+    def __init__(self, model, memo=None):
+        self.model, self.memo = model, {} if memo is None else memo
+
+    def fork(self):
+        return ArgmaxDraft(self.model, self.memo)
 
     def propose(self, context, gamma):
         tokens = []
         for _ in range(gamma):
-            tokens.append(int(attnkit.score_tokens(self.model, context + tokens)[-1].argmax()))
-        self.proposals += 1
+            key = tuple(context + tokens)
+            if key not in self.memo:
+                self.memo[key] = int(attnkit.score_tokens(self.model, list(key))[-1].argmax())
+            tokens.append(self.memo[key])
         return Proposal(tokens)
 
 
 @pytest.mark.parametrize("source", ["prompt_lookup", "argmax"])
 def test_end_to_end_point_mass_draft_matches_target_chi_square(target_and_draft, source):
-    """Deterministic drafts (point-mass p) with sampling. For prompt lookup the prompt holds every token
-    once, so the lookup always finds the last token and proposes what followed it."""
+    """Deterministic drafts (point-mass p) with sampling, 600 seeds (helpers.sampled_runs). For prompt lookup the
+    prompt holds every token once, so the lookup always finds the last token and proposes what followed it."""
     target, _ = target_and_draft
     prompt = torch.randperm(256, generator=torch.Generator().manual_seed(9)) + 3
     kw = dict(do_sample=True, top_k=3)
     config = SamplingConfig(**kw)
     draft = "prompt_lookup" if source == "prompt_lookup" else ArgmaxDraft(target)
-    runs, counts, drafted = 600, {}, 0
-    for seed in range(runs):
-        out = speculative_generate(target, prompt, draft, gamma=2, max_new_tokens=3, stop_at_eos=False,
-                                   seed=seed, **kw)
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-        drafted += out.stats.drafted_tokens
-    assert drafted > runs / 2  # the source did propose
+    runs, counts = 600, {}
+    out = sampled_runs(target, prompt, draft, runs, gamma=2, max_new_tokens=3, stop_at_eos=False, **kw)
+    for g in out:
+        counts[tuple(g.token_ids)] = counts.get(tuple(g.token_ids), 0) + 1
+    assert sum(g.stats.drafted_tokens for g in out) > runs / 2  # the source did propose
     assert chi_square_p_value(counts, target_joint(target, prompt, config, 3), runs) > SIGNIFICANCE
+
+
+@pytest.fixture(scope="module")
+def plain(greedy_models):
+    """Plain greedy decoding of the repetitive prompt (40 tokens): what every greedy speculation must give."""
+    return attnkit.generate(greedy_models[0], repetitive_prompt(), max_new_tokens=40, stop_at_eos=False)
 
 
 @pytest.mark.parametrize("source,spec", [
@@ -110,14 +127,13 @@ def test_end_to_end_point_mass_draft_matches_target_chi_square(target_and_draft,
     ("self", "snapkv:budget_tokens=24,window_size=4"),
     ("self", "window:window=16"),
 ])
-def test_greedy_equals_plain(greedy_models, source, spec):
+def test_greedy_equals_plain(greedy_models, plain, source, spec):
     target, other = greedy_models
     if spec == "other":
         spec = other
     elif spec == "same":
         spec = target
     prompt = repetitive_prompt()
-    plain = attnkit.generate(target, prompt, max_new_tokens=40, stop_at_eos=False)
     for gamma, adaptive in ((1, False), (4, False), (3, True)):
         out = speculative_generate(target, prompt, source, draft=spec, gamma=gamma, adaptive_gamma=adaptive,
                                    max_new_tokens=40, stop_at_eos=False)
@@ -142,13 +158,12 @@ def test_greedy_equals_plain(greedy_models, source, spec):
 
 @pytest.mark.parametrize("source,spec", [("self", "snapkv:budget_tokens=24,window_size=4"),
                                          ("draft_model", "other"), ("draft_model", "same")])
-def test_greedy_with_a_lookup_guessing_draft_equals_plain(greedy_models, source, spec, monkeypatch):
+def test_greedy_with_a_lookup_guessing_draft_equals_plain(greedy_models, plain, source, spec, monkeypatch):
     """The draft verifies prompt-lookup guesses several per forward (TriForce's hierarchy): still the
     plain greedy tokens, and the draft did take several tokens in one forward."""
     target, other = greedy_models
     spec = {"other": other, "same": target}.get(spec, spec)
     prompt = repetitive_prompt()
-    plain = attnkit.generate(target, prompt, max_new_tokens=40, stop_at_eos=False)
     fed = []
     original = ModelDraft._feed
     monkeypatch.setattr(ModelDraft, "_feed", lambda self, tokens, start: fed.append(len(tokens)) or
@@ -214,13 +229,12 @@ def test_lookup_guesses_ride_along_with_the_drafts_catch_up(greedy_models, monke
     ("draft_model", "other", False),
     ("draft_model", "other", True),
 ])
-def test_greedy_with_a_confidence_stop_equals_plain(greedy_models, source, spec, lookup):
+def test_greedy_with_a_confidence_stop_equals_plain(greedy_models, plain, source, spec, lookup):
     """Drafting stops after a token the draft is unsure of: still the plain greedy tokens, with rounds
     shorter than gamma (the threshold is high enough that random weights stop most rounds)."""
     target, other = greedy_models
     spec = other if spec == "other" else spec
     prompt = repetitive_prompt()
-    plain = attnkit.generate(target, prompt, max_new_tokens=40, stop_at_eos=False)
     for gamma, adaptive in ((4, False), (6, True)):
         out = speculative_generate(target, prompt, source, draft=spec, draft_lookup=lookup,
                                    draft_confidence=0.5, gamma=gamma, adaptive_gamma=adaptive,

@@ -3,13 +3,20 @@ and resumed from its checkpoint ends with the same weights as one that was never
 carries weights into another config, also one with a raised RoPE base; training/chain_v2.py runs a curriculum's
 chain stages in order, each from the last one's export, and goes on where it stopped; training/bundle_v2.py stores the chain's
 model and its draft as float16 with their lineage, and refuses an unfinished draft; batches written ahead in
-worker processes are the batches written in line."""
+worker processes are the batches written in line.
 
+One run (the uninterrupted one) is the script as a command, in a fresh interpreter; the others call the scripts'
+main() in this process with their command line in sys.argv (a new interpreter spends seconds importing torch and
+transformers, more than a toy run trains), on one thread as the command's --threads 1 says."""
+
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +25,12 @@ from attnkit.tokenizer import build_byte_tokenizer
 from helpers import ROOT
 
 ROOT = ROOT
+sys.path.insert(0, str(ROOT / "training"))
+import bundle_v2  # noqa: E402
+import chain_v2  # noqa: E402
+import train_v2  # noqa: E402
+
+SCRIPTS = {"train_v2.py": train_v2, "chain_v2.py": chain_v2, "bundle_v2.py": bundle_v2}
 
 
 def _config(name: str, base: float = 10000.0) -> dict:
@@ -38,25 +51,39 @@ def _config(name: str, base: float = 10000.0) -> dict:
     }
 
 
-def _run(name: str, *argv: str) -> subprocess.CompletedProcess:
+def _command(name: str, *argv: str) -> str:
+    """`python training/NAME ARGV --threads 1` in a fresh interpreter: what it printed."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT / 'training'}")
-    return subprocess.run([sys.executable, str(ROOT / "training" / name), *argv],
+    done = subprocess.run([sys.executable, str(ROOT / "training" / name), *argv, "--threads", "1"],
                           capture_output=True, text=True, env=env, timeout=300)
-
-
-def _script(name: str, *argv: str) -> str:
-    done = _run(name, *argv, "--threads", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
 
-def _train(tmp: Path, config: dict, run: str, *extra: str) -> str:
+def _main(name: str, *argv: str) -> str:
+    """The script's main() in this process, with `training/NAME ARGV` as its command line: what it printed (a
+    SystemExit, the script's refusal, goes up). The training scripts set torch's threads: put back after."""
+    threads = torch.get_num_threads()
+    out = io.StringIO()
+    try:
+        with mock.patch.object(sys, "argv", [str(ROOT / "training" / name), *argv]), contextlib.redirect_stdout(out):
+            SCRIPTS[name].main()
+    finally:
+        torch.set_num_threads(threads)
+    return out.getvalue()
+
+
+def _script(name: str, *argv: str) -> str:
+    return _main(name, *argv, "--threads", "1")
+
+
+def _train(tmp: Path, config: dict, run: str, *extra: str, command: bool = False) -> str:
     path = tmp / f"{config['name']}.json"
     path.write_text(json.dumps(config))
     run_dir = tmp / run
     if not (run_dir / "tokenizer").exists() and not {"--init-from", "--tokenizer-from"} & set(extra):
         build_byte_tokenizer().save_pretrained(run_dir / "tokenizer")  # instead of training a BPE (slow)
-    return _script("train_v2.py", "--config", str(path), "--run-dir", str(run_dir), *extra)
+    return (_command if command else _script)("train_v2.py", "--config", str(path), "--run-dir", str(run_dir), *extra)
 
 
 def _weights(run_dir: Path) -> dict:
@@ -66,7 +93,7 @@ def _weights(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory) -> tuple[Path, str]:
     tmp = tmp_path_factory.mktemp("train_v2")
-    return tmp, _train(tmp, _config("toy"), "whole")
+    return tmp, _train(tmp, _config("toy"), "whole", command=True)
 
 
 def test_a_stopped_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(whole):
@@ -141,12 +168,9 @@ def test_the_chain_trains_its_stages_in_order_and_goes_on_where_it_stopped(chain
     assert "chain: starts at toy_theta, stage 2 of 2" in again and "chain: toy_theta is done" in again
     assert "initialised" not in again
     # the stage marked fp32 trains in float32; the next one in bf16 autocast where this CPU runs it fast
-    sys.path.insert(0, str(ROOT / "training"))
-    from train_v2 import fast_bf16
-
     precision = {name: json.loads((runs / name / "export" / "training.json").read_text())["precision"]
                  for name in ("toy", "toy_theta")}
-    assert precision == {"toy": "fp32", "toy_theta": "bf16 autocast" if fast_bf16("cpu") else "fp32"}
+    assert precision == {"toy": "fp32", "toy_theta": "bf16 autocast" if train_v2.fast_bf16("cpu") else "fp32"}
 
 
 def test_bundling_stores_the_chain_s_model_and_its_draft_in_float16_with_their_lineage(chain, tmp_path):
@@ -160,13 +184,12 @@ def test_bundling_stores_the_chain_s_model_and_its_draft_in_float16_with_their_l
             "--dest", str(tmp_path / "assets"), "--log-out", str(tmp_path / "log")]
     draft = ["--config", str(chain_file), "--stage", "toy_draft", "--run-dir", str(runs / "toy_draft")]
     _script("train_v2.py", *draft, "--tokenizer-from", str(runs / "toy_theta" / "export"), "--max-steps", "2")
-    unfinished = _run("bundle_v2.py", *argv)  # the draft stopped before its schedule's end: nothing is written
-    assert unfinished.returncode == 1 and "the draft has not finished its schedule" in unfinished.stderr
-    assert not (tmp_path / "assets").exists()
+    with pytest.raises(SystemExit, match="the draft has not finished its schedule"):  # stopped before its end
+        _main("bundle_v2.py", *argv)
+    assert not (tmp_path / "assets").exists()  # nothing is written
     _script("train_v2.py", *draft)
-    done = _run("bundle_v2.py", *argv, "--check", "512")
-    assert done.returncode == 0, done.stderr[-2000:]
-    effect = done.stdout.splitlines()[1:]  # one line per eval task: float16 rounding moves the logits a little
+    # one line per eval task: float16 rounding moves the logits a little
+    effect = _main("bundle_v2.py", *argv, "--check", "512").splitlines()[1:]
     assert [line.split(":")[0] for line in effect] == list(TASKS)
     assert all(0 < float(line.split("difference| ")[1].split(",")[0]) < 0.1 for line in effect)
     for name, run in (("tiny", "toy_theta"), ("tiny-draft", "toy_draft")):
@@ -190,7 +213,6 @@ def test_bundling_stores_the_chain_s_model_and_its_draft_in_float16_with_their_l
 
 
 def test_batches_written_ahead_by_workers_are_the_batches_written_in_line(tmp_path):
-    sys.path.insert(0, str(ROOT / "training"))
     from data_v2 import Rows
     from prefetch_v2 import Prefetcher, shutdown
 

@@ -167,8 +167,9 @@ def _chromium_run(page, tmp_path, *args) -> subprocess.CompletedProcess:
 def test_page_at_forty_recipes_in_chromium(report, tmp_path):
     rep, page = report
     probe = page.with_name("probe.html")
-    probe.write_text(page.read_text().replace("</body>", PROBE))
-    out = _chromium_run(probe, tmp_path, "--dump-dom")
+    probe.write_text(page.read_text().replace("</body>", PROBE))  # the probe adds no visible element
+    shot = tmp_path / "top.png"
+    out = _chromium_run(probe, tmp_path, "--dump-dom", f"--screenshot={shot}")  # one browser run for both
     found = re.search(r'<script type="application/json" id="probe">(.*?)</script>', out.stdout, re.S)
     assert found, f"chromium gave no page (exit {out.returncode}): {out.stderr[-1500:]}"
     r = json.loads(found.group(1))
@@ -183,8 +184,6 @@ def test_page_at_forty_recipes_in_chromium(report, tmp_path):
     assert all(t["width"] <= r["window"] - 48 for t in r["tables"])
     assert sum("streaming under window" in c for c in r["captions"]) == 2  # both tasks' facets say it
     assert sum(c.startswith("Facet ") for c in r["captions"]) == 8
-    shot = tmp_path / "top.png"
-    out = _chromium_run(page, tmp_path, f"--screenshot={shot}")
     image = Image.open(shot).convert("L")
     assert image.size == WINDOW, out.stderr[-1500:]
     assert sum(1 for count in image.histogram() if count) > 50  # a rendered page, not a blank one
@@ -194,8 +193,9 @@ def test_protocols_and_models_side_by_side(tmp_path):
     """Two protocols and two models: a Pareto plot and a score table per protocol, labels naming model and
     protocol, and a method's line per protocol in the score-vs-budget plot."""
     rows = []
-    for r in synthetic_results.rows():
-        if r["method"] in ("full", "snapkv", "window") and r["task"] == "passkey" and r["budget"] in (None, 0.25, 0.75):
+    for r in synthetic_results.rows():  # one task and length: what differs here is the models and protocols
+        if (r["method"] in ("full", "snapkv", "window") and r["task"] == "passkey" and r["budget"] in (None, 0.25, 0.75)
+                and r["length"] == synthetic_results.LENGTHS[0]):
             for model in ("m1", "m2"):
                 for protocol in ("query-aware", "query-agnostic"):
                     rows.append(dict(r, model=model, protocol=protocol,

@@ -31,6 +31,7 @@ SWEEP = {
     "recipes": ["snapkv", "window", "streaming:budget=0.3",
                 {"name": "pl", "decode": {"speculate": "prompt_lookup", "gamma": 3}}],
 }
+PASSKEY = dict(SWEEP, tasks=["passkey"])  # the sweep's cells of its cheaper task: every recipe
 
 
 @pytest.fixture(autouse=True)
@@ -184,14 +185,15 @@ def test_sweep_rows(reference):
 def test_sweep_batch_size_keeps_the_scores(reference, tmp_path):
     """A sweep file's batch_size changes how the samples are generated, not what they score."""
     rows, _ = reference
-    one = run_sweep(sweep_from_dict(dict(SWEEP, batch_size=1)), tmp_path, progress=False)
-    assert {r["batch_size"] for r in one} == {1}
-    assert _stable(one) == _stable(rows)
+    one = run_sweep(sweep_from_dict(dict(PASSKEY, batch_size=1)), tmp_path, progress=False)
+    assert len(one) == 7 and {r["batch_size"] for r in one} == {1}  # every recipe, speculative decoding included
+    assert _stable(one) == _stable([r for r in rows if r["task"] == "passkey"])
 
 
 def test_interrupted_sweep_resumes_to_the_same_results(reference, tmp_path, monkeypatch):
     rows, ref_dir = reference
-    sweep = sweep_from_dict(SWEEP)
+    rows = [r for r in rows if r["task"] == "passkey"]  # the sweep's cells of one task: every recipe's
+    sweep = sweep_from_dict(PASSKEY)
     real = cells.run_cell
     calls = []
 
@@ -214,7 +216,8 @@ def test_interrupted_sweep_resumes_to_the_same_results(reference, tmp_path, monk
     monkeypatch.setattr(cells, "run_cell", lambda *a: resumed_calls.append(a[2].label) or real(*a))
     resumed = run_sweep(sweep, tmp_path, progress=False)
     assert len(resumed_calls) == len(rows) - 3  # finished cells are not run again
-    assert _stable(results_store.read_results(results)) == _stable(results_store.read_results(ref_dir))
+    ref_file = [r for r in results_store.read_results(ref_dir) if r["task"] == "passkey"]
+    assert _stable(results_store.read_results(results)) == _stable(ref_file)
     assert _stable(resumed) == _stable(rows)
     again = run_sweep(sweep, tmp_path, progress=False)  # all done: nothing runs, nothing is appended
     assert len(resumed_calls) == len(rows) - 3 and len(again) == len(rows)

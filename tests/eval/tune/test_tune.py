@@ -16,6 +16,7 @@ from attnkit.cli import main
 from attnkit.eval.run import cells
 from attnkit.eval.run import results as results_store
 from attnkit.eval.run.lock import LOCK_FILE
+from attnkit.eval.tune import search
 from attnkit.eval.tune.rules import DOMINATED, FLOOR, HALVING, cell_summary, choose, eliminate, pareto, summarize
 from attnkit.eval.tune.search import TuneSettings, run_tune, winner_entry
 from attnkit.eval.tune.space import TARGETS, candidates, combinations, default_space, space_from_dict
@@ -41,6 +42,14 @@ def _decisions(log: dict) -> list:
     """Every round's candidates, survivors and eliminations, and the winner (not the timings of the evidence)."""
     rounds = [(e["candidates"], e["kept"], [(x["candidate"], x["rule"]) for x in e["eliminated"]]) for e in log["rounds"]]
     return [*rounds, (log["winner"]["candidate"], log["winner"]["recipe"])]
+
+
+@pytest.fixture
+def reports(monkeypatch) -> list:
+    """The HTML reports run_tune asks for, not drawn (the whole tune's test checks its report): their paths."""
+    asked = []
+    monkeypatch.setattr(search, "write_report", lambda results, out: asked.append(out))
+    return asked
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +206,7 @@ def test_tune_writes_the_recipe_front_log_and_report(reference):
     assert "tune: peak KV / full against the worst score" in page
 
 
-def test_rerun_generates_nothing(reference, tmp_path, monkeypatch):
+def test_rerun_generates_nothing(reference, tmp_path, monkeypatch, reports):
     log, out = reference
     for name in ("results.jsonl",):
         (tmp_path / name).write_bytes((out / name).read_bytes())
@@ -205,10 +214,11 @@ def test_rerun_generates_nothing(reference, tmp_path, monkeypatch):
     monkeypatch.setattr(cells, "run_cell", lambda *a: calls.append(a[2].label))
     again = run_tune(TuneSettings(**SETTINGS), tmp_path, progress=False)
     assert calls == [] and _decisions(again) == _decisions(log) and again["winner"] == log["winner"]
+    assert reports == [tmp_path / "report.html"] and (tmp_path / "recipe.json").is_file()
     assert len(results_store.read_results(tmp_path)) == len(results_store.read_results(out))
 
 
-def test_interrupted_tune_resumes_to_the_same_results(reference, tmp_path, monkeypatch):
+def test_interrupted_tune_resumes_to_the_same_results(reference, tmp_path, monkeypatch, reports):
     log, out = reference
     real = cells.run_cell
     calls = []
@@ -230,7 +240,7 @@ def test_interrupted_tune_resumes_to_the_same_results(reference, tmp_path, monke
     resumed = run_tune(TuneSettings(**SETTINGS), tmp_path, progress=False)
     total = len(results_store.read_results(out))
     assert len(resumed_calls) == total - 9  # finished cells are not run again
-    assert _decisions(resumed) == _decisions(log)
+    assert _decisions(resumed) == _decisions(log) and reports == [tmp_path / "report.html"]  # the resumed run's
     assert _stable(results_store.read_results(tmp_path)) == _stable(results_store.read_results(out))
 
 

@@ -99,7 +99,8 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 @functools.lru_cache(maxsize=8)
 def _haystack_ids(tokenizer, split: str) -> list[int]:
-    return _encode(tokenizer, corpus.haystack_text("heldout" if split == "eval" else "train"))
+    # kept on disk (corpus.encoded): encoding the training haystack takes tens of seconds on a CPU, in every process
+    return list(corpus.encoded(tokenizer, corpus.haystack_text("heldout" if split == "eval" else "train")))
 
 
 def _filler(tokenizer, split: str, n: int, rng: random.Random) -> list[int]:
