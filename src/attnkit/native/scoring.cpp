@@ -66,12 +66,14 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
     const int64_t R = G * nq, RP = (R + PAD - 1) / PAD * PAD;
     const int64_t first = a.NK - a.NQ + i0;  // position of the block's first query
     const int64_t seen = first + nq, T = (seen + BK - 1) / BK;
-    // P holds the exponentials tile by tile, each tile's rows contiguous (RP x BK floats): the statistic reads every
-    // tile once the rows are done, the output only the current one, which then sits in one stretch of memory
+    // P holds the exponentials tile by tile, each tile's rows contiguous (RP x BK floats): the statistic reads the
+    // tiles t_lo .. t_hi - 1 once the rows are done, kept from slot 1 on; the output reads only the current tile, and
+    // a tile the statistic does not read goes to slot 0, overwritten by the next (KVzip's reconstruction scores a
+    // chunk of the keys it attends to: its other tiles would only be written out to memory)
     const bool keep = a.stats != nullptr;
     float *Q = s.q.data(), *P = s.p.data(), *TM = s.tile_max.data(), *O = s.o.data(), *L = s.l.data();
     float *M = s.m.data(), *Z = s.z.data(), *AL = s.alpha.data();
-    auto tile = [&](int64_t t) { return P + (keep ? t : 0) * RP * BK; };
+    auto tile = [&](int64_t t) { return P + (keep && t >= a.t_lo && t < a.t_hi ? t - a.t_lo + 1 : 0) * RP * BK; };
     for (int64_t r = 0; r < RP; ++r) {  // row r: query head kh * G + r / nq, query i0 + r % nq; scaled here
         float* dst = Q + r * D;
         if (r < R) {
@@ -229,7 +231,7 @@ extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, cons
             kinds.assign(T, 0);
         }
         for (Scratch& s : scratch) {
-            s.assign(RP, D, a.NKP, DV);
+            s.assign(RP, D, (stats ? a.t_hi - a.t_lo + 1 : 1) * BK, DV);  // P: the kept tiles and slot 0
             s.tile_max.assign(RP * T, 0.0f);
             s.coef.assign(RP * T, 0.0f);
             s.z.assign(RP, 0.0f);
