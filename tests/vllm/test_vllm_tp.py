@@ -8,6 +8,8 @@ import pytest
 import attnkit
 from attnkit.eval.data.task_registry import get_task
 
+pytestmark = pytest.mark.xdist_group("servers")  # beside test_vllm.py's engines (tests/vllm/conftest.py)
+
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
 
 
@@ -16,8 +18,12 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
     from vllm import LLM, SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    # vLLM's CPU workers bind their threads to NUMA nodes; on one node, each worker is given one core
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    # vLLM's CPU workers bind their threads to NUMA nodes; on one node, each worker is given half of this process's
+    # cores (both the same one where it has one: an xdist worker of ./run test)
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    ranks = (cores[:half], cores[half:] or cores[:half])
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, r)) for r in ranks))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     # the engine core in this process, the two workers in their own: on two cores a child engine process's busy loop
     # would take time from the workers
