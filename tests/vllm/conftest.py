@@ -1,8 +1,7 @@
 """The vLLM tests under pytest-xdist (``./run test``: two workers): each worker keeps to its own share of the cores,
 and so do the vLLM engines it starts (``VLLM_CPU_OMP_THREADS_BIND``), so that one worker's engine never waits on a
 thread that the other's has taken: vLLM's CPU workers bind one thread per core and wait for each other every step.
-Modules that start engines are grouped (``xdist_group``: ``--dist loadgroup``) so that a module's engines are started
-once, on one worker."""
+A module's tests run on one worker (``--dist loadfile``), so that its engines are started once."""
 
 import os
 

@@ -20,8 +20,6 @@ from attnkit.eval.data.task_registry import get_task
 from attnkit.methods.base import resolve_method
 from attnkit.vllm.stats import SchedulerWatch
 
-pytestmark = pytest.mark.xdist_group("engines")  # one worker starts the module's engines (tests/vllm/conftest.py)
-
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
 # the bundled model's query statistics (attnkit calibrate triattention), committed with the decode-time sweep
 SWEEPS = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps")

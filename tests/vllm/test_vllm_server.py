@@ -19,8 +19,6 @@ import attnkit
 from attnkit.eval.data.task_registry import get_task
 from attnkit.recipe import as_recipe
 
-pytestmark = pytest.mark.xdist_group("servers")  # one worker starts the module's engines (tests/vllm/conftest.py)
-
 MODEL = "tiny"  # the name attnkit serve gives a bundled model
 README = Path(__file__).resolve().parents[2] / "README.md"
 NEW = 24

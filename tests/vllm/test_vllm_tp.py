@@ -8,8 +8,6 @@ import pytest
 import attnkit
 from attnkit.eval.data.task_registry import get_task
 
-pytestmark = pytest.mark.xdist_group("servers")  # beside test_vllm.py's engines (tests/vllm/conftest.py)
-
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
 
 
