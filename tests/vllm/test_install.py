@@ -74,8 +74,8 @@ def test_the_built_wheel_installs_as_documented_and_serves(tmp_path):
     proc = subprocess.Popen([str(venv / "bin" / "attnkit"), "serve", "tiny", "--recipe", "snapkv:budget_tokens=64",
                              "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
                              "--num-gpu-blocks-override", "32", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=outside, env=dict(ENV, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind"), stdout=log,
-                            stderr=subprocess.STDOUT)
+                            cwd=outside, env=dict(ENV, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind"),
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         model = attnkit.load_model("tiny")
         prompt = get_task("passkey").make(model.tokenizer, 400, seed=7).prompt
