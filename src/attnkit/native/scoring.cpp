@@ -149,7 +149,8 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
         if (!a.stats) continue;
         if (a.scored && Z[row] < UNDERFLOW) a.lost->store(true, std::memory_order_relaxed);
         const float denom = (a.table || a.scored ? Z[row] : L[row]) * (a.group_max ? 1.0f : static_cast<float>(G));
-        for (int64_t t = 0; t < T; ++t) C[row * T + t] = std::exp(TM[row * T + t] - M[row]) / denom;
+        for (int64_t t = a.t_lo; t < std::min(T, a.t_hi); ++t)  // the tiles the statistic reads
+            C[row * T + t] = std::exp(TM[row * T + t] - M[row]) / denom;
     }
     if (!a.stats) return;
     float* stats = s.stats.data() + (b * a.KV + kh) * a.NKP;
