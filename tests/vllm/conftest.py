@@ -4,7 +4,9 @@ thread that the other's has taken: vLLM's CPU workers bind one thread per core a
 A module's tests run on one worker (``--dist loadfile``), so that its engines are started once."""
 
 import os
+import sys
 
+import pytest
 import torch
 
 
@@ -24,3 +26,13 @@ if SHARE:
     os.sched_setaffinity(0, SHARE)  # the engines and servers this worker starts inherit it
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, SHARE))
     torch.set_num_threads(len(SHARE))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_vllm_settings():
+    """Each module's engines read vLLM's environment variables anew: vLLM caches them once an engine of the process
+    has started (``vllm.envs.enable_envs_cache``), and a module run after another's in the same worker sets its own
+    (the tensor-parallel test's thread binding)."""
+    settings = sys.modules.get("vllm.envs")
+    if settings is not None:
+        settings.disable_envs_cache()

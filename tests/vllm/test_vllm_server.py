@@ -122,7 +122,21 @@ def test_a_bad_recipe_or_option_for_serve_is_one_line(args, message, capsys):
     assert main(["serve", *args, "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("attnkit: error:") and message in err
+    assert err.count("vLLM's server:") <= 1  # vLLM's parser's message said once
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+
+
+def test_metrics_made_after_a_refused_serve_work():
+    """A refused ``attnkit serve`` in a process that had not imported prometheus_client (a notebook's first vLLM
+    import) leaves later metrics in memory, where another engine of the process makes its own: not in the metrics
+    directory the command set and removed (vLLM's engine start then failed inside prometheus_client)."""
+    code = ("from attnkit.cli import main\n"
+            "assert main(['serve', 'tiny', '--recipe', 'snapkv:budget=0.3', '--max-model-len', 'many']) == 2\n"
+            "from prometheus_client import CollectorRegistry, Gauge\n"
+            "Gauge('after', 'made after a refused serve', multiprocess_mode='mostrecent',\n"
+            "      registry=CollectorRegistry()).set(1)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_a_setting_the_plugin_refuses_ends_serve_in_one_line():

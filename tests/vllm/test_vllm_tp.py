@@ -1,5 +1,8 @@
 """attnkit inside vLLM with tensor parallelism: two CPU workers, each holding one of ``tiny``'s two kv heads. Each kv
-head chooses its own entries, so a shard needs nothing from the other, and the tokens are attnkit's."""
+head chooses its own entries, so a shard needs nothing from the other, and the tokens are attnkit's: for the prompt
+scorers, the methods that act while decoding (per step, Keyformer's with constant noise included, and
+re-compressing), and Quest's pages. Methods whose choice reads other kv heads, or depends on which heads of the model
+a shard holds, are refused (attnkit.vllm.shards)."""
 
 import os
 
@@ -9,6 +12,8 @@ import attnkit
 from attnkit.eval.data.task_registry import get_task
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
+# the bundled model's query statistics (attnkit calibrate triattention), committed with the decode-time sweep
+TRIATTENTION = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps", "triattention_tiny.json")
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel CPU workers need two cores")
@@ -33,14 +38,21 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
                                                                                  "allow": "*"}})
     try:
         for spec in ("snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
-                     "h2o:budget_tokens=256", "snapkv:budget_tokens=256,decode_every=8",
+                     "h2o:budget_tokens=256", "keyformer:budget_tokens=256,noise=constant",
+                     "rkv:budget_tokens=256,decode_every=8", "snapkv:budget_tokens=256,decode_every=8",
                      "quest:page_size=128,token_budget=512,dense_layers=0"):  # each shard its kv heads' summaries
             sp = SamplingParams(max_tokens=24, temperature=0, extra_args={"attnkit": spec})
             got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * 2, use_tqdm=False)]
             assert got == [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)], spec
-        # TOVA's choice for a kv head averages every head's attention, which one shard does not hold
-        with pytest.raises(VLLMValidationError, match="tensor_parallel_size=2"):
-            llm.generate(prompts[:1], [SamplingParams(max_tokens=4, extra_args={"attnkit": "tova:budget=0.3"})],
-                         use_tqdm=False)
+        # TOVA's choice for a kv head averages every head's attention, which one shard does not hold; Keyformer's
+        # noise, random scores and TriAttention's statistics are per head of the whole model, and a shard numbers its
+        # heads from 0: refused when submitted, and the engine serves on
+        for spec, reason in (("tova:budget=0.3", "every kv head"), ("keyformer:budget_tokens=256", "gumbel noise"),
+                             ("random:budget=0.3", "drawn per kv head"),
+                             (f"triattention:config={TRIATTENTION},budget_tokens=256", "calibration file")):
+            with pytest.raises(VLLMValidationError, match=f"tensor_parallel_size=2.*{reason}"):
+                llm.generate(prompts[:1], [SamplingParams(max_tokens=4, extra_args={"attnkit": spec})], use_tqdm=False)
+        sp = SamplingParams(max_tokens=4, temperature=0)
+        assert len(llm.generate(prompts[:1], [sp], use_tqdm=False)[0].outputs[0].token_ids) == 4
     finally:
         llm.llm_engine.engine_core.shutdown()

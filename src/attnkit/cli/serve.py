@@ -74,12 +74,23 @@ def cmd_serve(args) -> int:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
     try:
         served, run = _vllm_server(argv)
-    except AttnkitError:
-        if metrics_dir is not None:  # nothing served: leave the environment as it was
-            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
-        raise
-    run(served)
+        run(served)
+    finally:
+        if metrics_dir is not None:  # refused or done: leave the process as it was
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            _metrics_in_memory()
+            metrics_dir.cleanup()
     return 0
+
+
+def _metrics_in_memory() -> None:
+    """prometheus_client chooses where metrics keep their values when it is imported: in files of
+    ``PROMETHEUS_MULTIPROC_DIR`` where that is set. If this command imported it, metrics made later in this process
+    (another vLLM engine's, in a notebook or a test) would look for the directory just removed and fail; they keep
+    their values in memory instead, as without the command."""
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None:
+        values.ValueClass = values.get_value_class()
 
 
 def _vllm_server(argv: list[str]):
@@ -99,6 +110,8 @@ def _vllm_server(argv: list[str]):
     try:
         served = parser.parse_args(argv)
         validate_parsed_serve_args(served)
+    except AttnkitError:  # the parser's own line (an AttnkitError is a ValueError too)
+        raise
     except (TypeError, ValueError) as exc:
         raise AttnkitError(f"vLLM's server: {exc}") from None
 

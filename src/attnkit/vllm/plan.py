@@ -71,6 +71,7 @@ from attnkit.methods.window import Window
 from attnkit.methods.wrappers import held_after
 from attnkit.recipe.core import Recipe, as_recipe, load_recipe_file
 from attnkit.session import Session, layer_contexts, planned_slots
+from attnkit.vllm.shards import shard_refusal
 
 SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, random, lagkv, cur, cap, "
              "observed_attention, expected_attention, finch (positions=original), qfilter, leverage, "
@@ -175,18 +176,12 @@ def check_pages(method: Method, block_size: int | None, source: str) -> None:
                            f"({block_size}; vLLM's blocks are quest's pages): use quest:page_size={block_size}")
 
 
-def crosses_kv_heads(method: Method) -> bool:
-    """Whether a method's choice for one kv head reads the other kv heads' statistics (TOVA's mean over every
-    head, Keyformer's shared score): a tensor-parallel worker holding some kv heads cannot make it alone."""
-    cache = cache_part(method)
-    return isinstance(cache, TOVA) or (isinstance(cache, Keyformer) and cache.score == "shared")
-
-
 def check_parallel(method: Method, tensor_parallel: int, source: str) -> None:
-    """Refuse, in one line, a method that cannot run on a tensor-parallel shard of the kv heads."""
-    if tensor_parallel > 1 and crosses_kv_heads(method):
-        raise _unsupported(method, source, f" with tensor_parallel_size={tensor_parallel} (its choice for a kv head "
-                                           f"reads every kv head's statistics, which a shard does not hold)")
+    """Refuse, in one line, a method that cannot run on a tensor-parallel shard of the kv heads
+    (:func:`attnkit.vllm.shards.shard_refusal`)."""
+    why = shard_refusal(method) if tensor_parallel > 1 else ""
+    if why:
+        raise _unsupported(method, source, f" with tensor_parallel_size={tensor_parallel}{why}")
 
 
 def decodes_live(method: Method) -> bool:
