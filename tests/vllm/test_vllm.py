@@ -52,19 +52,32 @@ def patterns(model, tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def vllm_engines():
+# the attnkit engine (module docstring); test_vllm_capacity.py builds its own from the same settings
+ATTNKIT = dict(COMMON, max_num_batched_tokens=1024, num_gpu_blocks_override=BLOCKS,
+               additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
+
+
+def in_process_engines(*configs: dict) -> list:
+    """``vllm.LLM`` engines of `configs`, their engine cores in this process (module docstring)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engines' cores in this process (module docstring)
-        plain = LLM(**COMMON)
-        ours = LLM(**COMMON, max_num_batched_tokens=1024, num_gpu_blocks_override=BLOCKS,
-                   additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
-    yield plain, ours
-    for llm in (plain, ours):  # end the engines' processes now, not when the test run ends
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        return [LLM(**config) for config in configs]
+
+
+def shut_down(*engines) -> None:
+    """End the engines' processes now, not when the test run ends."""
+    for llm in engines:
         llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vllm_engines():
+    engines = in_process_engines(COMMON, ATTNKIT)
+    yield engines
+    shut_down(*engines)
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,8 @@ spares compressed requests their preemptions. One attnkit engine of its own, con
 blocks of 128 tokens, prompts chunked by 1024), so that these tests, about a minute and a half, run on the other
 pytest-xdist worker beside that module's."""
 
-import os
-
 import pytest
-from test_vllm import BLOCKS, COMMON, Output, assert_same_tokens, params, tokens
+from test_vllm import ATTNKIT, BLOCKS, Output, assert_same_tokens, in_process_engines, params, shut_down, tokens
 
 import attnkit
 from attnkit.eval.data.task_registry import get_task
@@ -22,16 +20,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine():
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine's core in this process (test_vllm.py)
-        ours = LLM(**COMMON, max_num_batched_tokens=1024, num_gpu_blocks_override=BLOCKS, disable_log_stats=False,
-                   additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
+    (ours,) = in_process_engines(dict(ATTNKIT, disable_log_stats=False))
     ours.watch = SchedulerWatch.attach(ours)  # vLLM's own scheduler statistics of this engine
     yield ours
-    ours.llm_engine.engine_core.shutdown()
+    shut_down(ours)
 
 
 def test_compression_hands_blocks_back_to_vllm(engine, model):

@@ -7,13 +7,10 @@ a shard holds, are refused (attnkit.vllm.shards)."""
 import os
 
 import pytest
+from test_vllm import TINY, TRIATTENTION
 
 import attnkit
 from attnkit.eval.data.task_registry import get_task
-
-TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
-# the bundled model's query statistics (attnkit calibrate triattention), committed with the decode-time sweep
-TRIATTENTION = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps", "triattention_tiny.json")
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel CPU workers need two cores")

@@ -5,8 +5,8 @@ numbered from 0 in that worker. A method runs on a shard as on the whole model w
 only that head's entries and queries. Two kinds of method do not, and are refused in one line at engine start or at
 request submission (a refusal inside a worker would end the engine):
 
-- a choice that reads every kv head's statistics (TOVA's mean over the heads, Keyformer's shared score; a method
-  that adds a mean across heads): a shard does not hold the others;
+- a choice that reads every kv head's statistics (TOVA's mean over the heads, Keyformer's shared score): a shard
+  does not hold the others;
 - a choice that depends on which heads of the model a shard holds: calibration files, which hold something per
   layer and head (q-filters, Expected Attention's and TriAttention's query statistics, MInference's patterns, the
   trained surrogates and gates) and draws made per kv head of the model
@@ -48,8 +48,7 @@ def shard_refusal(method: Method) -> str:
     can)."""
     parts = [method.prefill_method, method.cache_method] if isinstance(method, Compose) else [method]
     for part in parts:
-        if isinstance(part, TOVA) or (isinstance(part, Keyformer) and part.score == "shared") \
-                or getattr(part, "add_mean_across_heads", False):
+        if isinstance(part, TOVA) or (isinstance(part, Keyformer) and part.score == "shared"):
             return CROSSES
         why = _head_specific(part)
         if why:
