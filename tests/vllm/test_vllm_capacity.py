@@ -1,8 +1,8 @@
 """vLLM's own block pool under attnkit: compression hands blocks back (after a prompt and while decoding), the
 scheduler gets each request's plan, preempted requests recompute to attnkit's tokens, and the planned admission
 spares compressed requests their preemptions. One attnkit engine of its own, configured as ``test_vllm.py``'s (96
-blocks of 128 tokens, prompts chunked by 1024), so that these tests, about a minute and a half, run on the other
-pytest-xdist worker beside that module's."""
+blocks of 128 tokens, prompts chunked by 1024), so that these long tests run on the other pytest-xdist worker
+beside that module's."""
 
 import pytest
 from test_vllm import ATTNKIT, BLOCKS, Output, assert_same_tokens, in_process_engines, params, shut_down, tokens
