@@ -12,7 +12,7 @@ import attnkit
 from attnkit.cache import KVCache
 from attnkit.rope import Rope
 from attnkit.sampling import SamplingConfig, next_token_distribution
-from attnkit.session import Session, Step
+from attnkit.session import HeadShard, Session, Step
 from attnkit.speculative import speculative_generate
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
@@ -107,14 +107,15 @@ D = 8
 ROPE = Rope(inv_freq=1.0 / (100.0 ** (torch.arange(0, D, 2).float() / D)))
 
 
-def drive(method, q, k, v, prompt_len, rope=ROPE, scaling=None):
-    """Prefill the first `prompt_len` tokens, then decode the rest one at a time (one layer).
+def drive(method, q, k, v, prompt_len, rope=ROPE, scaling=None, shard=None):
+    """Prefill the first `prompt_len` tokens, then decode the rest one at a time (one layer); `shard`: the
+    :class:`attnkit.session.HeadShard` the heads of `q`, `k`, `v` are (None: the whole model's).
 
     Returns the session, the decode outputs, and per step the sorted positions each kv head holds
     (step 0: after prefill; step i: what the i-th decode query attended to)."""
     n = q.shape[2]
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
-    session = Session(method, KVCache(1), 1, prompt_len, n - prompt_len, rope=rope)
+    session = Session(method, KVCache(1), 1, prompt_len, n - prompt_len, rope=rope, shard=shard)
     p = slice(0, prompt_len)
     Step(session, "prefill", torch.arange(prompt_len)).attention(0, q[:, :, p], k[:, :, p], v[:, :, p], scaling, None)
     held, outs = [positions(session)], []
@@ -291,3 +292,16 @@ def chromium() -> str:
             return path
     pytest.fail("chromium is not installed, so the report cannot be checked in a browser: install Debian's "
                 "package (`apt-get install -y chromium`; `./run test` does it when it runs as root or with sudo)")
+
+
+def drive_shards(method, q, k, v, prompt_len, ranks=2):
+    """:func:`drive` on each of `ranks` tensor-parallel shards of the heads (rank r: the r-th 1/ranks of the query
+    and kv heads, told by its :class:`attnkit.session.HeadShard`), joined: the decode outputs concatenated over the
+    heads, per step the positions each kv head holds."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    qs, ks = heads // ranks, kv_heads // ranks
+    runs = [drive(method, q[:, r * qs:(r + 1) * qs], k[:, r * ks:(r + 1) * ks], v[:, r * ks:(r + 1) * ks], prompt_len,
+                  shard=HeadShard(r * qs, r * ks, heads, kv_heads)) for r in range(ranks)]
+    outs = [torch.cat(step, dim=1) for step in zip(*(run[1] for run in runs))]
+    held = [sum(step, []) for step in zip(*(run[2] for run in runs))]
+    return outs, held

@@ -30,6 +30,19 @@ from attnkit.model import LoadedModel
 from attnkit.rope import Rope
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """Which of the model's heads a session's layers hold where they hold only some (a tensor-parallel shard of a
+    serving engine, which numbers its heads from 0): the model-wide index of its first query head and of its first
+    kv head, and the model's query and kv head counts. A method that draws or calibrates something per head of the
+    model (Keyformer's noise, TriAttention's statistics) reads the shard's heads at these offsets."""
+
+    first_head: int
+    first_kv_head: int
+    heads: int
+    kv_heads: int
+
+
 @dataclass
 class Session:
     """State of one generation: the method, the cache, and what the method keeps per layer and per run."""
@@ -42,12 +55,19 @@ class Session:
     # rotations by position offsets with the model's RoPE frequencies (attnkit.rope.Rope), filled in by
     # the runner / AttnkitCache; methods that re-index key positions need it
     rope: Any = None
+    # the model's heads the layers hold, where they hold only some (None: all of them)
+    shard: HeadShard | None = None
     layer_state: list = field(default_factory=list)
     state: Any = None  # the method's per-generation state (shared by its layers)
 
     def __post_init__(self):
         self.layer_state = [self.method.new_layer_state() for _ in range(self.n_layers)]
         self.state = self.method.new_session_state()
+
+    @property
+    def first_head(self) -> int:
+        """The model-wide index of the first query head the layers hold (0 unless :attr:`shard` says otherwise)."""
+        return self.shard.first_head if self.shard is not None else 0
 
     @property
     def rows(self) -> int:
@@ -68,7 +88,7 @@ class Session:
         `rows` by the method's ``keep_rows``. Nothing is recomputed; this session is left as it was."""
         index = torch.tensor(rows, dtype=torch.long)  # on the CPU: each layer's copy moves it to its own device
         out = Session(self.method, self.cache.copy_rows(index), self.n_layers, self.prompt_len, self.max_new_tokens,
-                      self.rope)
+                      self.rope, self.shard)
         out.layer_state, out.state = copy_state(self.layer_state), copy_state(self.state)
         self.method.keep_rows(out.layer_state, out.state, index)
         return out

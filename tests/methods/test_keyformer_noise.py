@@ -11,7 +11,7 @@ from attnkit.methods import eviction, scoring
 from attnkit.methods import keyformer_noise as keyformer_noise_module
 from attnkit.methods.keyformer_noise import DecodeNoise, gumbel_factor, keyformer_noise
 from attnkit.session import LayerContext, Session, Step
-from helpers import drive, qkv
+from helpers import drive, drive_shards, qkv
 
 torch.set_num_threads(1)
 
@@ -133,3 +133,21 @@ def test_noise_of_a_block_does_not_depend_on_chunks_rows_or_the_copy_path():
     assert torch.equal(got[0, 0, :, 0], whole[0, 0, :, 7][:, [5, 9, 200]])
     assert torch.equal(got[0, 1, :, 0], whole[0, 1, :, 7][:, [0, 1, 299]])
     assert torch.allclose(gumbel_factor(2, 1, 2, 3, pos[130:147], pos[100:147]), part.exp(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["keyformer:budget_tokens=20", "keyformer:budget_tokens=20,noise=gaussian",
+                                  "keyformer:budget_tokens=20,decode_every=4"])
+def test_each_tensor_parallel_shard_draws_its_own_heads_noise(spec):
+    """A shard holding the model's second half of the heads (numbered from 0 in it) draws those heads' noise, so the
+    shards together keep what the whole model keeps; a shard that drew as heads 0.. would not."""
+    q, k, v = qkv(48, hq=4, kv=2)
+    method = attnkit.parse_method_spec(spec)
+    _, outs, held = drive(method, q, k, v, 30)
+    shard_outs, shard_held = drive_shards(method, q, k, v, 30)
+    assert shard_held == held
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(shard_outs, outs))
+    _, _, unaware = drive(method, q[:, 2:], k[:, 1:], v[:, 1:], 30)  # the second half as if it were heads 0..
+    assert [step[0] for step in unaware] != [step[1] for step in held]
+    pos = torch.arange(40)
+    assert torch.equal(keyformer_noise("gumbel", 0, 0, 1, 2, pos, pos, first_head=2),
+                       keyformer_noise("gumbel", 0, 0, 2, 2, pos, pos)[:, 1:])

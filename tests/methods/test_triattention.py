@@ -29,7 +29,18 @@ from attnkit.methods.triattention_stats import (
     trig_scores,
 )
 from attnkit.session import Step, layer_contexts, new_session
-from helpers import ROOT, ROPE, SMALL, assert_equals_full, drive, per_token_bytes, randn, random_ids, recompress_dense
+from helpers import (
+    ROOT,
+    ROPE,
+    SMALL,
+    assert_equals_full,
+    drive,
+    drive_shards,
+    per_token_bytes,
+    randn,
+    random_ids,
+    recompress_dense,
+)
 
 torch.set_num_threads(1)
 
@@ -240,6 +251,25 @@ def test_kept_positions_equal_a_plain_recomputation(tmp_path, every, how, reduce
     choose = dense_triattention_choose(k_pre, data, budget, window, geometric_offsets(256), how, reduce, normalize)
     assert got == recompress_dense(q, k, prompt_len, budget, every, choose)
     assert session.cache.layers[0].capacity == budget + every
+
+
+def test_each_tensor_parallel_shard_reads_its_own_heads_statistics(tmp_path):
+    """A shard holding the model's second kv head (numbered 0 in it) scores with that head's statistics, so the
+    shards together keep what the whole model keeps; the file is checked against the whole model's heads (half of
+    them, not told which, is refused)."""
+    n, prompt_len = 56, 30
+    q, k, v = randn(1, 4, n, 8, seed=12), ROPE.rotate(randn(1, 2, n, 8, seed=11), torch.arange(n)), randn(1, 2, n, 8,
+                                                                                                          seed=13)
+    path = tmp_path / "stats.json"
+    path.write_text(dumps_stats(stats_dict(seed=5)))
+    method = attnkit.make_method("triattention", config=str(path), budget_tokens=14, decode_every=3, window_size=2,
+                                 offset_max_length=256)
+    _, outs, held = drive(method, q, k, v, prompt_len)
+    shard_outs, shard_held = drive_shards(method, q, k, v, prompt_len)
+    assert shard_held == held
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(shard_outs, outs))
+    with pytest.raises(AttnkitError, match="kv heads 1 .file: 2."):  # half the heads, not told which: refused
+        drive(method, q[:, 2:], k[:, 1:], v[:, 1:], prompt_len)
 
 
 # ---- calibration: the recorded statistics, the file, the command, refusals -------------------------------------

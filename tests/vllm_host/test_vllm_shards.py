@@ -12,13 +12,14 @@ from attnkit.vllm.plan import check_parallel
 
 SWEEPS = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps")
 REFUSED = [("tova:budget=0.3", "every kv head"), ("keyformer:budget=0.3,score=shared", "every kv head"),
-           ("keyformer:budget=0.3", "gumbel noise"), ("keyformer:budget=0.3,noise=gaussian", "gaussian noise"),
            ("random:budget=0.3", "drawn per kv head"), ("leverage:budget=0.3", "Gaussian sketch"),
            ("compactor:budget=0.3", "Gaussian sketch"),
-           (f"triattention:config={SWEEPS}/triattention_tiny.json,budget_tokens=256", "calibration file"),
            (f"qfilter:config={SWEEPS}/qfilter_tiny.json,budget=0.3", "calibration file"),
            (f"expected_attention:stats={SWEEPS}/expected_attention_tiny.safetensors,budget=0.3", "calibration file")]
+# Keyformer's noise and TriAttention's statistics are read at the shard's heads (attnkit.session.HeadShard)
 RUN = ["snapkv:budget=0.3", "h2o:budget=0.3", "keyformer:budget=0.3,noise=constant", "keyformer:budget=0.3,noise=none",
+       "keyformer:budget=0.3", "keyformer:budget=0.3,noise=gaussian",
+       f"triattention:config={SWEEPS}/triattention_tiny.json,budget_tokens=256",
        "rkv:budget_tokens=256", "expected_attention:budget=0.3", "leverage:budget=0.3,sketch_dimension=0",
        "minference+snapkv:budget=0.3", "streaming:budget_tokens=256", "quest:page_size=128,token_budget=512"]
 
@@ -35,3 +36,17 @@ def test_methods_a_shard_cannot_run_are_refused_in_one_line(spec, reason):
 @pytest.mark.parametrize("spec", RUN)
 def test_methods_choosing_from_each_kv_head_alone_run_on_a_shard(spec):
     check_parallel(resolve_method(spec), 2, "extra_args['attnkit']")
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=0.3", "keyformer:budget=0.3", "quest:page_size=128,token_budget=512"])
+def test_more_workers_than_kv_heads_refuse_methods_whose_copies_would_choose_apart(spec):
+    check_parallel(resolve_method(spec), 2, "extra_args['attnkit']", kv_heads=2)
+    with pytest.raises(AttnkitError) as info:
+        check_parallel(resolve_method(spec), 4, "extra_args['attnkit']", kv_heads=2)
+    message = str(info.value)
+    assert "tensor_parallel_size=4" in message and "2 kv heads" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("spec", ["full", "window:window=256", "streaming:budget_tokens=256"])
+def test_more_workers_than_kv_heads_run_full_attention_and_position_only_methods(spec):
+    check_parallel(resolve_method(spec), 4, "extra_args['attnkit']", kv_heads=2)

@@ -97,7 +97,8 @@ class KeyformerRun:
     pending: torch.Tensor | None = None
     step: Any = None  # the step whose scores `pending` collects
 
-    shared = ("noise",)  # a function of the seed and the geometry alone: every generation of the method draws alike
+    # a function of the seed, the geometry and the heads held alone: every generation of the method draws alike
+    shared = ("noise",)
 
 
 @register
@@ -153,7 +154,7 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
                     logits += self._decode_noise(ctx, kv_heads * logits.shape[2])(ctx, k_pos)
                 else:
                     logits += keyformer_noise(self.noise, self.seed, ctx.index, kv_heads, logits.shape[2], q_pos,
-                                              k_pos)
+                                              k_pos, ctx.session.first_head)
             elif self.noise == "constant":
                 logits += EULER_GAMMA
             if isinstance(tau, torch.Tensor):  # one per row of a stacked step (dividing by 1 changes nothing)
@@ -170,7 +171,7 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         if tau == 1.0 and self.noise in ("none", "constant"):
             return None  # a constant added to every logit leaves the softmax unchanged
         if tau == 1.0 and self.noise == "gumbel":
-            return GumbelFactorWeights(self.seed, ctx.index, ctx.kv.positions.shape[1])
+            return GumbelFactorWeights(self.seed, ctx.index, ctx.kv.positions.shape[1], ctx.session.first_head)
         noisy = self._weights(ctx, tau)
         return lambda logits, probs, q_pos, k_pos: noisy(logits, q_pos, k_pos)
 
@@ -187,7 +188,8 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         """This generation's :class:`DecodeNoise` (one for all layers)."""
         run = ctx.session_state
         if run.noise is None:
-            run.noise = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads, ctx.kv.positions.device)
+            run.noise = DecodeNoise(self.noise, self.seed, ctx.session.n_layers, heads, ctx.kv.positions.device,
+                                    ctx.session.first_head)
         return run.noise
 
     def _shared(self, ctx: LayerContext) -> KeyformerRun:

@@ -159,10 +159,12 @@ def _table_entries(kind: str, t: torch.Tensor) -> torch.Tensor:
     return gaussian_from_uniforms(u, counter_uniforms(0, 0x7AB1E, heads, heads, t, second=True))
 
 
-def row_offsets(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor) -> torch.Tensor:
+def row_offsets(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
+                first_head: int = 0) -> torch.Tensor:
     """Where each (head, query) row of layer `layer` starts in the table: ``[1, kv, g, queries, 1]`` int64,
-    hashed from (seed, layer, head, query position) into ``[0, TABLE_SIZE)``."""
-    heads = torch.arange(kv_heads * groups, device=q_pos.device).view(1, kv_heads, groups, 1, 1)
+    hashed from (seed, layer, head, query position) into ``[0, TABLE_SIZE)``. The heads are the model's
+    ``first_head ...`` (a tensor-parallel shard's: :attr:`attnkit.session.Session.first_head`)."""
+    heads = torch.arange(first_head, first_head + kv_heads * groups, device=q_pos.device).view(1, kv_heads, groups, 1, 1)
     rows = row_hashes(head_hashes(seed, layer, heads), q_pos.view(1, 1, 1, -1, 1))
     return rows.to(torch.int64) & (TABLE_SIZE - 1)
 
@@ -184,7 +186,7 @@ def table_draws(kind: str, offsets: torch.Tensor, k_pos: torch.Tensor, largest: 
 
 
 def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
-                    k_pos: torch.Tensor) -> torch.Tensor | float:
+                    k_pos: torch.Tensor, first_head: int = 0) -> torch.Tensor | float:
     """The noise zeta added to the logits (eq. 4), broadcastable to ``[b, kv, g, queries, keys]``.
 
     `q_pos` is ``[queries]``; `k_pos` is ``[keys]`` or per kv head ``[b, kv, keys]``. Gumbel draws are
@@ -195,15 +197,15 @@ def keyformer_noise(kind: str, seed: int, layer: int, kv_heads: int, groups: int
         return 0.0
     if kind == "constant":
         return EULER_GAMMA
-    return table_draws(kind, row_offsets(seed, layer, kv_heads, groups, q_pos), k_pos)
+    return table_draws(kind, row_offsets(seed, layer, kv_heads, groups, q_pos, first_head), k_pos)
 
 
 def gumbel_factor(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,
-                  k_pos: torch.Tensor) -> torch.Tensor:
+                  k_pos: torch.Tensor, first_head: int = 0) -> torch.Tensor:
     """``exp(zeta)`` for the Gumbel draws ``zeta`` of :func:`keyformer_noise` (the same table entries, each
     ``exp(-log(-log u)) = 1 / -log(u)``). At temperature 1, eq. 9 is then ``p * exp(zeta)`` renormalised,
     with ``p`` the attention probabilities the output already needed: no second softmax."""
-    return table_draws("factor", row_offsets(seed, layer, kv_heads, groups, q_pos), k_pos)
+    return table_draws("factor", row_offsets(seed, layer, kv_heads, groups, q_pos, first_head), k_pos)
 
 
 class GumbelFactorWeights:
@@ -213,19 +215,19 @@ class GumbelFactorWeights:
     :meth:`table_and_offsets` gives the same draws to a kernel that reads the table itself
     (:mod:`attnkit.methods.scoring_triton`)."""
 
-    def __init__(self, seed: int, layer: int, kv_heads: int):
-        self.seed, self.layer, self.kv_heads = seed, layer, kv_heads
+    def __init__(self, seed: int, layer: int, kv_heads: int, first_head: int = 0):
+        self.seed, self.layer, self.kv_heads, self.first_head = seed, layer, kv_heads, first_head
 
     def __call__(self, logits: torch.Tensor, probs: torch.Tensor, q_pos: torch.Tensor,
                  k_pos: torch.Tensor) -> torch.Tensor:
-        probs *= gumbel_factor(self.seed, self.layer, self.kv_heads, logits.shape[2], q_pos, k_pos)
+        probs *= gumbel_factor(self.seed, self.layer, self.kv_heads, logits.shape[2], q_pos, k_pos, self.first_head)
         return probs.div_(probs.sum(dim=-1, keepdim=True))
 
     def table_and_offsets(self, groups: int, q_pos: torch.Tensor, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The factor table (1-D float32, covering key positions up to `largest`) and each (query head, query) row's
         offset into it, ``[kv_heads x groups, queries]`` int64: the draw of key position j is
         ``table[offset + j]``."""
-        offsets = row_offsets(self.seed, self.layer, self.kv_heads, groups, q_pos)
+        offsets = row_offsets(self.seed, self.layer, self.kv_heads, groups, q_pos, self.first_head)
         table = _table("factor", q_pos.device, TABLE_SIZE + largest + 1)
         return table, offsets.reshape(self.kv_heads * groups, -1)
 
@@ -249,11 +251,12 @@ class DecodeNoise:
     more); each layer then reads its held keys' entries from the table.
     """
 
-    def __init__(self, kind: str, seed: int, n_layers: int, heads: int, device: torch.device):
+    def __init__(self, kind: str, seed: int, n_layers: int, heads: int, device: torch.device, first_head: int = 0):
         self.kind = kind
         self.device = device
         self.n_heads = heads
-        self.heads = [head_hashes(seed, layer, torch.arange(heads)).tolist() for layer in range(n_layers)]
+        self.heads = [head_hashes(seed, layer, torch.arange(first_head, first_head + heads)).tolist()
+                      for layer in range(n_layers)]
         self.step = None
         self.q = 0  # the step's query position
         self.offsets = torch.empty(0, dtype=torch.int64)

@@ -27,11 +27,13 @@ import functools
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from attnkit.rope import Rope
+from attnkit.session import HeadShard
 from attnkit.vllm import host, paged, pages, requests, stacked
 from attnkit.vllm.config import EngineConfig, engine_of
 from attnkit.vllm.manager import AttnkitSpec
@@ -79,6 +81,7 @@ class StepPart:
     n_layers: int
     rope: Rope | None
     state: host.WorkerState
+    shard: HeadShard | None  # the model's heads this worker holds (None: all)
     plain: object = None  # vLLM's metadata of the plain rows (None: there are none)
     plain_index: torch.Tensor | None = None  # the plain rows' tokens
     quest: pages.QuestStep | None = None  # quest requests' decode queries (None: there are none)
@@ -86,6 +89,19 @@ class StepPart:
     # prefix (plain, quest); a compressed request's blocks are never another's, and a block taken anew restarts
     # its summary at its first slot (None: every token)
     summarised: torch.Tensor | None = None
+
+
+def head_shard(vllm_config) -> HeadShard | None:
+    """The model's heads this worker holds under tensor parallelism (None without): vLLM gives rank ``r`` of ``n`` the
+    ``r``-th ``1/n`` of the query heads and of the kv heads (or, with fewer kv heads than ranks, a copy of kv head
+    ``r x kv / n``), numbered from 0 in the worker."""
+    ranks = vllm_config.parallel_config.tensor_parallel_size
+    if ranks == 1:
+        return None
+    rank = get_tensor_model_parallel_rank()
+    model = vllm_config.model_config
+    heads, kv_heads = model.hf_text_config.num_attention_heads, model.get_total_num_kv_heads()
+    return HeadShard(rank * (heads // ranks), rank * kv_heads // ranks, heads, kv_heads)
 
 
 def attnkit_backend(base, impl, builder, name: str):
@@ -111,6 +127,7 @@ class AttnkitBuilderMixin:
         self.n_layers = vllm_config.model_config.get_total_num_hidden_layers()
         self.page_block_size = kv_cache_spec.block_size
         self.rope = Rope.from_config(vllm_config.model_config.hf_text_config) if self.engine else None
+        self.shard = head_shard(vllm_config) if self.engine else None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -135,7 +152,7 @@ class AttnkitBuilderMixin:
         plain = [i for i, r in enumerate(rows) if r.plan.plain or (r.kernel_prompt and r.in_prompt and tokens[i])
                  or (r.quest_prompt and tokens[i])]
         part = StepPart(rows=[], decode=None, windows=None, skipped=[], stacked=[], n_layers=self.n_layers, rope=self.rope,
-                        state=state)
+                        state=state, shard=self.shard)
         decode, runs, quest = [], {}, []
         for i, r in enumerate(rows):
             if r.plan.plain or not tokens[i] or r.quest_prompt:
@@ -299,7 +316,7 @@ class AttnkitImplMixin:
             output[index] = out
         key_cache, value_cache, layout, store = self.cache_layout(layer, kv_cache)
         block_size = key_cache.shape[2]
-        call = host.LayerCall(self.layer_index, part.n_layers, self.scale, part.rope, part.state)
+        call = host.LayerCall(self.layer_index, part.n_layers, self.scale, part.rope, part.state, part.shard)
         if part.windows is not None:  # rows reading one run of slots in place: vLLM's kernel, windowed
             index = part.windows.index
             queries = query[index]

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from attnkit.attention import sdpa
-from attnkit.cache import KVCache, LayerKV
+from attnkit.cache import LayerKV
 from attnkit.methods.base import Method
 from attnkit.methods.compose import Compose
-from attnkit.session import LayerContext, Session, Step
+from attnkit.session import HeadShard, LayerContext, Session, Step
 from attnkit.vllm import live, metrics
 from attnkit.vllm.plan import Plan
 from attnkit.vllm.requests import Row
@@ -80,14 +80,12 @@ class Prefills:
         for rid in [r for r in self.open if r not in request_ids]:
             del self.open[rid]
 
-    def step(self, row: Row, n_layers: int, start: int, end: int, rope) -> Step:
-        """The step of `row`'s prompt chunk ``[start, end)`` in this forward (one per forward, shared by layers);
-        `rope` is the model's :class:`~attnkit.rope.Rope` (methods that undo or redo rotations need it)."""
+    def step(self, row: Row, call: LayerCall, start: int, end: int) -> Step:
+        """The step of `row`'s prompt chunk ``[start, end)`` in this forward (one per forward, shared by layers)."""
         plan = row.plan
         entry = self.open.get(row.request_id)
         if entry is None or start == 0 and entry.step_key != (start, end):
-            session = Session(session_method(row), KVCache(n_layers, 1), n_layers, plan.prompt_len, row.max_tokens,
-                              rope)
+            session = live.new_session(session_method(row), call, plan.prompt_len, row.max_tokens)
             entry = self.open[row.request_id] = Prefill(session)
         if entry.step_key != (start, end):
             q_pos = torch.arange(start, end)
@@ -132,13 +130,15 @@ class WorkerState:
 @dataclass(frozen=True)
 class LayerCall:
     """One attention layer's call in the host: its index among the model's `n_layers`, its softmax scale, the
-    model's rotary frequencies, and the worker's state."""
+    model's rotary frequencies (:class:`attnkit.rope.Rope`: methods that undo or redo rotations need it), the
+    worker's state, and the model's heads the worker holds (:class:`attnkit.session.HeadShard`; None: all)."""
 
     layer: int
     n_layers: int
     scaling: float
     rope: object
     state: WorkerState
+    shard: HeadShard | None = None
 
 
 def row_attention(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> torch.Tensor:
@@ -162,7 +162,7 @@ def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> tor
     """A prompt chunk through the method's own hooks; the prompt's last chunk writes back what the method kept."""
     plan, start, layer = row.plan, row.start, call.layer
     end = start + q.shape[2]
-    step = call.state.prefills.step(row, call.n_layers, start, end, call.rope)
+    step = call.state.prefills.step(row, call, start, end)
     held = LayerKV.allocate(1, k.shape[1], plan.prompt_len, k.shape[-1], k.dtype, k.device)
     if start:
         keys, values = paged.gather(torch.arange(start))

@@ -94,18 +94,17 @@ class LiveRequests:
         for rid in [r for r in self.open if r not in known]:
             del self.open[rid]
 
-    def enter(self, row: Row, make_method, n_layers: int, rope) -> LiveRequest:
+    def enter(self, row: Row, make_method, call) -> LiveRequest:
         """`row`'s request with the steps of this forward (its tokens ``row.start ...``); ``make_method(row)``: the
-        method a new session runs."""
+        method a new session runs; `call`: the layer's :class:`attnkit.vllm.host.LayerCall`."""
         entry = self.open.get(row.request_id)
         if entry is not None and entry.forward == self.forward:
             return entry
         if entry is None or row.start == 0:  # a new request, or one preempted and now recomputed from its start
             if row.start != 0:
                 raise RuntimeError(f"attnkit: request {row.request_id} resumes at position {row.start} with no state")
-            session = Session(make_method(row), KVCache(n_layers, 1), n_layers, row.plan.prompt_len, row.max_tokens,
-                              rope)
-            entry = self.open[row.request_id] = LiveRequest(session, [None] * n_layers)
+            session = new_session(make_method(row), call, row.plan.prompt_len, row.max_tokens)
+            entry = self.open[row.request_id] = LiveRequest(session, [None] * call.n_layers)
         elif row.start != entry.next:
             raise RuntimeError(f"attnkit: request {row.request_id} continues at position {row.start}, its state at "
                                f"{entry.next}")
@@ -122,6 +121,12 @@ class LiveRequests:
         if entry.forward != self.forward:
             entry.forward, entry.next, entry.steps = self.forward, position + 1, []
         entry.pending.setdefault(position, {})[layer] = q
+
+
+def new_session(method, call, prompt_len, max_tokens, rows: int = 1) -> Session:
+    """A fresh session of `method` for `rows` requests in the worker of layer call `call` (a
+    :class:`attnkit.vllm.host.LayerCall`: the model's layers, its rotary frequencies, the heads the worker holds)."""
+    return Session(method, KVCache(call.n_layers, rows), call.n_layers, prompt_len, max_tokens, call.rope, call.shard)
 
 
 def steps_of(session: Session, row: Row) -> list[tuple[Step, int, int]]:
@@ -257,7 +262,7 @@ def attention(row: Row, make_method, call, q, k, v, paged) -> torch.Tensor:
     the :class:`attnkit.vllm.host.LayerCall`, `paged` the request's :class:`attnkit.vllm.host.PagedRequest`,
     ``make_method(row)`` the method a new session runs."""
     started = time.perf_counter()
-    entry = call.state.live.enter(row, make_method, call.n_layers, call.rope)
+    entry = call.state.live.enter(row, make_method, call)
     session, index = entry.session, call.layer
     old = entry.layers[index]
     session.cache.layers[index] = None if old is None else hydrate(old, paged.gather)

@@ -61,7 +61,8 @@ def check_engine(config) -> None:
     if config.cache_config.cache_dtype not in ("auto", None):
         raise AttnkitError(f"the attnkit vLLM plugin stores keys in the model's dtype; kv_cache_dtype="
                            f"{config.cache_config.cache_dtype!r} is not supported (use 'auto')")
-    check_parallel(engine.method, config.parallel_config.tensor_parallel_size, "additional_config['attnkit']['recipe']")
+    check_parallel(engine.method, config.parallel_config.tensor_parallel_size, "additional_config['attnkit']['recipe']",
+                   config.model_config.get_total_num_kv_heads())
     if config.cache_config.user_specified_block_size:  # else vLLM sets it with the backend, later: checked per request
         check_pages(engine.method, config.cache_config.block_size, "additional_config['attnkit']['recipe']")
     window = getattr(config.model_config.hf_text_config, "sliding_window", None)
@@ -106,7 +107,8 @@ def check_request(vllm_config, request, rope) -> None:
         method = engine.request_method(spec)
         prompt_len = length_from_prompt_token_ids_or_embeds(request.prompt_token_ids, request.prompt_embeds)
         n_layers = vllm_config.model_config.get_total_num_hidden_layers()
-        check_parallel(method, vllm_config.parallel_config.tensor_parallel_size, "extra_args['attnkit']")
+        check_parallel(method, vllm_config.parallel_config.tensor_parallel_size, "extra_args['attnkit']",
+                       vllm_config.model_config.get_total_num_kv_heads())
         check_pages(method, vllm_config.cache_config.block_size, "extra_args['attnkit']")
         check_prompt(method, prompt_len, params.max_tokens, n_layers, rope)
     except AttnkitError as error:

@@ -176,10 +176,10 @@ def check_pages(method: Method, block_size: int | None, source: str) -> None:
                            f"({block_size}; vLLM's blocks are quest's pages): use quest:page_size={block_size}")
 
 
-def check_parallel(method: Method, tensor_parallel: int, source: str) -> None:
-    """Refuse, in one line, a method that cannot run on a tensor-parallel shard of the kv heads
+def check_parallel(method: Method, tensor_parallel: int, source: str, kv_heads: int | None = None) -> None:
+    """Refuse, in one line, a method that cannot run on a tensor-parallel shard of the model's `kv_heads` kv heads
     (:func:`attnkit.vllm.shards.shard_refusal`)."""
-    why = shard_refusal(method) if tensor_parallel > 1 else ""
+    why = shard_refusal(method, kv_heads, tensor_parallel) if tensor_parallel > 1 else ""
     if why:
         raise _unsupported(method, source, f" with tensor_parallel_size={tensor_parallel}{why}")
 

@@ -2,16 +2,20 @@
 
 With ``tensor_parallel_size`` above 1, each vLLM worker holds some of a layer's kv heads and their query heads,
 numbered from 0 in that worker. A method runs on a shard as on the whole model when its choice for a kv head reads
-only that head's entries and queries. Two kinds of method do not, and are refused in one line at engine start or at
-request submission (a refusal inside a worker would end the engine):
+only that head's entries and queries, and whatever it draws or calibrates per head of the model is read at the
+shard's own heads: the worker hands its sessions the model-wide index of its first heads
+(:class:`attnkit.session.HeadShard`), and Keyformer's noise and TriAttention's statistics read theirs there. The
+others are refused in one line at engine start or at request submission (a refusal inside a worker would end the
+engine):
 
 - a choice that reads every kv head's statistics (TOVA's mean over the heads, Keyformer's shared score): a shard
   does not hold the others;
-- a choice that depends on which heads of the model a shard holds: calibration files, which hold something per
-  layer and head (q-filters, Expected Attention's and TriAttention's query statistics, MInference's patterns, the
-  trained surrogates and gates) and draws made per kv head of the model
-  (Keyformer's Gumbel or Gaussian noise, random scores, the Gaussian sketch of leverage and compactor). A shard
-  would read head 0's where it holds head 1, and keep other entries than attnkit's runner without a word.
+- a choice that depends on which heads of the model a shard holds, for methods that do not read the shard's offset:
+  the other calibration files (q-filters, Expected Attention's statistics, MInference's patterns, the trained
+  surrogates and gates) and draws made per kv head of the model (random scores, the Gaussian sketch of leverage and
+  compactor). A shard would read head 0's where it holds head 1, and keep other entries than attnkit's runner;
+- any method but full attention and the position-only ``window`` and ``streaming`` when there are more workers than kv heads: vLLM then
+  copies a kv head to several workers, each with part of its query heads, and the copies would choose apart.
 
 The rest run on their shard as on the whole model (``tests/vllm/test_vllm_tp.py``).
 """
@@ -21,21 +25,25 @@ from __future__ import annotations
 from attnkit.methods.base import Method
 from attnkit.methods.compactor import Compactor
 from attnkit.methods.compose import Compose
+from attnkit.methods.full import Full
 from attnkit.methods.keyformer import Keyformer
 from attnkit.methods.leverage import Leverage
 from attnkit.methods.random_scores import Random
+from attnkit.methods.streaming import Streaming
 from attnkit.methods.tova import TOVA
+from attnkit.methods.triattention import TriAttention
+from attnkit.methods.window import Window
 
 CROSSES = " (its choice for a kv head reads every kv head's statistics, which a shard does not hold)"
 
 
 def _head_specific(part: Method) -> str:
     """Why `part` depends on which heads of the model a shard holds ("" where it does not)."""
+    if isinstance(part, (Keyformer, TriAttention)):  # their draws and statistics are read at the shard's heads
+        return ""
     calibration = getattr(part, "config", None) or getattr(part, "stats", None)
     if calibration:  # every calibration file attnkit writes holds something per layer and head
         return f"its calibration file {calibration} holds each head of the whole model's"
-    if isinstance(part, Keyformer) and part.noise in ("gumbel", "gaussian"):
-        return f"its {part.noise} noise is drawn per head of the whole model (noise=none or noise=constant runs)"
     if isinstance(part, Random):
         return "its scores are drawn per kv head of the whole model"
     if isinstance(part, (Leverage, Compactor)) and part.sketch_dimension:
@@ -43,10 +51,13 @@ def _head_specific(part: Method) -> str:
     return ""
 
 
-def shard_refusal(method: Method) -> str:
-    """Why `method` cannot run on a tensor-parallel shard of the kv heads, as the tail of a refusal ("" where it
-    can)."""
+def shard_refusal(method: Method, kv_heads: int | None = None, ranks: int = 2) -> str:
+    """Why `method` cannot run on a tensor-parallel shard of the kv heads, `ranks` workers sharing a model of `kv_heads`
+    kv heads (None: not known), as the tail of a refusal ("" where it can)."""
     parts = [method.prefill_method, method.cache_method] if isinstance(method, Compose) else [method]
+    if kv_heads is not None and ranks > kv_heads and not all(isinstance(p, (Full, Window, Streaming)) for p in parts):
+        return (f" (the model has {kv_heads} kv heads: vLLM copies each to several workers, each with part of its "
+                f"query heads, and the copies would keep different entries; window and streaming run)")
     for part in parts:
         if isinstance(part, TOVA) or (isinstance(part, Keyformer) and part.score == "shared"):
             return CROSSES

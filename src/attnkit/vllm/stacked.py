@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from attnkit.cache import KVCache, LayerKV
-from attnkit.session import Session, Step
+from attnkit.cache import LayerKV
+from attnkit.session import Step
 from attnkit.vllm import host, live, metrics, paged
 from attnkit.vllm.requests import Row
 
@@ -48,7 +48,7 @@ def attention(rows: list, call: host.LayerCall, query, key, value, cache, output
     groups: dict = {}
     rest = []
     for first, row, block_row in rows:
-        entry = call.state.live.enter(row, host.session_method, call.n_layers, call.rope)
+        entry = call.state.live.enter(row, host.session_method, call)
         old = entry.layers[call.layer]
         if (old is None or old.end != row.start or entry.pending or old.kv.length != old.kv.capacity
                 or old.kv.length != row.plan.held(row.start + 1)):
@@ -82,9 +82,8 @@ def _step(members: list, call: host.LayerCall, query, key, value, cache, output)
     kv = LayerKV(keys, values, torch.cat([o.kv.positions for o in olds]).to(keys.device), held,
                  extras={name: torch.cat([o.kv.extras[name] for o in olds]) for name in olds[0].kv.extras})
     positions = torch.tensor([r.start for r in rows])
-    session = Session(method, KVCache(call.n_layers, count), call.n_layers,
-                      torch.tensor([s.prompt_len for s in sessions]), torch.tensor([s.max_new_tokens for s in sessions]),
-                      call.rope)
+    session = live.new_session(method, call, torch.tensor([s.prompt_len for s in sessions]),
+                               torch.tensor([s.max_new_tokens for s in sessions]), count)
     session.layer_state[layer], session.state = stacked
     session.cache.layers[layer] = kv
     step = Step(session, "decode", positions.view(-1, 1, 1).to(keys.device), per_row=True)
