@@ -69,6 +69,19 @@ class Session:
         """The model-wide index of the first query head the layers hold (0 unless :attr:`shard` says otherwise)."""
         return self.shard.first_head if self.shard is not None else 0
 
+    def model_heads(self, heads: int | None, kv_heads: int | None) -> tuple[int | None, int | None]:
+        """The whole model's query and kv head counts, for layers that hold `heads` and `kv_heads` of them (None: not
+        known yet), to check a calibration file against."""
+        if self.shard is None:
+            return heads, kv_heads
+        return None if heads is None else self.shard.heads, None if kv_heads is None else self.shard.kv_heads
+
+    def held_heads(self, count: int, kv: bool = False) -> slice:
+        """The model's query heads (kv heads with `kv`) that layers holding `count` of them hold: where a method
+        reads something drawn or calibrated per head of the model."""
+        first = 0 if self.shard is None else self.shard.first_kv_head if kv else self.shard.first_head
+        return slice(first, first + count)
+
     @property
     def rows(self) -> int:
         """Sequences this session generates side by side (the batch dimension of its cache)."""

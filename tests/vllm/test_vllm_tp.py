@@ -1,14 +1,15 @@
 """attnkit inside vLLM with tensor parallelism: two CPU workers, each holding one of ``tiny``'s two kv heads. Each kv
 head chooses its own entries, so a shard needs nothing from the other, and the tokens are attnkit's: for the prompt
-scorers, the methods that act while decoding (per step and re-compressing), Keyformer's noise and TriAttention's
-statistics read at the shard's own heads (attnkit.session.HeadShard), and Quest's pages. Methods whose choice reads
+scorers, the methods that act while decoding (per step and re-compressing), the draws and calibration files of
+Keyformer, random, TriAttention, q-filters and Expected Attention read at the shard's own heads
+(attnkit.session.HeadShard), and Quest's pages. Methods whose choice reads
 other kv heads, or depends on which heads of the model a shard holds without reading them there, are refused
 (attnkit.vllm.shards)."""
 
 import os
 
 import pytest
-from test_vllm import QFILTER, TINY, TRIATTENTION
+from test_vllm import EA_STATS, QFILTER, TINY, TRIATTENTION
 
 import attnkit
 from attnkit.eval.data.task_registry import get_task
@@ -39,16 +40,17 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
                      "h2o:budget_tokens=256", "keyformer:budget_tokens=256",  # its Gumbel noise of each shard's heads
                      "keyformer:budget_tokens=256,noise=gaussian,decode_every=8",
                      f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=8",
+                     f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7",
+                     f"expected_attention:stats={EA_STATS},budget_tokens=256,decode_every=8",
                      "rkv:budget_tokens=256,decode_every=8", "snapkv:budget_tokens=256,decode_every=8",
                      "quest:page_size=128,token_budget=512,dense_layers=0"):  # each shard its kv heads' summaries
             sp = SamplingParams(max_tokens=24, temperature=0, extra_args={"attnkit": spec})
             got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * 2, use_tqdm=False)]
             assert got == [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)], spec
-        # TOVA's choice for a kv head averages every head's attention, which one shard does not hold; random scores and
-        # q-filters are per head of the whole model, and a shard numbers its heads from 0: refused when submitted
+        # TOVA's choice for a kv head averages every head's attention, which one shard does not hold; leverage's sketch
+        # is drawn per head of the whole model, read as a shard numbers its heads, from 0: refused when submitted
         # (inside a worker a refusal would end the engine), and the engine serves on
-        for spec, reason in (("tova:budget=0.3", "every kv head"), ("random:budget=0.3", "drawn per kv head"),
-                             (f"qfilter:config={QFILTER},budget=0.3", "calibration file")):
+        for spec, reason in (("tova:budget=0.3", "every kv head"), ("leverage:budget=0.3", "Gaussian sketch")):
             with pytest.raises(VLLMValidationError, match=f"tensor_parallel_size=2.*{reason}"):
                 llm.generate(prompts[:1], [SamplingParams(max_tokens=4, extra_args={"attnkit": spec})], use_tqdm=False)
         sp = SamplingParams(max_tokens=4, temperature=0)

@@ -12,14 +12,15 @@ from attnkit.vllm.plan import check_parallel
 
 SWEEPS = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps")
 REFUSED = [("tova:budget=0.3", "every kv head"), ("keyformer:budget=0.3,score=shared", "every kv head"),
-           ("random:budget=0.3", "drawn per kv head"), ("leverage:budget=0.3", "Gaussian sketch"),
-           ("compactor:budget=0.3", "Gaussian sketch"),
-           (f"qfilter:config={SWEEPS}/qfilter_tiny.json,budget=0.3", "calibration file"),
-           (f"expected_attention:stats={SWEEPS}/expected_attention_tiny.safetensors,budget=0.3", "calibration file")]
-# Keyformer's noise and TriAttention's statistics are read at the shard's heads (attnkit.session.HeadShard)
+           ("leverage:budget=0.3", "Gaussian sketch"), ("compactor:budget=0.3", "Gaussian sketch"),
+           (f"minference:config={SWEEPS}/minference_tiny_yarn8_32k.json", "calibration file")]
+# the draws and calibration files of Keyformer, random, TriAttention, q-filters and Expected Attention are read at the
+# shard's heads (attnkit.session.HeadShard)
 RUN = ["snapkv:budget=0.3", "h2o:budget=0.3", "keyformer:budget=0.3,noise=constant", "keyformer:budget=0.3,noise=none",
        "keyformer:budget=0.3", "keyformer:budget=0.3,noise=gaussian",
-       f"triattention:config={SWEEPS}/triattention_tiny.json,budget_tokens=256",
+       f"triattention:config={SWEEPS}/triattention_tiny.json,budget_tokens=256", "random:budget=0.3",
+       f"qfilter:config={SWEEPS}/qfilter_tiny.json,budget=0.3",
+       f"expected_attention:stats={SWEEPS}/expected_attention_tiny.safetensors,budget=0.3",
        "rkv:budget_tokens=256", "expected_attention:budget=0.3", "leverage:budget=0.3,sketch_dimension=0",
        "minference+snapkv:budget=0.3", "streaming:budget_tokens=256", "quest:page_size=128,token_budget=512"]
 

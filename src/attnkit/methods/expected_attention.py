@@ -198,7 +198,8 @@ class ExpectedAttention(PromptScorer):
 
     def _observe(self, ctx: LayerContext, q: torch.Tensor) -> None:
         if self._stats is not None:  # calibrated moments: the prompt's own are not needed
-            self._stats.check(ctx.session.n_layers, q.shape[1], q.shape[-1], ctx.session.rope.inv_freq)
+            self._stats.check(ctx.session.n_layers, ctx.session.model_heads(q.shape[1], None)[0], q.shape[-1],
+                              ctx.session.rope.inv_freq)
             return
         pos = ctx.q_pos
         if self.n_sink:
@@ -236,6 +237,9 @@ class ExpectedAttention(PromptScorer):
             c, s = ctx.step.shared_value(("expected_attention_rotation", start, self.n_future_positions, keys.device),
                                          lambda: averaged_rotation(inv_freq, start, self.n_future_positions))
             mean, cov = self._stats.layer(ctx.index, keys.device)
+            if ctx.session.shard is not None:  # a tensor-parallel shard's query heads of the model's
+                held = ctx.session.held_heads(kv * (mean.shape[0] // ctx.session.shard.kv_heads))
+                mean, cov = mean[held], cov[held]
             mu, sigma = future_moments(mean.expand(b, -1, -1), cov.expand(b, -1, -1, -1), 1, c, s)
             logits = expected_attention_logits(keys, mu, sigma if self.use_covariance else None, ctx.scaling)
         elif st.count:

@@ -151,13 +151,15 @@ class QFilter(PromptScorer):
 
     def prefill_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         if not ctx.state.checked:
-            self._filters.check(ctx.session.n_layers, q.shape[1], k.shape[1], k.shape[-1])
+            self._filters.check(ctx.session.n_layers, *ctx.session.model_heads(q.shape[1], k.shape[1]), k.shape[-1])
             ctx.state.checked = True
         return super().prefill_attention(ctx, q, k, v)
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         keys = ctx.kv.view()[0]
         u = self._filters.layer(ctx.index, keys.device)
-        if u.shape != (keys.shape[1], keys.shape[-1]):  # a host that skipped the prefill check (decode only)
-            self._filters.check(ctx.session.n_layers, None, keys.shape[1], keys.shape[-1])
+        kv_heads = ctx.session.model_heads(None, keys.shape[1])[1]  # a tensor-parallel shard's: the whole model's
+        if u.shape != (kv_heads, keys.shape[-1]):  # a host that skipped the prefill check (decode only)
+            self._filters.check(ctx.session.n_layers, None, kv_heads, keys.shape[-1])
+        u = u[ctx.session.held_heads(keys.shape[1], kv=True)]
         return torch.einsum("bkld,kd->bkl", keys.float(), u)

@@ -29,11 +29,12 @@ from attnkit.session import LayerContext
 from attnkit.validate import whole
 
 
-def random_rank(rows: int, kv_heads: int, length: int, seed: int, device) -> torch.Tensor:
-    """``[rows, kv_heads, length]`` uniform draws, each row ``torch.rand(kv_heads, length)`` from a CPU generator
-    seeded with `seed` (float32; drawn on the CPU, so the same on every device)."""
-    draws = torch.rand(kv_heads, length, generator=torch.Generator().manual_seed(seed))
-    return draws.to(device).expand(rows, kv_heads, length)
+def random_rank(rows: int, kv_heads: int, length: int, seed: int, device, held: slice = slice(None)) -> torch.Tensor:
+    """``[rows, kv, length]`` uniform draws, each row ``torch.rand(kv_heads, length)[held]`` from a CPU generator
+    seeded with `seed` (float32; drawn on the CPU, so the same on every device): the model's `kv_heads`, of which the
+    layer holds `held` (a tensor-parallel shard's; all by default)."""
+    draws = torch.rand(kv_heads, length, generator=torch.Generator().manual_seed(seed))[held]
+    return draws.to(device).expand(rows, -1, length)
 
 
 @register
@@ -53,4 +54,6 @@ class Random(PromptScorer):
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         keys = ctx.kv.view()[0]
-        return random_rank(keys.shape[0], keys.shape[1], keys.shape[2], self.seed, keys.device)
+        s = ctx.session
+        return random_rank(keys.shape[0], s.model_heads(None, keys.shape[1])[1], keys.shape[2], self.seed, keys.device,
+                           s.held_heads(keys.shape[1], kv=True))

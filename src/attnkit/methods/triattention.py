@@ -128,9 +128,7 @@ class TriAttention(PromptScorer):
         if 2 * rope.inv_freq.numel() != head_dim:
             raise AttnkitError(f"triattention needs RoPE over the whole head (head_dim {head_dim}, rotary dimension "
                                f"{2 * rope.inv_freq.numel()}); partial rotary embeddings are not supported")
-        shard = ctx.session.shard
-        if shard is not None:  # a tensor-parallel shard's heads are the model's from its first ones on: the whole model's
-            n_heads, kv_heads = shard.heads if n_heads is not None else None, shard.kv_heads
+        n_heads, kv_heads = ctx.session.model_heads(n_heads, kv_heads)  # a tensor-parallel shard's: the whole model's
         self._stats.check(ctx.session.n_layers, n_heads, kv_heads, head_dim, rope.inv_freq)
         ctx.state.checked = True
 
@@ -149,8 +147,7 @@ class TriAttention(PromptScorer):
         keys, _, positions = ctx.kv.view()
         self._check(ctx, None, keys.shape[1], keys.shape[-1])
         before_rope = ctx.session.rope.rotate(keys.float(), -positions)
-        shard = ctx.session.shard
-        center, abs_mean = self._stats.layer(ctx.index, keys.device, shard.first_kv_head if shard else 0, keys.shape[1])
+        center, abs_mean = self._stats.layer(ctx.index, keys.device, ctx.session.held_heads(keys.shape[1], kv=True))
         scores = trig_scores(before_rope, positions, center, abs_mean, ctx.session.rope.inv_freq, round_start,
                              self._offsets, self.aggregation)
         return standardize(scores) if self.normalize else scores

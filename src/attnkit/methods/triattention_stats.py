@@ -146,15 +146,12 @@ class QueryStats:
             raise AttnkitError(f"{self.source} was calibrated for {self.model!r}, not this model: {', '.join(bad)}; "
                                f"{HOW_TO_MAKE}")
 
-    def layer(self, index: int, device, first_kv_head: int = 0, kv_heads: int | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int, device, heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s centres (complex) and mean norms, ``[kv, g, d/2]`` each, on `device`: of the model's kv
-        heads ``first_kv_head ...`` (`kv_heads` of them; all by default), a tensor-parallel shard's."""
-        kv_heads = self.n_kv_heads - first_kv_head if kv_heads is None else kv_heads
-        key = (index, str(device), first_kv_head, kv_heads)
+        heads `heads` (all by default; a tensor-parallel shard's)."""
+        key = (index, str(device), heads.start, heads.stop)
         if key not in self._on:
             shape = (self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim // 2)
-            heads = slice(first_kv_head, first_kv_head + kv_heads)
             self._on[key] = (self.center[index].reshape(shape)[heads].to(device),
                              self.abs_mean[index].reshape(shape)[heads].to(device))
         return self._on[key]

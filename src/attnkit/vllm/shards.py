@@ -4,18 +4,19 @@ With ``tensor_parallel_size`` above 1, each vLLM worker holds some of a layer's 
 numbered from 0 in that worker. A method runs on a shard as on the whole model when its choice for a kv head reads
 only that head's entries and queries, and whatever it draws or calibrates per head of the model is read at the
 shard's own heads: the worker hands its sessions the model-wide index of its first heads
-(:class:`attnkit.session.HeadShard`), and Keyformer's noise and TriAttention's statistics read theirs there. The
-others are refused in one line at engine start or at request submission (a refusal inside a worker would end the
-engine):
+(:class:`attnkit.session.HeadShard`), and the noise, scores and statistics of Keyformer, random, TriAttention,
+q-filters and Expected Attention are read there. The others are refused in one line at engine start or at request
+submission (a refusal inside a worker would end the engine):
 
 - a choice that reads every kv head's statistics (TOVA's mean over the heads, Keyformer's shared score): a shard
   does not hold the others;
-- a choice that depends on which heads of the model a shard holds, for methods that do not read the shard's offset:
-  the other calibration files (q-filters, Expected Attention's statistics, MInference's patterns, the trained
-  surrogates and gates) and draws made per kv head of the model (random scores, the Gaussian sketch of leverage and
-  compactor). A shard would read head 0's where it holds head 1, and keep other entries than attnkit's runner;
-- any method but full attention and the position-only ``window`` and ``streaming`` when there are more workers than kv heads: vLLM then
-  copies a kv head to several workers, each with part of its query heads, and the copies would choose apart.
+- a choice that depends on which heads of the model a shard holds, for methods that do not read the shard's heads:
+  the other calibration files (MInference's patterns, the trained surrogates and gates) and the Gaussian sketch of
+  leverage and compactor. A shard would read head 0's where it holds head 1, and keep other entries than attnkit's
+  runner;
+- any method but full attention and the position-only ``window`` and ``streaming`` when there are more workers than
+  kv heads: vLLM then copies a kv head to several workers, each with part of its query heads, and the copies would
+  choose apart.
 
 The rest run on their shard as on the whole model (``tests/vllm/test_vllm_tp.py``).
 """
@@ -25,27 +26,29 @@ from __future__ import annotations
 from attnkit.methods.base import Method
 from attnkit.methods.compactor import Compactor
 from attnkit.methods.compose import Compose
+from attnkit.methods.expected_attention import ExpectedAttention
 from attnkit.methods.full import Full
 from attnkit.methods.keyformer import Keyformer
 from attnkit.methods.leverage import Leverage
+from attnkit.methods.qfilter import QFilter
 from attnkit.methods.random_scores import Random
 from attnkit.methods.streaming import Streaming
 from attnkit.methods.tova import TOVA
 from attnkit.methods.triattention import TriAttention
 from attnkit.methods.window import Window
 
+# methods whose draws or calibration files are read at the shard's own heads (attnkit.session.Session.held_heads)
+READS_SHARD = (Keyformer, TriAttention, QFilter, ExpectedAttention, Random)  # exactly these: no subclass
 CROSSES = " (its choice for a kv head reads every kv head's statistics, which a shard does not hold)"
 
 
 def _head_specific(part: Method) -> str:
     """Why `part` depends on which heads of the model a shard holds ("" where it does not)."""
-    if isinstance(part, (Keyformer, TriAttention)):  # their draws and statistics are read at the shard's heads
+    if type(part) in READS_SHARD:
         return ""
     calibration = getattr(part, "config", None) or getattr(part, "stats", None)
     if calibration:  # every calibration file attnkit writes holds something per layer and head
         return f"its calibration file {calibration} holds each head of the whole model's"
-    if isinstance(part, Random):
-        return "its scores are drawn per kv head of the whole model"
     if isinstance(part, (Leverage, Compactor)) and part.sketch_dimension:
         return "its Gaussian sketch is drawn per kv head of the whole model (sketch_dimension=0 runs)"
     return ""
