@@ -32,21 +32,25 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model = attnkit.load_model("tiny")
     prompts = [get_task("passkey").make(model.tokenizer, n, seed=50 + i).prompt for i, n in enumerate((1200, 2600))]
+    # every prompt prefilled whole (no chunked prefill), as attnkit.generate does, so the tokens compare exactly
     llm = LLM(model=TINY, dtype="float32", enforce_eager=True, max_model_len=4096, tensor_parallel_size=2,
-              distributed_executor_backend="mp", additional_config={"attnkit": {"recipe": "snapkv:budget=0.3",
-                                                                                 "allow": "*"}})
+              distributed_executor_backend="mp", enable_chunked_prefill=False, max_num_batched_tokens=4096,
+              additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
     try:
-        for spec in ("snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
-                     "h2o:budget_tokens=256", "keyformer:budget_tokens=256",  # its Gumbel noise of each shard's heads
-                     "keyformer:budget_tokens=256,noise=gaussian,decode_every=8",
-                     f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=8",
-                     f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7",
-                     f"expected_attention:stats={EA_STATS},budget_tokens=256,decode_every=8",
-                     "rkv:budget_tokens=256,decode_every=8", "snapkv:budget_tokens=256,decode_every=8",
-                     "quest:page_size=128,token_budget=512,dense_layers=0"):  # each shard its kv heads' summaries
-            sp = SamplingParams(max_tokens=24, temperature=0, extra_args={"attnkit": spec})
-            got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * 2, use_tqdm=False)]
-            assert got == [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)], spec
+        specs = ["snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
+                 "h2o:budget_tokens=256", "keyformer:budget_tokens=256",  # its Gumbel noise of each shard's heads
+                 "keyformer:budget_tokens=256,noise=gaussian,decode_every=8",
+                 f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=8",
+                 f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7",
+                 f"expected_attention:stats={EA_STATS},budget_tokens=256,decode_every=8",
+                 "rkv:budget_tokens=256,decode_every=8", "snapkv:budget_tokens=256,decode_every=8",
+                 "quest:page_size=128,token_budget=512,dense_layers=0"]  # each shard its kv heads' summaries
+        # all of them submitted together: the methods side by side in each step, as a server runs them
+        params = [SamplingParams(max_tokens=24, temperature=0, extra_args={"attnkit": s}) for s in specs for _ in prompts]
+        out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts * len(specs), params, use_tqdm=False)]
+        for i, spec in enumerate(specs):
+            want = [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)]
+            assert out[2 * i:2 * i + 2] == want, spec
         # TOVA's choice for a kv head averages every head's attention, which one shard does not hold; leverage's sketch
         # is drawn per head of the whole model, read as a shard numbers its heads, from 0: refused when submitted
         # (inside a worker a refusal would end the engine), and the engine serves on
