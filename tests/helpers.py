@@ -2,7 +2,9 @@
 chi-square test and prompts of the speculative decoding tests; driving an eviction method's hooks on
 hand-made tensors (one layer, no model) and the dense reference selection rules."""
 
+import functools
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -300,8 +302,35 @@ def drive_shards(method, q, k, v, prompt_len, ranks=2):
     heads, per step the positions each kv head holds."""
     heads, kv_heads = q.shape[1], k.shape[1]
     qs, ks = heads // ranks, kv_heads // ranks
-    runs = [drive(method, q[:, r * qs:(r + 1) * qs], k[:, r * ks:(r + 1) * ks], v[:, r * ks:(r + 1) * ks], prompt_len,
-                  shard=HeadShard(r * qs, r * ks, heads, kv_heads)) for r in range(ranks)]
+    # the shards side by side in threads, their sums added as a host's all-reduce would (in rank order)
+    barrier, deposits = threading.Barrier(ranks, timeout=120), [None] * ranks
+
+    def sum_across(rank, tensor):
+        deposits[rank] = tensor
+        barrier.wait()
+        total = sum(deposits[1:], deposits[0])
+        barrier.wait()
+        return total
+
+    runs = [None] * ranks
+
+    def run(r):
+        try:
+            runs[r] = drive(method, q[:, r * qs:(r + 1) * qs], k[:, r * ks:(r + 1) * ks], v[:, r * ks:(r + 1) * ks],
+                            prompt_len, shard=HeadShard(r * qs, r * ks, heads, kv_heads, ranks,
+                                                        functools.partial(sum_across, r)))
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            runs[r] = error
+            barrier.abort()  # the other shards stop waiting for this one's sums
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [r for r in runs if isinstance(r, BaseException) and not isinstance(r, threading.BrokenBarrierError)]
+    if failed:
+        raise failed[0]
     outs = [torch.cat(step, dim=1) for step in zip(*(run[1] for run in runs))]
     held = [sum(step, []) for step in zip(*(run[2] for run in runs))]
     return outs, held

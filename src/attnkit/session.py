@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,12 +37,16 @@ class HeadShard:
     """Which of the model's heads a session's layers hold where they hold only some (a tensor-parallel shard of a
     serving engine, which numbers its heads from 0): the model-wide index of its first query head and of its first
     kv head, and the model's query and kv head counts. A method that draws or calibrates something per head of the
-    model (Keyformer's noise, TriAttention's statistics) reads the shard's heads at these offsets."""
+    model (Keyformer's noise, TriAttention's statistics) reads the shard's heads at these offsets. A method whose
+    choice reads every head (TOVA's mean over the heads) adds its shard's sum to the others' with the host's
+    `sum_across` (each of the `ranks` shards calls it at the same point with its own sum)."""
 
     first_head: int
     first_kv_head: int
     heads: int
     kv_heads: int
+    ranks: int = 1
+    sum_across: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -75,6 +81,23 @@ class Session:
         if self.shard is None:
             return heads, kv_heads
         return None if heads is None else self.shard.heads, None if kv_heads is None else self.shard.kv_heads
+
+    def sum_over_heads(self, values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        """The sum of `values` over its head dimensions `dims` (query or kv heads), over every head of the model
+        (float64: a sum of float32 values whose result is the same, to the last bit of float32 nearly always, in any
+        order): a tensor-parallel shard's sum added to the other shards' by the host (:attr:`HeadShard.sum_across`)."""
+        total = values.double().sum(dim=dims)
+        if self.shard is not None and self.shard.ranks > 1:
+            if self.shard.sum_across is None:
+                raise AttnkitError(f"method {self.method.name!r} reads every head of the model, and this host's "
+                                   f"shards of the heads cannot add their sums")
+            total = self.shard.sum_across(total)
+        return total
+
+    def mean_over_heads(self, values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        """:meth:`sum_over_heads` divided by the number of the model's heads it adds (float64)."""
+        ranks = self.shard.ranks if self.shard is not None else 1
+        return self.sum_over_heads(values, dims) / (math.prod(values.shape[d] for d in dims) * ranks)
 
     def held_heads(self, count: int, kv: bool = False) -> slice:
         """The model's query heads (kv heads with `kv`) that layers holding `count` of them hold: where a method

@@ -10,6 +10,7 @@ import attnkit
 from attnkit.errors import AttnkitError
 from attnkit.methods.expected_attention_stats import save_moments
 from attnkit.methods.qfilter import dumps_filters
+from attnkit.session import HeadShard
 from helpers import ROPE, drive, drive_shards, qkv, randn
 
 PROMPT = 30
@@ -49,3 +50,19 @@ def test_each_shard_reads_its_own_heads(files, spec, unaware):
     else:  # the second half drawing as heads 0..: other entries
         _, _, got = drive(method, q[:, 2:], k[:, 1:], v[:, 1:], PROMPT)
         assert [step[0] for step in got] != [step[1] for step in held]
+
+
+@pytest.mark.parametrize("spec", ["tova:budget_tokens=14", "tova:budget_tokens=14,decode_every=4",
+                                  "keyformer:budget_tokens=14,score=shared"])
+def test_a_choice_over_every_head_adds_the_shards_sums(spec):
+    """TOVA's mean over every query head and Keyformer's shared score: each shard adds its heads' sum to the others'
+    (the host's all-reduce: here the threads of drive_shards), and they keep what the whole model keeps; a shard
+    alone, without a way to add, is refused."""
+    method = attnkit.parse_method_spec(spec)
+    q, k, v = qkv(50, hq=4, kv=2, seed=23)
+    _, outs, held = drive(method, q, k, v, PROMPT)
+    shard_outs, shard_held = drive_shards(method, q, k, v, PROMPT)
+    assert shard_held == held
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(shard_outs, outs))
+    with pytest.raises(AttnkitError, match="reads every head of the model"):
+        drive(method, q[:, 2:], k[:, 1:], v[:, 1:], PROMPT, shard=HeadShard(2, 1, 4, 2, ranks=2))

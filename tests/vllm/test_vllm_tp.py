@@ -2,9 +2,9 @@
 head chooses its own entries, so a shard needs nothing from the other, and the tokens are attnkit's: for the prompt
 scorers, the methods that act while decoding (per step and re-compressing), the draws and calibration files of
 Keyformer, random, TriAttention, q-filters and Expected Attention read at the shard's own heads
-(attnkit.session.HeadShard), and Quest's pages. Methods whose choice reads
-other kv heads, or depends on which heads of the model a shard holds without reading them there, are refused
-(attnkit.vllm.shards)."""
+(attnkit.session.HeadShard), TOVA's and Keyformer's shared choices over every head (each worker's sum added to the
+other's), and Quest's pages. Methods whose choice depends on which heads of the model a shard holds without reading
+them there are refused (attnkit.vllm.shards)."""
 
 import os
 
@@ -39,6 +39,8 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
     try:
         specs = ["snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
                  "h2o:budget_tokens=256", "keyformer:budget_tokens=256",  # its Gumbel noise of each shard's heads
+                 # their choice reads every head: each worker's sum added to the other's
+                 "tova:budget_tokens=256", "keyformer:budget_tokens=300,score=shared",
                  "keyformer:budget_tokens=256,noise=gaussian,decode_every=8",
                  f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=8",
                  f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7",
@@ -51,10 +53,9 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
         for i, spec in enumerate(specs):
             want = [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)]
             assert out[2 * i:2 * i + 2] == want, spec
-        # TOVA's choice for a kv head averages every head's attention, which one shard does not hold; leverage's sketch
-        # is drawn per head of the whole model, read as a shard numbers its heads, from 0: refused when submitted
-        # (inside a worker a refusal would end the engine), and the engine serves on
-        for spec, reason in (("tova:budget=0.3", "every kv head"), ("leverage:budget=0.3", "Gaussian sketch")):
+        # leverage's sketch is drawn per head of the whole model, read as a shard numbers its heads, from 0: refused
+        # when submitted (inside a worker a refusal would end the engine), and the engine serves on
+        for spec, reason in (("leverage:budget=0.3", "Gaussian sketch"),):
             with pytest.raises(VLLMValidationError, match=f"tensor_parallel_size=2.*{reason}"):
                 llm.generate(prompts[:1], [SamplingParams(max_tokens=4, extra_args={"attnkit": spec})], use_tqdm=False)
         sp = SamplingParams(max_tokens=4, temperature=0)

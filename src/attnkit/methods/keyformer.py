@@ -214,7 +214,9 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         # one score per position for the whole model, on the device of the first layer: a layer elsewhere
         # sends its per-position sums there (a vector per row, not its cache)
         device = shared.pending.device
-        shared.pending.scatter_add_(1, positions.to(device), contribution.sum(dim=1).to(device))
+        # summed over every kv head of the model (a tensor-parallel shard's and the others')
+        total = ctx.session.sum_over_heads(contribution, (1,)).float()
+        shared.pending.scatter_add_(1, positions.to(device), total.to(device))
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         length = ctx.kv.length

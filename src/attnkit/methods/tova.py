@@ -16,7 +16,9 @@ statistics is the paper's "attend, then drop the lowest" one step later, so TOVA
 one) is never the one dropped, as kvpress's ``TOVAPress`` forces it kept (the paper lets it compete; its own
 attention is usually high), so the kept positions match kvpress's at every step. The latest probabilities
 live in a per-slot score buffer that moves with its entries; the newest entry's score is stored as +inf, so
-the entry to evict is a plain argmin of the buffer (no mask over the cache per step).
+the entry to evict is a plain argmin of the buffer (no mask over the cache per step). The mean over the heads is
+summed in float64 (:meth:`attnkit.session.Session.mean_over_heads`): the same whichever heads are added first, so
+tensor-parallel shards, each adding its heads' sum to the others', keep what one process keeps.
 
 ``decode_every=N >= 1`` is the buffered form (:mod:`attnkit.methods.buffered`): generated tokens are appended and
 attended with everything held, and after every ``N``-th step the layer keeps the ``B`` entries that step's query
@@ -61,7 +63,7 @@ class TOVA(BufferedEviction):
             keys, _, positions = ctx.kv.view()
             last = attention_statistics(q[:, :, -1:], keys, ctx.scaling, ctx.q_pos[-1:], positions[0, 0],
                                         window=ctx.native_window)
-            self.score_buffer(ctx)[:, :, :ctx.kv.length] = last.mean(dim=1, keepdim=True)
+            self.score_buffer(ctx)[:, :, :ctx.kv.length] = ctx.session.mean_over_heads(last, (1,)).unsqueeze(1)
         super().after_prefill(ctx, q, k, v)
         if self.evicts(ctx):
             # the last prompt token (the highest position, so the last slot after compaction too) gave the scores
@@ -84,9 +86,10 @@ class TOVA(BufferedEviction):
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
         keys, values, _ = ctx.kv.view()
         out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
-        # probs [b, kv, g, 1, L]: the mean over every query head of the layer, for every kv head's slots
+        # probs [b, kv, g, 1, L]: the mean over every query head of the layer (of the whole model: a tensor-parallel
+        # shard's heads and the others'), for every kv head's slots
         score = self.score_buffer(ctx)
-        score[:, :, :ctx.kv.length] = probs.mean(dim=(1, 2, 3)).unsqueeze(1)
+        score[:, :, :ctx.kv.length] = ctx.session.mean_over_heads(probs, (1, 2, 3)).unsqueeze(1)
         newest = ctx.state.newest  # this step's token, whose query gave the scores: kept at the next eviction
         if isinstance(newest, int):
             score[:, :, newest] = float("inf")

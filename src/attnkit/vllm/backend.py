@@ -27,7 +27,7 @@ import functools
 
 import torch
 from vllm.config import get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -94,14 +94,26 @@ class StepPart:
 def head_shard(vllm_config) -> HeadShard | None:
     """The model's heads this worker holds under tensor parallelism (None without): vLLM gives rank ``r`` of ``n`` the
     ``r``-th ``1/n`` of the query heads and of the kv heads (or, with fewer kv heads than ranks, a copy of kv head
-    ``r x kv / n``), numbered from 0 in the worker."""
+    ``r x kv / n``), numbered from 0 in the worker; the sum across the workers of a method's statistic over the
+    heads (:func:`sum_across_workers`)."""
     ranks = vllm_config.parallel_config.tensor_parallel_size
     if ranks == 1:
         return None
     rank = get_tensor_model_parallel_rank()
     model = vllm_config.model_config
     heads, kv_heads = model.hf_text_config.num_attention_heads, model.get_total_num_kv_heads()
-    return HeadShard(rank * (heads // ranks), rank * kv_heads // ranks, heads, kv_heads)
+    return HeadShard(rank * (heads // ranks), rank * kv_heads // ranks, heads, kv_heads, ranks, sum_across_workers)
+
+
+def sum_across_workers(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over the tensor-parallel workers, added in rank order so that every worker gets the same bits
+    (an all-reduce may add in another order on each): each worker calls it at the same point of the same layer, as
+    every worker runs every layer of the same rows."""
+    group = get_tp_group()
+    process_group = group.cpu_group if tensor.device.type == "cpu" else group.device_group
+    parts = [torch.empty_like(tensor) for _ in range(group.world_size)]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=process_group)
+    return functools.reduce(torch.add, parts)
 
 
 def attnkit_backend(base, impl, builder, name: str):

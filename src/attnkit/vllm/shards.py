@@ -2,14 +2,13 @@
 
 With ``tensor_parallel_size`` above 1, each vLLM worker holds some of a layer's kv heads and their query heads,
 numbered from 0 in that worker. A method runs on a shard as on the whole model when its choice for a kv head reads
-only that head's entries and queries, and whatever it draws or calibrates per head of the model is read at the
-shard's own heads: the worker hands its sessions the model-wide index of its first heads
+only that head's entries and queries, or a sum over every head that the workers add together (TOVA's mean over the
+heads, Keyformer's shared score: ``Session.sum_over_heads``), and whatever it draws or calibrates per head of the
+model is read at the shard's own heads: the worker hands its sessions the model-wide index of its first heads
 (:class:`attnkit.session.HeadShard`), and the noise, scores and statistics of Keyformer, random, TriAttention,
 q-filters and Expected Attention are read there. The others are refused in one line at engine start or at request
 submission (a refusal inside a worker would end the engine):
 
-- a choice that reads every kv head's statistics (TOVA's mean over the heads, Keyformer's shared score): a shard
-  does not hold the others;
 - a choice that depends on which heads of the model a shard holds, for methods that do not read the shard's heads:
   the other calibration files (MInference's patterns, the trained surrogates and gates) and the Gaussian sketch of
   leverage and compactor. A shard would read head 0's where it holds head 1, and keep other entries than attnkit's
@@ -33,13 +32,11 @@ from attnkit.methods.leverage import Leverage
 from attnkit.methods.qfilter import QFilter
 from attnkit.methods.random_scores import Random
 from attnkit.methods.streaming import Streaming
-from attnkit.methods.tova import TOVA
 from attnkit.methods.triattention import TriAttention
 from attnkit.methods.window import Window
 
 # methods whose draws or calibration files are read at the shard's own heads (attnkit.session.Session.held_heads)
 READS_SHARD = (Keyformer, TriAttention, QFilter, ExpectedAttention, Random)  # exactly these: no subclass
-CROSSES = " (its choice for a kv head reads every kv head's statistics, which a shard does not hold)"
 
 
 def _head_specific(part: Method) -> str:
@@ -62,8 +59,6 @@ def shard_refusal(method: Method, kv_heads: int | None = None, ranks: int = 2) -
         return (f" (the model has {kv_heads} kv heads: vLLM copies each to several workers, each with part of its "
                 f"query heads, and the copies would keep different entries; window and streaming run)")
     for part in parts:
-        if isinstance(part, TOVA) or (isinstance(part, Keyformer) and part.score == "shared"):
-            return CROSSES
         why = _head_specific(part)
         if why:
             return f" ({why}, and a shard numbers the heads it holds from 0)"
