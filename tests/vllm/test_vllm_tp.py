@@ -1,7 +1,7 @@
 """attnkit inside vLLM with tensor parallelism: two CPU workers, each holding one of ``tiny``'s two kv heads. Each kv
 head chooses its own entries, so a shard needs nothing from the other, and the tokens are attnkit's: for the prompt
 scorers, the methods that act while decoding (per step and re-compressing), the draws and calibration files of
-Keyformer, random, TriAttention, q-filters and Expected Attention read at the shard's own heads
+Keyformer, random, TriAttention, q-filters, Expected Attention and MInference read at the shard's own heads
 (attnkit.session.HeadShard), TOVA's and Keyformer's shared choices over every head (each worker's sum added to the
 other's), and Quest's pages. Methods whose choice depends on which heads of the model a shard holds without reading
 them there are refused (attnkit.vllm.shards)."""
@@ -9,10 +9,12 @@ them there are refused (attnkit.vllm.shards)."""
 import os
 
 import pytest
-from test_vllm import EA_STATS, QFILTER, TINY, TRIATTENTION
+from test_vllm import EA_STATS, QFILTER, SWEEPS, TINY, TRIATTENTION
 
 import attnkit
 from attnkit.eval.data.task_registry import get_task
+
+MINFERENCE = os.path.join(SWEEPS, "minference_tiny_yarn8_32k.json")  # per-head patterns of tiny's geometry
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel CPU workers need two cores")
@@ -44,6 +46,7 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
                  "keyformer:budget_tokens=256,noise=gaussian,decode_every=8",
                  f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=8",
                  f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7",
+                 f"minference:config={MINFERENCE}+snapkv:budget=0.3",  # each shard its heads' patterns
                  f"expected_attention:stats={EA_STATS},budget_tokens=256,decode_every=8",
                  "rkv:budget_tokens=256,decode_every=8", "snapkv:budget_tokens=256,decode_every=8",
                  "quest:page_size=128,token_budget=512,dense_layers=0"]  # each shard its kv heads' summaries

@@ -12,13 +12,14 @@ from attnkit.vllm.plan import check_parallel
 
 SWEEPS = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps")
 REFUSED = [("leverage:budget=0.3", "Gaussian sketch"), ("compactor:budget=0.3", "Gaussian sketch"),
-           (f"minference:config={SWEEPS}/minference_tiny_yarn8_32k.json", "calibration file")]
-# the draws and calibration files of Keyformer, random, TriAttention, q-filters and Expected Attention are read at the
+           (f"duo_attention:config={SWEEPS}/duo_tiny.json", "calibration file")]
+# the draws and calibration files of Keyformer, random, TriAttention, q-filters, Expected Attention and MInference are read at the
 # shard's heads (attnkit.session.HeadShard); TOVA's and Keyformer's shared sums over every head add the shards' sums
 RUN = ["snapkv:budget=0.3", "h2o:budget=0.3", "keyformer:budget=0.3,noise=constant", "keyformer:budget=0.3,noise=none",
        "keyformer:budget=0.3", "keyformer:budget=0.3,noise=gaussian", "tova:budget=0.3",
        "keyformer:budget=0.3,score=shared",
        f"triattention:config={SWEEPS}/triattention_tiny.json,budget_tokens=256", "random:budget=0.3",
+       f"minference:config={SWEEPS}/minference_tiny_yarn8_32k.json",
        f"qfilter:config={SWEEPS}/qfilter_tiny.json,budget=0.3",
        f"expected_attention:stats={SWEEPS}/expected_attention_tiny.safetensors,budget=0.3",
        "rkv:budget_tokens=256", "expected_attention:budget=0.3", "leverage:budget=0.3,sketch_dimension=0",

@@ -287,10 +287,10 @@ class MInference(SparsePrefill):
         if self._config is None:
             return [self.uniform_pattern()] * n_heads
         run = ctx.session_state
-        if not run.checked:
-            self._config.check_model(ctx.session.n_layers, n_heads)
+        if not run.checked:  # a tensor-parallel shard's layers: against the whole model's heads
+            self._config.check_model(ctx.session.n_layers, ctx.session.model_heads(n_heads, None)[0])
             run.checked = True
-        layer = self._config.layers[ctx.index]
+        layer = self._config.layers[ctx.index][ctx.session.held_heads(n_heads)]
         return layer if self.static else [p.dynamic() for p in layer]
 
     def column_width(self, patterns: list[HeadPattern], n: int) -> int:
