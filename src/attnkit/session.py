@@ -85,8 +85,9 @@ class Session:
     def sum_over_heads(self, values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
         """The sum of `values` over its head dimensions `dims` (query or kv heads), over every head of the model
         (float64: a sum of float32 values whose result is the same, to the last bit of float32 nearly always, in any
-        order): a tensor-parallel shard's sum added to the other shards' by the host (:attr:`HeadShard.sum_across`)."""
-        total = values.double().sum(dim=dims)
+        order; float32 on a device without float64, Apple's MPS): a tensor-parallel shard's sum added to the other
+        shards' by the host (:attr:`HeadShard.sum_across`)."""
+        total = values.to(torch.float32 if values.device.type == "mps" else torch.float64).sum(dim=dims)
         if self.shard is not None and self.shard.ranks > 1:
             if self.shard.sum_across is None:
                 raise AttnkitError(f"method {self.method.name!r} reads every head of the model, and this host's "
@@ -95,7 +96,7 @@ class Session:
         return total
 
     def mean_over_heads(self, values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-        """:meth:`sum_over_heads` divided by the number of the model's heads it adds (float64)."""
+        """:meth:`sum_over_heads` divided by the number of the model's heads it adds."""
         ranks = self.shard.ranks if self.shard is not None else 1
         return self.sum_over_heads(values, dims) / (math.prod(values.shape[d] for d in dims) * ranks)
 
