@@ -33,6 +33,7 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize("spec, unaware", [
     ("random:budget_tokens=14,seed=3", "differs"),
     ("random:budget_tokens=14,decode_every=4", "differs"),
+    ("leverage:budget_tokens=14,sketch_dimension=4", "differs"),
     ("qfilter:config={f},budget_tokens=14,decode_every=3", "refused"),
     ("expected_attention:stats={s},budget_tokens=14,n_sink=2", "refused"),
     ("expected_attention:stats={s},budget_tokens=14,decode_every=3", "refused")])

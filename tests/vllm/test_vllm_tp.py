@@ -1,10 +1,10 @@
 """attnkit inside vLLM with tensor parallelism: two CPU workers, each holding one of ``tiny``'s two kv heads. Each kv
 head chooses its own entries, so a shard needs nothing from the other, and the tokens are attnkit's: for the prompt
 scorers, the methods that act while decoding (per step and re-compressing), the draws and calibration files of
-Keyformer, random, TriAttention, q-filters, Expected Attention and MInference read at the shard's own heads
+Keyformer, random, leverage, TriAttention, q-filters, Expected Attention and MInference read at the shard's own heads
 (attnkit.session.HeadShard), TOVA's and Keyformer's shared choices over every head (each worker's sum added to the
-other's), and Quest's pages. Methods whose choice depends on which heads of the model a shard holds without reading
-them there are refused (attnkit.vllm.shards)."""
+other's), and Quest's pages. Methods whose choice depends on what a shard does not hold are refused
+(attnkit.vllm.shards)."""
 
 import os
 
@@ -45,7 +45,7 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
                  "tova:budget_tokens=256", "keyformer:budget_tokens=300,score=shared",
                  "keyformer:budget_tokens=256,noise=gaussian,decode_every=8",
                  f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=8",
-                 f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7",
+                 f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7", "leverage:budget=0.3",
                  f"minference:config={MINFERENCE}+snapkv:budget=0.3",  # each shard its heads' patterns
                  f"expected_attention:stats={EA_STATS},budget_tokens=256,decode_every=8",
                  "rkv:budget_tokens=256,decode_every=8", "snapkv:budget_tokens=256,decode_every=8",
@@ -56,9 +56,9 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
         for i, spec in enumerate(specs):
             want = [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)]
             assert out[2 * i:2 * i + 2] == want, spec
-        # leverage's sketch is drawn per head of the whole model, read as a shard numbers its heads, from 0: refused
-        # when submitted (inside a worker a refusal would end the engine), and the engine serves on
-        for spec, reason in (("leverage:budget=0.3", "Gaussian sketch"),):
+        # compactor standardises its scores over every kv head of the model, which a shard does not hold: refused when
+        # submitted (inside a worker a refusal would end the engine), and the engine serves on
+        for spec, reason in (("compactor:budget=0.3", "every kv head"),):
             with pytest.raises(VLLMValidationError, match=f"tensor_parallel_size=2.*{reason}"):
                 llm.generate(prompts[:1], [SamplingParams(max_tokens=4, extra_args={"attnkit": spec})], use_tqdm=False)
         sp = SamplingParams(max_tokens=4, temperature=0)

@@ -133,8 +133,10 @@ def held_leverage(ctx: LayerContext, keys: torch.Tensor, positions: torch.Tensor
     """Leverage ``[b, kv, L]`` of the entries `keys` ``[b, kv, L, d]`` at `positions` of layer ``ctx.index``."""
     before = keys_before_rope(ctx, keys, positions, who)
     sketch = None
-    if columns:
-        sketch = layer_sketch(seed, ctx.index, keys.shape[1], keys.shape[-1], columns, keys.dtype, keys.device)
+    if columns:  # drawn for the model's kv heads; a tensor-parallel shard takes its own heads' draws
+        kv_heads = ctx.session.model_heads(None, keys.shape[1])[1]
+        sketch = layer_sketch(seed, ctx.index, kv_heads, keys.shape[-1], columns, keys.dtype, keys.device)
+        sketch = sketch[:, ctx.session.held_heads(keys.shape[1], kv=True)]
     return leverage_scores(before, sketch)
 
 

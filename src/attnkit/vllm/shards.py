@@ -5,12 +5,13 @@ numbered from 0 in that worker. A method runs on a shard as on the whole model w
 only that head's entries and queries, or a sum over every head that the workers add together (TOVA's mean over the
 heads, Keyformer's shared score: ``Session.sum_over_heads``), and whatever it draws or calibrates per head of the
 model is read at the shard's own heads: the worker hands its sessions the model-wide index of its first heads
-(:class:`attnkit.session.HeadShard`), and the noise, scores, statistics and patterns of Keyformer, random,
-TriAttention, q-filters, Expected Attention and MInference are read there. The others are refused in one line at engine start or at request
+(:class:`attnkit.session.HeadShard`), and the noise, scores, sketches, statistics and patterns of Keyformer, random,
+leverage, TriAttention, q-filters, Expected Attention and MInference are read there. The others are refused in one line at engine start or at request
 submission (a refusal inside a worker would end the engine):
 
 - a choice that depends on which heads of the model a shard holds, for methods that do not read the shard's heads:
-  the other calibration files (the trained surrogates and gates) and the Gaussian sketch of leverage and compactor. A shard would read head 0's where it holds head 1, and keep other entries than attnkit's
+  the other calibration files (the trained surrogates and gates), and compactor, which standardises its scores over
+  every kv head of the model. A shard would read head 0's where it holds head 1, and keep other entries than attnkit's
   runner;
 - any method but full attention and the position-only ``window`` and ``streaming`` when there are more workers than
   kv heads: vLLM then copies a kv head to several workers, each with part of its query heads, and the copies would
@@ -36,7 +37,8 @@ from attnkit.methods.triattention import TriAttention
 from attnkit.methods.window import Window
 
 # methods whose draws or calibration files are read at the shard's own heads (attnkit.session.Session.held_heads)
-READS_SHARD = (Keyformer, TriAttention, QFilter, ExpectedAttention, Random, MInference, MInferenceStatic)  # no subclass
+READS_SHARD = (Keyformer, TriAttention, QFilter, ExpectedAttention, Random, MInference, MInferenceStatic,
+               Leverage)  # exactly these: no subclass
 
 
 def _head_specific(part: Method) -> str:
@@ -46,8 +48,8 @@ def _head_specific(part: Method) -> str:
     calibration = getattr(part, "config", None) or getattr(part, "stats", None)
     if calibration:  # every calibration file attnkit writes holds something per layer and head
         return f"its calibration file {calibration} holds each head of the whole model's"
-    if isinstance(part, (Leverage, Compactor)) and part.sketch_dimension:
-        return "its Gaussian sketch is drawn per kv head of the whole model (sketch_dimension=0 runs)"
+    if isinstance(part, Compactor):
+        return "it standardises its scores over every kv head of the model"
     return ""
 
 
