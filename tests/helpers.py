@@ -12,9 +12,10 @@ import torch
 
 import attnkit
 from attnkit.cache import KVCache
+from attnkit.heads import HeadShard
 from attnkit.rope import Rope
 from attnkit.sampling import SamplingConfig, next_token_distribution
-from attnkit.session import HeadShard, Session, Step
+from attnkit.session import Session, Step
 from attnkit.speculative import speculative_generate
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
@@ -111,7 +112,7 @@ ROPE = Rope(inv_freq=1.0 / (100.0 ** (torch.arange(0, D, 2).float() / D)))
 
 def drive(method, q, k, v, prompt_len, rope=ROPE, scaling=None, shard=None):
     """Prefill the first `prompt_len` tokens, then decode the rest one at a time (one layer); `shard`: the
-    :class:`attnkit.session.HeadShard` the heads of `q`, `k`, `v` are (None: the whole model's).
+    :class:`attnkit.heads.HeadShard` the heads of `q`, `k`, `v` are (None: the whole model's).
 
     Returns the session, the decode outputs, and per step the sorted positions each kv head holds
     (step 0: after prefill; step i: what the i-th decode query attended to)."""
@@ -298,7 +299,7 @@ def chromium() -> str:
 
 def drive_shards(method, q, k, v, prompt_len, ranks=2):
     """:func:`drive` on each of `ranks` tensor-parallel shards of the heads (rank r: the r-th 1/ranks of the query
-    and kv heads, told by its :class:`attnkit.session.HeadShard`), joined: the decode outputs concatenated over the
+    and kv heads, told by its :class:`attnkit.heads.HeadShard`), joined: the decode outputs concatenated over the
     heads, per step the positions each kv head holds."""
     heads, kv_heads = q.shape[1], k.shape[1]
     qs, ks = heads // ranks, kv_heads // ranks

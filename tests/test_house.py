@@ -12,7 +12,7 @@ PACKAGE = SRC / "attnkit"
 # bottom to top: a module may import modules of its own layer or the layers below
 LAYERS = [
     ("errors", "validate", "config_file", "version", "native", "environment"),
-    ("tokenizer", "rope", "masks", "sampling"),
+    ("tokenizer", "rope", "masks", "sampling", "heads"),
     ("attention",),
     ("model", "cache", "placement", "quant"),
     ("session", "generation", "forward"),

@@ -18,35 +18,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from attnkit import heads
 from attnkit.attention import watch_layer_inputs
 from attnkit.cache import KVCache, LayerKV
 from attnkit.errors import AttnkitError
+from attnkit.heads import HeadShard
 from attnkit.model import LoadedModel
 from attnkit.rope import Rope
-
-
-@dataclass(frozen=True)
-class HeadShard:
-    """Which of the model's heads a session's layers hold where they hold only some (a tensor-parallel shard of a
-    serving engine, which numbers its heads from 0): the model-wide index of its first query head and of its first
-    kv head, and the model's query and kv head counts. A method that draws or calibrates something per head of the
-    model (Keyformer's noise, TriAttention's statistics) reads the shard's heads at these offsets. A method whose
-    choice reads every head (TOVA's mean over the heads) adds its shard's sum to the others' with the host's
-    `sum_across` (each of the `ranks` shards calls it at the same point with its own sum)."""
-
-    first_head: int
-    first_kv_head: int
-    heads: int
-    kv_heads: int
-    ranks: int = 1
-    sum_across: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -70,41 +53,23 @@ class Session:
         self.layer_state = [self.method.new_layer_state() for _ in range(self.n_layers)]
         self.state = self.method.new_session_state()
 
+    # the model's heads the layers hold (a tensor-parallel shard's), for methods that read something per head of the
+    # model or a sum over every head (attnkit.heads)
     @property
     def first_head(self) -> int:
-        """The model-wide index of the first query head the layers hold (0 unless :attr:`shard` says otherwise)."""
-        return self.shard.first_head if self.shard is not None else 0
+        return heads.first_head(self.shard)
 
-    def model_heads(self, heads: int | None, kv_heads: int | None) -> tuple[int | None, int | None]:
-        """The whole model's query and kv head counts, for layers that hold `heads` and `kv_heads` of them (None: not
-        known yet), to check a calibration file against."""
-        if self.shard is None:
-            return heads, kv_heads
-        return None if heads is None else self.shard.heads, None if kv_heads is None else self.shard.kv_heads
-
-    def sum_over_heads(self, values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-        """The sum of `values` over its head dimensions `dims` (query or kv heads), over every head of the model
-        (float64: a sum of float32 values whose result is the same, to the last bit of float32 nearly always, in any
-        order; float32 on a device without float64, Apple's MPS): a tensor-parallel shard's sum added to the other
-        shards' by the host (:attr:`HeadShard.sum_across`)."""
-        total = values.to(torch.float32 if values.device.type == "mps" else torch.float64).sum(dim=dims)
-        if self.shard is not None and self.shard.ranks > 1:
-            if self.shard.sum_across is None:
-                raise AttnkitError(f"method {self.method.name!r} reads every head of the model, and this host's "
-                                   f"shards of the heads cannot add their sums")
-            total = self.shard.sum_across(total)
-        return total
-
-    def mean_over_heads(self, values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-        """:meth:`sum_over_heads` divided by the number of the model's heads it adds."""
-        ranks = self.shard.ranks if self.shard is not None else 1
-        return self.sum_over_heads(values, dims) / (math.prod(values.shape[d] for d in dims) * ranks)
+    def model_heads(self, n_heads: int | None, kv_heads: int | None) -> tuple[int | None, int | None]:
+        return heads.model_heads(self.shard, n_heads, kv_heads)
 
     def held_heads(self, count: int, kv: bool = False) -> slice:
-        """The model's query heads (kv heads with `kv`) that layers holding `count` of them hold: where a method
-        reads something drawn or calibrated per head of the model."""
-        first = 0 if self.shard is None else self.shard.first_kv_head if kv else self.shard.first_head
-        return slice(first, first + count)
+        return heads.held_heads(self.shard, count, kv)
+
+    def sum_over_heads(self, values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        return heads.sum_over_heads(self.shard, values, dims, self.method.name)
+
+    def mean_over_heads(self, values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        return heads.mean_over_heads(self.shard, values, dims, self.method.name)
 
     @property
     def rows(self) -> int:

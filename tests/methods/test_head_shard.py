@@ -1,6 +1,6 @@
 """Methods that draw or calibrate something per head of the model, on a tensor-parallel shard of the heads: a
 shard holding the model's second half of the heads (numbered from 0 in it, told which by its
-attnkit.session.HeadShard) reads those heads' draws and statistics, so the shards together keep what the whole model
+attnkit.heads.HeadShard) reads those heads' draws and statistics, so the shards together keep what the whole model
 keeps (Keyformer's noise and TriAttention's statistics: their own test files; vLLM: tests/vllm/test_vllm_tp.py)."""
 
 import pytest
@@ -8,9 +8,9 @@ import torch
 
 import attnkit
 from attnkit.errors import AttnkitError
+from attnkit.heads import HeadShard
 from attnkit.methods.expected_attention_stats import save_moments
 from attnkit.methods.qfilter import dumps_filters
-from attnkit.session import HeadShard
 from helpers import ROPE, drive, drive_shards, qkv, randn
 
 PROMPT = 30

@@ -247,7 +247,9 @@ def test_heads_denser_than_dense_above_run_dense_attention(tmp_path):
 
     import torch.nn.functional as F
 
+    from attnkit.cache import KVCache
     from attnkit.methods.minference import MInferenceRun
+    from attnkit.session import Session
 
     n = 203
     q, k, v = qkv(n, seed=5)
@@ -255,8 +257,9 @@ def test_heads_denser_than_dense_above_run_dense_attention(tmp_path):
     over = layout.density > 0.9
     assert over.tolist() == [False, True, False, True]
     config = _write_config(tmp_path / "mixed.json", [[p.to_dict() for p in MIXED]])
-    ctx = SimpleNamespace(native_window=None, q_pos=torch.arange(n), scaling=0.25, index=0,
-                          session=SimpleNamespace(prompt_len=n, n_layers=1), session_state=MInferenceRun())
+    session = Session(parse_method_spec("full"), KVCache(1), 1, n, 0)  # a one-layer prompt of n tokens
+    ctx = SimpleNamespace(native_window=None, q_pos=torch.arange(n), scaling=0.25, index=0, session=session,
+                          session_state=MInferenceRun())
     positions = torch.arange(n).expand(1, 2, n)
     dense = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=0.25,
                                            is_causal=True)

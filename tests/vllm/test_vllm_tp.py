@@ -2,7 +2,7 @@
 head chooses its own entries, so a shard needs nothing from the other, and the tokens are attnkit's: for the prompt
 scorers, the methods that act while decoding (per step and re-compressing), the draws and calibration files of
 Keyformer, random, leverage, TriAttention, q-filters, Expected Attention and MInference read at the shard's own heads
-(attnkit.session.HeadShard), TOVA's and Keyformer's shared choices over every head (each worker's sum added to the
+(attnkit.heads.HeadShard), TOVA's and Keyformer's shared choices over every head (each worker's sum added to the
 other's), and Quest's pages. Methods whose choice depends on what a shard does not hold are refused
 (attnkit.vllm.shards)."""
 

@@ -14,7 +14,7 @@ SWEEPS = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps")
 REFUSED = [("compactor:budget=0.3", "every kv head"), ("compactor:budget=0.3,sketch_dimension=0", "every kv head"),
            (f"duo_attention:config={SWEEPS}/duo_tiny.json", "calibration file")]
 # the draws and calibration files of Keyformer, random, TriAttention, q-filters, Expected Attention and MInference are read at the
-# shard's heads (attnkit.session.HeadShard); TOVA's and Keyformer's shared sums over every head add the shards' sums
+# shard's heads (attnkit.heads.HeadShard); TOVA's and Keyformer's shared sums over every head add the shards' sums
 RUN = ["snapkv:budget=0.3", "h2o:budget=0.3", "keyformer:budget=0.3,noise=constant", "keyformer:budget=0.3,noise=none",
        "keyformer:budget=0.3", "keyformer:budget=0.3,noise=gaussian", "tova:budget=0.3",
        "keyformer:budget=0.3,score=shared",

@@ -163,7 +163,7 @@ def row_offsets(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.
                 first_head: int = 0) -> torch.Tensor:
     """Where each (head, query) row of layer `layer` starts in the table: ``[1, kv, g, queries, 1]`` int64,
     hashed from (seed, layer, head, query position) into ``[0, TABLE_SIZE)``. The heads are the model's
-    ``first_head ...`` (a tensor-parallel shard's: :attr:`attnkit.session.Session.first_head`)."""
+    ``first_head ...`` (a tensor-parallel shard's: :func:`attnkit.heads.first_head`)."""
     heads = torch.arange(first_head, first_head + kv_heads * groups, device=q_pos.device).view(1, kv_heads, groups, 1, 1)
     rows = row_hashes(head_hashes(seed, layer, heads), q_pos.view(1, 1, 1, -1, 1))
     return rows.to(torch.int64) & (TABLE_SIZE - 1)

@@ -17,7 +17,7 @@ one) is never the one dropped, as kvpress's ``TOVAPress`` forces it kept (the pa
 attention is usually high), so the kept positions match kvpress's at every step. The latest probabilities
 live in a per-slot score buffer that moves with its entries; the newest entry's score is stored as +inf, so
 the entry to evict is a plain argmin of the buffer (no mask over the cache per step). The mean over the heads is
-summed in float64 (:meth:`attnkit.session.Session.mean_over_heads`): the same whichever heads are added first, so
+summed in float64 (:func:`attnkit.heads.mean_over_heads`): the same whichever heads are added first, so
 tensor-parallel shards, each adding its heads' sum to the others', keep what one process keeps.
 
 ``decode_every=N >= 1`` is the buffered form (:mod:`attnkit.methods.buffered`): generated tokens are appended and

@@ -32,8 +32,8 @@ from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from attnkit.heads import HeadShard
 from attnkit.rope import Rope
-from attnkit.session import HeadShard
 from attnkit.vllm import host, paged, pages, requests, stacked
 from attnkit.vllm.config import EngineConfig, engine_of
 from attnkit.vllm.manager import AttnkitSpec

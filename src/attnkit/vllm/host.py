@@ -22,9 +22,10 @@ import torch
 
 from attnkit.attention import sdpa
 from attnkit.cache import LayerKV
+from attnkit.heads import HeadShard
 from attnkit.methods.base import Method
 from attnkit.methods.compose import Compose
-from attnkit.session import HeadShard, LayerContext, Session, Step
+from attnkit.session import LayerContext, Session, Step
 from attnkit.vllm import live, metrics
 from attnkit.vllm.plan import Plan
 from attnkit.vllm.requests import Row
@@ -131,7 +132,7 @@ class WorkerState:
 class LayerCall:
     """One attention layer's call in the host: its index among the model's `n_layers`, its softmax scale, the
     model's rotary frequencies (:class:`attnkit.rope.Rope`: methods that undo or redo rotations need it), the
-    worker's state, and the model's heads the worker holds (:class:`attnkit.session.HeadShard`; None: all)."""
+    worker's state, and the model's heads the worker holds (:class:`attnkit.heads.HeadShard`; None: all)."""
 
     layer: int
     n_layers: int
