@@ -34,13 +34,14 @@ def files(tmp_path_factory):
     ("random:budget_tokens=14,seed=3", "differs"),
     ("random:budget_tokens=14,decode_every=4", "differs"),
     ("leverage:budget_tokens=14,sketch_dimension=4", "differs"),
+    ("compactor:budget_tokens=20,sketch_dimension=4", "differs"),
     ("qfilter:config={f},budget_tokens=14,decode_every=3", "refused"),
     ("expected_attention:stats={s},budget_tokens=14,n_sink=2", "refused"),
     ("expected_attention:stats={s},budget_tokens=14,decode_every=3", "refused")])
 def test_each_shard_reads_its_own_heads(files, spec, unaware):
     method = attnkit.parse_method_spec(spec.format(f=files / "f.json", s=files / "s.safetensors"))
     q, k, v = qkv(50, hq=4, kv=2, seed=21)
-    k = k * 2  # spread the scores
+    k = k * torch.tensor([2.0, 5.0]).view(1, 2, 1, 1)  # spread the scores, the kv heads at different scales
     _, outs, held = drive(method, q, k, v, PROMPT)
     shard_outs, shard_held = drive_shards(method, q, k, v, PROMPT)
     assert shard_held == held
@@ -67,3 +68,19 @@ def test_a_choice_over_every_head_adds_the_shards_sums(spec):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(shard_outs, outs))
     with pytest.raises(AttnkitError, match="reads every head of the model"):
         drive(method, q[:, 2:], k[:, 1:], v[:, 1:], PROMPT, shard=HeadShard(2, 1, 4, 2, ranks=2))
+
+
+@pytest.mark.parametrize("sketch", [0, 4])
+def test_compactor_standardises_over_every_head_of_the_model(sketch):
+    """Compactor's blend standardises leverage and attention over every kv head: each shard adds its heads' sums to
+    the others', and the shards keep what the whole model keeps; a shard standardising over its own heads alone would
+    keep other entries."""
+    method = attnkit.parse_method_spec(f"compactor:budget_tokens=20,sketch_dimension={sketch}")
+    q, k, v = qkv(60, hq=4, kv=2, seed=0)
+    k = k * torch.tensor([0.5, 3.0]).view(1, 2, 1, 1)
+    _, outs, held = drive(method, q, k, v, 50)
+    shard_outs, shard_held = drive_shards(method, q, k, v, 50)
+    assert shard_held == held
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(shard_outs, outs))
+    alone = drive(method, q[:, :2], k[:, :1], v[:, :1], 50, shard=HeadShard(0, 0, 4, 2))[2]  # no sum across
+    assert [step[0] for step in alone] != [step[0] for step in held]

@@ -1,10 +1,10 @@
 """attnkit inside vLLM with tensor parallelism: two CPU workers, each holding one of ``tiny``'s two kv heads. Each kv
 head chooses its own entries, so a shard needs nothing from the other, and the tokens are attnkit's: for the prompt
 scorers, the methods that act while decoding (per step and re-compressing), the draws and calibration files of
-Keyformer, random, leverage, TriAttention, q-filters, Expected Attention and MInference read at the shard's own heads
-(attnkit.heads.HeadShard), TOVA's and Keyformer's shared choices over every head (each worker's sum added to the
-other's), and Quest's pages. Methods whose choice depends on what a shard does not hold are refused
-(attnkit.vllm.shards)."""
+Keyformer, random, leverage, compactor, TriAttention, q-filters, Expected Attention and MInference read at the
+shard's own heads (attnkit.heads.HeadShard), the choices of TOVA, Keyformer's shared score and compactor over every
+head (each worker's sums added to the other's), and Quest's pages. Methods whose choice depends on what a shard does
+not hold are refused (attnkit.vllm.shards)."""
 
 import os
 
@@ -46,6 +46,7 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
                  "keyformer:budget_tokens=256,noise=gaussian,decode_every=8",
                  f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=8",
                  f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7", "leverage:budget=0.3",
+                 "compactor:budget=0.3",  # its scores standardised over every head: each worker's sums added
                  f"minference:config={MINFERENCE}+snapkv:budget=0.3",  # each shard its heads' patterns
                  f"expected_attention:stats={EA_STATS},budget_tokens=256,decode_every=8",
                  "rkv:budget_tokens=256,decode_every=8", "snapkv:budget_tokens=256,decode_every=8",
@@ -56,11 +57,12 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
         for i, spec in enumerate(specs):
             want = [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)]
             assert out[2 * i:2 * i + 2] == want, spec
-        # compactor standardises its scores over every kv head of the model, which a shard does not hold: refused when
-        # submitted (inside a worker a refusal would end the engine), and the engine serves on
-        for spec, reason in (("compactor:budget=0.3", "every kv head"),):
-            with pytest.raises(VLLMValidationError, match=f"tensor_parallel_size=2.*{reason}"):
-                llm.generate(prompts[:1], [SamplingParams(max_tokens=4, extra_args={"attnkit": spec})], use_tqdm=False)
+        # every method the host serves runs on a shard of tiny's heads (what a shard cannot run is refused before the
+        # workers: tests/vllm_host/test_vllm_shards.py); one the host never runs is refused when submitted, and the
+        # engine serves on
+        with pytest.raises(VLLMValidationError, match="kvzip"):
+            llm.generate(prompts[:1], [SamplingParams(max_tokens=4, extra_args={"attnkit": "kvzip:budget=0.3"})],
+                         use_tqdm=False)
         sp = SamplingParams(max_tokens=4, temperature=0)
         assert len(llm.generate(prompts[:1], [sp], use_tqdm=False)[0].outputs[0].token_ids) == 4
     finally:

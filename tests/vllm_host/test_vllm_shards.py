@@ -11,8 +11,7 @@ from attnkit.methods.base import resolve_method
 from attnkit.vllm.plan import check_parallel
 
 SWEEPS = os.path.join(os.path.dirname(__file__), "..", "..", "sweeps")
-REFUSED = [("compactor:budget=0.3", "every kv head"), ("compactor:budget=0.3,sketch_dimension=0", "every kv head"),
-           (f"duo_attention:config={SWEEPS}/duo_tiny.json", "calibration file")]
+REFUSED = [(f"duo_attention:config={SWEEPS}/duo_tiny.json", "calibration file")]
 # the draws and calibration files of Keyformer, random, TriAttention, q-filters, Expected Attention and MInference are read at the
 # shard's heads (attnkit.heads.HeadShard); TOVA's and Keyformer's shared sums over every head add the shards' sums
 RUN = ["snapkv:budget=0.3", "h2o:budget=0.3", "keyformer:budget=0.3,noise=constant", "keyformer:budget=0.3,noise=none",
@@ -23,7 +22,7 @@ RUN = ["snapkv:budget=0.3", "h2o:budget=0.3", "keyformer:budget=0.3,noise=consta
        f"qfilter:config={SWEEPS}/qfilter_tiny.json,budget=0.3",
        f"expected_attention:stats={SWEEPS}/expected_attention_tiny.safetensors,budget=0.3",
        "rkv:budget_tokens=256", "expected_attention:budget=0.3", "leverage:budget=0.3,sketch_dimension=0",
-       "leverage:budget=0.3",
+       "leverage:budget=0.3", "compactor:budget=0.3", "compactor:budget=0.3,sketch_dimension=0",
        "minference+snapkv:budget=0.3", "streaming:budget_tokens=256", "quest:page_size=128,token_budget=512"]
 
 

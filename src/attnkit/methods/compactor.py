@@ -120,7 +120,7 @@ class Compactor(NonCausalAttention):
         middle = slice(start, end)
         leverage = held_leverage(ctx, keys[:, :, middle], positions[:, :, middle], self.sketch_dimension,
                                  self.sketch_seed, self.name)
-        scores = self.blend_weight(ctx) * z_scores(leverage) + attention
+        scores = self.blend_weight(ctx) * z_scores(leverage, ctx.session) + attention
         top = scores.flatten(1).amax(dim=1).reshape(-1, 1, 1) if scores.shape[-1] else scores.new_zeros(1, 1, 1)
         rank = top.expand(positions.shape).clone()  # the sinks: protected, ranked as the best entry (kvpress's)
         rank[:, :, middle] = scores

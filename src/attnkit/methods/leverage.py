@@ -117,15 +117,22 @@ def leverage_scores(before_rope: torch.Tensor, sketch: torch.Tensor | None) -> t
     return (x * solved.transpose(-2, -1)).sum(dim=-1).clamp_min(0)
 
 
-def z_scores(scores: torch.Tensor) -> torch.Tensor:
-    """`scores` ``[b, kv, L]`` standardised per row over its kv heads and entries (unbiased deviation, at least
-    ``1e-6``); a row of one entry scores 0."""
-    flat = scores.flatten(1)
-    if flat.shape[1] < 2:
+def z_scores(scores: torch.Tensor, session=None) -> torch.Tensor:
+    """`scores` ``[b, kv, L]`` standardised per row over the model's kv heads and entries (unbiased deviation, at least
+    ``1e-6``; float32); a row of one entry scores 0. The mean and deviation are sums over every kv head
+    (:meth:`attnkit.session.Session.sum_over_heads` of `session`: a tensor-parallel shard's heads and the others',
+    in float64, so the same in any order)."""
+    ranks = session.shard.ranks if session is not None and session.shard is not None else 1
+    count = scores.shape[1] * scores.shape[2] * ranks
+    if count < 2:
         return torch.zeros_like(scores)
-    mean = flat.mean(dim=1).reshape(-1, 1, 1)
-    std = flat.std(dim=1).clamp_min(1e-6).reshape(-1, 1, 1)
-    return (scores - mean) / std
+
+    def total(x):
+        return session.sum_over_heads(x, (1, 2)) if session is not None else x.double().sum(dim=(1, 2))
+
+    centred = scores.double() - (total(scores) / count).view(-1, 1, 1)
+    std = (total(centred.square()) / (count - 1)).sqrt().clamp_min(1e-6).view(-1, 1, 1)
+    return (centred / std).to(scores.dtype)
 
 
 def held_leverage(ctx: LayerContext, keys: torch.Tensor, positions: torch.Tensor, columns: int, seed: int,

@@ -162,7 +162,7 @@ class NonCausalAttention(PromptScorer):
                 held, torch.arange(n, device=held.device).expand_as(held)):
             raise AttnkitError(f"{self.name} ranks the whole prompt once, right after it; layer {ctx.index} holds "
                                f"{held.shape[-1]} entries of a {n}-token prompt")
-        return z_scores(pooled_scores(column[:, :, start:end], values[:, :, start:end])), start, end
+        return z_scores(pooled_scores(column[:, :, start:end], values[:, :, start:end]), ctx.session), start, end
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return self.span_scores(ctx)[0]

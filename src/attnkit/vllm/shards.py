@@ -2,17 +2,17 @@
 
 With ``tensor_parallel_size`` above 1, each vLLM worker holds some of a layer's kv heads and their query heads,
 numbered from 0 in that worker. A method runs on a shard as on the whole model when its choice for a kv head reads
-only that head's entries and queries, or a sum over every head that the workers add together (TOVA's mean over the
-heads, Keyformer's shared score: :func:`attnkit.heads.sum_over_heads`), and whatever it draws or calibrates per head
-of the model is read at the shard's own heads: the worker hands its sessions the model-wide index of its first heads
-(:class:`attnkit.heads.HeadShard`), and the noise, scores, sketches, statistics and patterns of Keyformer, random,
-leverage, TriAttention, q-filters, Expected Attention and MInference are read there. The others are refused in one
-line at engine start or at request submission (a refusal inside a worker would end the engine):
+only that head's entries and queries, or sums over every head that the workers add together (TOVA's mean over the
+heads, Keyformer's shared score, Compactor's standardisation: :func:`attnkit.heads.sum_over_heads`), and whatever it
+draws or calibrates per head of the model is read at the shard's own heads: the worker hands its sessions the
+model-wide index of its first heads (:class:`attnkit.heads.HeadShard`), and the noise, scores, sketches, statistics
+and patterns of Keyformer, random, leverage, compactor, TriAttention, q-filters, Expected Attention and MInference are
+read there. The others are refused in one line at engine start or at request submission (a refusal inside a worker
+would end the engine):
 
 - a calibration file that holds something per head of the model and that its method does not read at the shard's
   heads (DuoAttention's, the trained surrogates and gates): a shard would read head 0's where it holds head 1, and
   keep other entries than attnkit's runner;
-- compactor, which standardises its scores over every kv head of the model, which a shard does not hold;
 - any method but full attention and the position-only ``window`` and ``streaming`` when there are more workers than
   kv heads: vLLM then copies a kv head to several workers, each with part of its query heads, and the copies would
   choose apart.
@@ -38,7 +38,7 @@ from attnkit.methods.window import Window
 
 # methods whose draws or calibration files are read at the shard's own heads (attnkit.heads.held_heads)
 READS_SHARD = (Keyformer, TriAttention, QFilter, ExpectedAttention, Random, MInference, MInferenceStatic,
-               Leverage)  # exactly these: no subclass
+               Leverage, Compactor)  # exactly these: no subclass
 
 
 def _head_specific(part: Method) -> str:
@@ -48,8 +48,6 @@ def _head_specific(part: Method) -> str:
     calibration = getattr(part, "config", None) or getattr(part, "stats", None)
     if calibration:  # every calibration file attnkit writes holds something per layer and head
         return f"its calibration file {calibration} holds each head of the whole model's"
-    if isinstance(part, Compactor):
-        return "it standardises its scores over every kv head of the model"
     return ""
 
 
