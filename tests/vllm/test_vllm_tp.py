@@ -39,24 +39,25 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
               distributed_executor_backend="mp", enable_chunked_prefill=False, max_num_batched_tokens=4096,
               additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
     try:
-        specs = ["snapkv:budget=0.3", "streaming:budget_tokens=256", "minference+snapkv:budget=0.3",
-                 "h2o:budget_tokens=256", "keyformer:budget_tokens=256",  # its Gumbel noise of each shard's heads
-                 # their choice reads every head: each worker's sum added to the other's
-                 "tova:budget_tokens=256", "keyformer:budget_tokens=300,score=shared",
+        specs = ["streaming:budget_tokens=256", f"minference:config={MINFERENCE}+snapkv:budget=0.3",  # heads' patterns
+                 # per step; Keyformer's Gumbel noise of each shard's heads
+                 "h2o:budget_tokens=256", "keyformer:budget_tokens=256",
+                 # their choice reads every head: each worker's sums added to the other's
+                 "tova:budget_tokens=256", "keyformer:budget_tokens=300,score=shared", "compactor:budget=0.3",
                  "keyformer:budget_tokens=256,noise=gaussian,decode_every=8",
                  f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=8",
                  f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7", "leverage:budget=0.3",
-                 "compactor:budget=0.3",  # its scores standardised over every head: each worker's sums added
-                 f"minference:config={MINFERENCE}+snapkv:budget=0.3",  # each shard its heads' patterns
                  f"expected_attention:stats={EA_STATS},budget_tokens=256,decode_every=8",
                  "rkv:budget_tokens=256,decode_every=8", "snapkv:budget_tokens=256,decode_every=8",
+                 "knorm:budget_tokens=256,decode_every=8", "keydiff:budget_tokens=256,decode_every=8",
                  "quest:page_size=128,token_budget=512,dense_layers=0"]  # each shard its kv heads' summaries
-        # all of them submitted together: the methods side by side in each step, as a server runs them
-        params = [SamplingParams(max_tokens=24, temperature=0, extra_args={"attnkit": s}) for s in specs for _ in prompts]
-        out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts * len(specs), params, use_tqdm=False)]
-        for i, spec in enumerate(specs):
-            want = [g.token_ids for g in attnkit.generate(model, prompts, spec, max_new_tokens=24)]
-            assert out[2 * i:2 * i + 2] == want, spec
+        # all of them submitted together, one prompt each (the two in turn): the methods side by side in each step, as
+        # a server runs them
+        mine = [prompts[i % 2] for i in range(len(specs))]
+        params = [SamplingParams(max_tokens=24, temperature=0, extra_args={"attnkit": s}) for s in specs]
+        out = [list(o.outputs[0].token_ids) for o in llm.generate(mine, params, use_tqdm=False)]
+        for got, prompt, spec in zip(out, mine, specs):
+            assert got == attnkit.generate(model, [prompt], spec, max_new_tokens=24)[0].token_ids, spec
         # every method the host serves runs on a shard of tiny's heads (what a shard cannot run is refused before the
         # workers: tests/vllm_host/test_vllm_shards.py); one the host never runs is refused when submitted, and the
         # engine serves on
