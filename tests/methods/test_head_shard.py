@@ -1,7 +1,8 @@
-"""Methods that draw or calibrate something per head of the model, on a tensor-parallel shard of the heads: a
-shard holding the model's second half of the heads (numbered from 0 in it, told which by its
-attnkit.heads.HeadShard) reads those heads' draws and statistics, so the shards together keep what the whole model
-keeps (Keyformer's noise and TriAttention's statistics: their own test files; vLLM: tests/vllm/test_vllm_tp.py)."""
+"""Methods on a tensor-parallel shard of the heads (attnkit.heads): a shard holding the model's second half of the
+heads (numbered from 0 in it, told which by its HeadShard) reads those heads' draws and statistics, and a choice over
+every head (TOVA, Keyformer's shared score, compactor's standardisation) adds the shards' sums, so the shards together
+keep what the whole model keeps (Keyformer's noise and TriAttention's statistics: their own test files; vLLM:
+tests/vllm/test_vllm_tp.py)."""
 
 import pytest
 import torch
