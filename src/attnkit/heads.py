@@ -67,7 +67,11 @@ def sum_over_heads(shard: HeadShard | None, values: torch.Tensor, dims: tuple[in
     return total
 
 
+def count_over_heads(shard: HeadShard | None, values: torch.Tensor, dims: tuple[int, ...]) -> int:
+    """How many numbers :func:`sum_over_heads` adds: those of `values` over `dims`, on every shard."""
+    return math.prod(values.shape[d] for d in dims) * (shard.ranks if shard is not None else 1)
+
+
 def mean_over_heads(shard: HeadShard | None, values: torch.Tensor, dims: tuple[int, ...], who: str) -> torch.Tensor:
     """:func:`sum_over_heads` divided by the number of the model's heads it adds."""
-    ranks = shard.ranks if shard is not None else 1
-    return sum_over_heads(shard, values, dims, who) / (math.prod(values.shape[d] for d in dims) * ranks)
+    return sum_over_heads(shard, values, dims, who) / count_over_heads(shard, values, dims)

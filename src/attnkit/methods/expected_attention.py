@@ -237,9 +237,9 @@ class ExpectedAttention(PromptScorer):
             c, s = ctx.step.shared_value(("expected_attention_rotation", start, self.n_future_positions, keys.device),
                                          lambda: averaged_rotation(inv_freq, start, self.n_future_positions))
             mean, cov = self._stats.layer(ctx.index, keys.device)
-            if ctx.session.shard is not None:  # a tensor-parallel shard's query heads of the model's
-                held = ctx.session.held_heads(kv * (mean.shape[0] // ctx.session.shard.kv_heads))
-                mean, cov = mean[held], cov[held]
+            # the query heads the layer holds (a tensor-parallel shard's) of the model's
+            held = ctx.session.held_heads(kv * mean.shape[0] // ctx.session.model_heads(None, kv)[1])
+            mean, cov = mean[held], cov[held]
             mu, sigma = future_moments(mean.expand(b, -1, -1), cov.expand(b, -1, -1, -1), 1, c, s)
             logits = expected_attention_logits(keys, mu, sigma if self.use_covariance else None, ctx.scaling)
         elif st.count:

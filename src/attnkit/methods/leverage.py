@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnkit import heads
 from attnkit.errors import AttnkitError
 from attnkit.methods.prompt_scorer import PromptScorer
 from attnkit.methods.spec import register
@@ -119,20 +120,16 @@ def leverage_scores(before_rope: torch.Tensor, sketch: torch.Tensor | None) -> t
 
 def z_scores(scores: torch.Tensor, session=None) -> torch.Tensor:
     """`scores` ``[b, kv, L]`` standardised per row over the model's kv heads and entries (unbiased deviation, at least
-    ``1e-6``; float32); a row of one entry scores 0. The mean and deviation are sums over every kv head
-    (:meth:`attnkit.session.Session.sum_over_heads` of `session`: a tensor-parallel shard's heads and the others',
-    in float64, so the same in any order)."""
-    ranks = session.shard.ranks if session is not None and session.shard is not None else 1
-    count = scores.shape[1] * scores.shape[2] * ranks
+    ``1e-6``; in `scores`' dtype); a row of one entry scores 0. The mean and deviation are sums over every kv head
+    (:func:`attnkit.heads.sum_over_heads`: with `session`'s shard, a tensor-parallel shard's heads and the others')."""
+    shard, who = (session.shard, session.method.name) if session is not None else (None, "z_scores")
+    count = heads.count_over_heads(shard, scores, (1, 2))
     if count < 2:
         return torch.zeros_like(scores)
-
-    def total(x):
-        return session.sum_over_heads(x, (1, 2)) if session is not None else x.double().sum(dim=(1, 2))
-
-    centred = scores.double() - (total(scores) / count).view(-1, 1, 1)
-    std = (total(centred.square()) / (count - 1)).sqrt().clamp_min(1e-6).view(-1, 1, 1)
-    return (centred / std).to(scores.dtype)
+    mean = heads.sum_over_heads(shard, scores, (1, 2), who) / count
+    centred = scores.to(mean.dtype) - mean.view(-1, 1, 1)
+    std = (heads.sum_over_heads(shard, centred.square(), (1, 2), who) / (count - 1)).sqrt().clamp_min(1e-6)
+    return (centred / std.view(-1, 1, 1)).to(scores.dtype)
 
 
 def held_leverage(ctx: LayerContext, keys: torch.Tensor, positions: torch.Tensor, columns: int, seed: int,
