@@ -218,6 +218,6 @@ def test_budgets_the_protected_entries_fill_and_foreign_gates_are_refused(arch_m
 
 
 def test_vllm_refuses_it_in_one_line(gate_files):
-    with pytest.raises(AttnkitError, match="input hidden states") as err:
+    with pytest.raises(AttnkitError, match="gates choose across kv heads") as err:
         check_supported(spec(gate_files, "llama", "budget=0.3,layerwise=true"), "recipe")
     assert "\n" not in str(err.value)

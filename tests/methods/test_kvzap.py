@@ -204,8 +204,9 @@ def test_what_cannot_run_is_refused_in_one_line(models, configs):
     with pytest.raises(AttnkitError, match="window=128 recent tokens fill the 40-slot budget"):
         attnkit.generate(model, ids, spec(configs, "llama", "budget_tokens=40"), max_new_tokens=2)
     from attnkit.vllm.plan import check_supported
-    with pytest.raises(AttnkitError, match="not supported inside vLLM.*input hidden states"):
-        check_supported(make_method("kvzap", config=configs["llama"], budget=0.3), "vllm")
+    check_supported(make_method("kvzap", config=configs["llama"], budget=0.3), "vllm")  # vLLM hands the inputs over
+    with pytest.raises(AttnkitError, match="not supported inside vLLM.*threshold=-3.0 keeps a count per kv head"):
+        check_supported(make_method("kvzap", config=configs["llama"], threshold=-3.0), "vllm")
 
 
 def test_a_sweep_budget_applies_unless_a_threshold_sizes_the_cache(configs):

@@ -27,6 +27,9 @@ TRIATTENTION = os.path.join(SWEEPS, "triattention_tiny.json")
 # its q-filters and query statistics (attnkit calibrate qfilter / expected_attention), committed with the eviction sweep
 QFILTER = os.path.join(SWEEPS, "qfilter_tiny.json")
 EA_STATS = os.path.join(SWEEPS, "expected_attention_tiny.safetensors")
+# its kvzap surrogate (attnkit calibrate kvzap), committed with the eviction sweep
+KVZAP = os.path.join(SWEEPS, "kvzap_tiny.safetensors")
+FASTKVZIP = os.path.join(SWEEPS, "fastkvzip_tiny.safetensors")
 LENGTHS = (600, 1100, 2100, 900)  # one, two and three prefill chunks of 1024
 NEW = 24
 BLOCKS = 96  # of 128 tokens
@@ -49,6 +52,24 @@ def patterns(model, tmp_path_factory):
     config = search_patterns(model, 1024, 0.3, tasks=["passkey"], samples=1, static=True)
     path = tmp_path_factory.mktemp("patterns") / "patterns.json"
     path.write_text(dumps_config(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def foreign_kvzap(tmp_path_factory):
+    """The kvzap surrogate of ``tiny`` as if trained on other weights of its geometry (its key projections' recorded
+    sums of squares changed)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(KVZAP, framework="pt") as f:
+        meta, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    recorded = json.loads(meta["attnkit"])
+    recorded["fingerprints"] = [2 * x for x in recorded["fingerprints"]]
+    path = tmp_path_factory.mktemp("kvzap") / "foreign.safetensors"
+    save_file(tensors, str(path), metadata={**meta, "attnkit": json.dumps(recorded)})
     return str(path)
 
 
@@ -167,7 +188,7 @@ UNLIMITED = ["snapkv:budget=1.0", "knorm:budget_tokens=4096", "keydiff:budget=1.
              "streaming:budget_tokens=8192", "window:window=8192", "a_shape",  # a_shape's default covers 4k tokens
              "a_shape+snapkv:budget=1.0", "knorm:budget_tokens=4096,chunk_length=16", "h2o:budget=1.0",
              "keyformer:budget=1.0", "snapkv:budget=1.0,decode_every=8",
-             "quest:page_size=128,token_budget=4096,dense_layers=0"]
+             "quest:page_size=128,token_budget=4096,dense_layers=0", f"kvzap:config={KVZAP},budget=1.0,decode_every=8"]
 
 
 def test_unlimited_budgets_give_plain_vllm_tokens(engine, plain, prompts):
@@ -257,7 +278,8 @@ SMALL = ["snapkv:budget=0.3", "snapkv:budget_tokens=256,window_size=16,kernel_si
          "knorm:budget=0.3,chunk_length=16,low_entropy_chunk_length=4", "knorm:budget=0.3,segment_length=256",
          "keydiff:budget=0.3,decode_every=4,decode_fraction=0.25",
          "snapkv:budget=0.5,then=knorm:budget=0.5", f"qfilter:config={QFILTER},budget=0.3",
-         f"expected_attention:stats={EA_STATS},budget=0.3,decode_every=16"]
+         f"expected_attention:stats={EA_STATS},budget=0.3,decode_every=16",
+         f"kvzap:config={KVZAP},budget=0.3"]  # its scores of each chunk's tokens carried to the prompt's end
 
 
 @pytest.mark.parametrize("spec", SMALL)
@@ -296,7 +318,8 @@ DECODING = ["h2o:budget_tokens=256", "tova:budget=0.3", "keyformer:budget_tokens
             "h2o:budget_tokens=256,decode_every=24", "keyformer:budget_tokens=256,decode_every=24",
             "snapkv:budget_tokens=256,decode_every=24", "rkv:budget_tokens=256,decode_every=24",
             "expected_attention:budget=0.3,decode_every=30", "a_shape:n_init=64,n_local=256+h2o:budget=0.3",
-            f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=24,window_size=16"]
+            f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=24,window_size=16",
+            f"kvzap:config={KVZAP},budget_tokens=256,decode_every=24,window=16"]  # each token scored from its input
 LONG = 100  # generated tokens: at least three compressions of every decode_every above
 
 
@@ -399,10 +422,15 @@ def test_a_recipe_file_that_does_not_parse(tmp_path):
                                            ("streaming:budget=0.001,sinks=4", "sinks=4"), ("window", None),
                                            (["snapkv:budget=0.3"], "spec string"), ({"method": "snapkv"}, "spec string"),
                                            (0.3, "spec string"),
-                                           ("quest:token_budget=512", "use quest:page_size=128")])
-def test_bad_request_specs_fail_that_request_only(engine, plain, prompts, spec, message):
+                                           ("quest:token_budget=512", "use quest:page_size=128"),
+                                           (f"kvzap:config={KVZAP},threshold=-4", "threshold=-4"),
+                                           ("kvzap:config={foreign},budget=0.3", "trained on the weights"),
+                                           (f"fastkvzip:config={FASTKVZIP},budget=0.3", "gates choose")])
+def test_bad_request_specs_fail_that_request_only(engine, plain, prompts, foreign_kvzap, spec, message):
     from vllm.exceptions import VLLMValidationError
 
+    if isinstance(spec, str):
+        spec = spec.format(foreign=foreign_kvzap)
     if message is None:  # a request of an engine without attnkit that names a method is refused too
         with pytest.raises(VLLMValidationError, match="without attnkit"):
             plain.generate(prompts[:1], [params(spec)], use_tqdm=False)

@@ -1,7 +1,7 @@
 """attnkit inside vLLM with tensor parallelism: two CPU workers, each holding one of ``tiny``'s two kv heads. Each kv
 head chooses its own entries, so a shard needs nothing from the other, and the tokens are attnkit's: for the prompt
 scorers, the methods that act while decoding (per step and re-compressing), the draws and calibration files of
-Keyformer, random, leverage, compactor, TriAttention, q-filters, Expected Attention and MInference read at the
+Keyformer, random, leverage, compactor, TriAttention, q-filters, Expected Attention, MInference and KVzap read at the
 shard's own heads (attnkit.heads.HeadShard), the choices of TOVA, Keyformer's shared score and compactor over every
 head (each worker's sums added to the other's), and Quest's pages. Methods whose choice depends on what a shard does
 not hold are refused (attnkit.vllm.shards)."""
@@ -9,7 +9,7 @@ not hold are refused (attnkit.vllm.shards)."""
 import os
 
 import pytest
-from test_vllm import EA_STATS, QFILTER, SWEEPS, TINY, TRIATTENTION
+from test_vllm import EA_STATS, KVZAP, QFILTER, SWEEPS, TINY, TRIATTENTION
 
 import attnkit
 from attnkit.eval.data.task_registry import get_task
@@ -50,7 +50,9 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
                  f"expected_attention:stats={EA_STATS},budget_tokens=256,decode_every=8",
                  "rkv:budget_tokens=256,decode_every=8", "snapkv:budget_tokens=256,decode_every=8",
                  "knorm:budget_tokens=256,decode_every=8", "keydiff:budget_tokens=256,decode_every=8",
-                 "quest:page_size=128,token_budget=512,dense_layers=0"]  # each shard its kv heads' summaries
+                 "quest:page_size=128,token_budget=512,dense_layers=0",  # each shard its kv heads' summaries
+                 # the surrogate's scores of each shard's kv heads, its weight check summed over the workers
+                 f"kvzap:config={KVZAP},budget_tokens=256,decode_every=8"]
         # all of them submitted together, one prompt each (the two in turn): the methods side by side in each step, as
         # a server runs them
         mine = [prompts[i % 2] for i in range(len(specs))]

@@ -73,7 +73,8 @@ def test_engine_configs_refuse_what_vllm_cannot_run_in_one_line():
         EngineConfig.parse({"attnkit": {"recipe": "snapkv:budget=0.3", "admission": "greedy"}})
     for bad in ("quest", "snapkv:budget=0.3,decode_budget=64", "snapkv:budget=[0.3,0.3,0.3,0.3,0.3,0.3]",
                 "h2o:budget=0.3,layer_budgets=pyramid", "streaming:budget_tokens=64,positions=reindex",
-                "kvzip:budget=0.3", "snapkv:budget=0.3+kivi:bits=4", "kvzap:budget=0.3,decode_every=8",
+                "kvzip:budget=0.3", "snapkv:budget=0.3+kivi:bits=4", f"kvzap:config={KVZAP},threshold=-4",
+                f"fastkvzip:config={SWEEPS / 'fastkvzip_tiny.safetensors'},budget=0.3",
                 "snapkv:budget=0.3,head_budgets=adaptive"):
         with pytest.raises(AttnkitError) as info:
             EngineConfig.parse({"attnkit": {"recipe": bad}})
@@ -145,6 +146,8 @@ class DictStore:
 
 
 N, NEW = 80, 20
+SWEEPS = Path(__file__).parents[2] / "sweeps"
+KVZAP = SWEEPS / "kvzap_tiny.safetensors"
 ENGINE = dict(model=str(Path(attnkit.__file__).parent / "assets" / "tiny"), dtype="float32", enforce_eager=True,
               max_model_len=4096)
 
@@ -157,17 +160,21 @@ def assert_host_outputs(row, got, expected):
     assert row.kernel_prompt == (not bool(got[:, :, :N].any()))
 
 
-def session_reference(method, seed: int, rope=None):
+def session_reference(method, seed: int, rope=None, hidden=None):
     """Random q, k, v of a 100-token layer call and what attnkit's own session computes for it: the 80-token
-    prompt in one prefill step, then the 20 generated tokens one decode step each."""
+    prompt in one prefill step, then the 20 generated tokens one decode step each (each step handed its tokens' rows
+    of `hidden`, the layer's input hidden states, where given)."""
     torch.manual_seed(seed)
     q, k, v = torch.randn(1, 4, N + NEW, 16), torch.randn(1, 2, N + NEW, 16), torch.randn(1, 2, N + NEW, 16)
     session = Session(method, KVCache(1, 1), 1, N, NEW, rope)
-    out = [Step(session, "prefill", torch.arange(N)).attention(0, q[:, :, :N], k[:, :, :N], v[:, :, :N], 0.25, None)]
-    for p in range(N, N + NEW):
-        one = slice(p, p + 1)
-        out.append(Step(session, "decode", torch.tensor([p])).attention(0, q[:, :, one], k[:, :, one], v[:, :, one],
-                                                                        0.25, None))
+
+    def step(phase, a, b):
+        one = Step(session, phase, torch.arange(a, b))
+        if hidden is not None:
+            one.note_layer_input(0, hidden[None, a:b])
+        return one.attention(0, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], 0.25, None)
+
+    out = [step("prefill", 0, N)] + [step("decode", p, p + 1) for p in range(N, N + NEW)]
     return q, k, v, torch.cat(out, dim=2)
 
 
@@ -264,11 +271,12 @@ LIVE_SPECS = ["h2o:budget_tokens=40", "tova:budget_tokens=40", "keyformer:budget
 ROPE16 = Rope(inv_freq=1.0 / (100.0 ** (torch.arange(0, 16, 2).float() / 16)))  # expected_attention un-rotates
 
 
-def live_calls(row_of, store, q, k, v, chunks, state, block_size=1):
+def live_calls(row_of, store, q, k, v, chunks, state, block_size=1, hidden=None):
     """Run a live request's layer calls over `chunks` (``(start, end)``, one forward each; None: a forward without
     the request), as vLLM does: the call's
     keys written at their slots first, every block of `block_size` slots wholly before the plan's run poisoned after
-    each call (a read of a freed slot would show), the outputs of each call kept."""
+    each call (a read of a freed slot would show), the outputs of each call kept; with `hidden`, each call handed its
+    tokens' layer inputs as the backend hands them over."""
     outs = []
     for chunk in chunks:
         state.begin_forward({"r"})
@@ -279,10 +287,12 @@ def live_calls(row_of, store, q, k, v, chunks, state, block_size=1):
         row = row_of(start, end - start)
         if row.kept_queries is not None:  # a step that cannot compress: plain attention, the method told later
             outs.append(host.visible_attention(row.plan, start, q[:, :, start:end], store.request(), 0.25))
-            state.live.skipped("r", 0, start, q[0, :, start] if row.kept_queries else None)
+            state.live.skipped("r", 0, start, q[0, :, start] if row.kept_queries else None,
+                               None if hidden is None else hidden[start])
         else:
+            inputs = None if hidden is None else (hidden[start:end], None)
             outs.append(host.row_attention(row, host.LayerCall(0, 1, 0.25, ROPE16, state), q[:, :, start:end],
-                                           k[:, :, start:end], v[:, :, start:end], store.request(block_size)))
+                                           k[:, :, start:end], v[:, :, start:end], store.request(block_size), inputs))
         for lo, hi in row.plan.freeable(end):
             lo, hi = -(-lo // block_size) * block_size, hi // block_size * block_size
             store.k[:, :, lo:hi], store.v[:, :, lo:hi] = float("nan"), float("nan")
@@ -424,17 +434,48 @@ class StatisticsBesideEntries(ObservedAttention):
         return self.score_buffer(ctx)[:, :, :ctx.kv.length]
 
 
-def test_statistics_kept_beside_the_entries_across_prompt_chunks_are_refused():
-    """The host gathers a prompt chunk's layer anew from the slots, so per-entry statistics (``kv.extras``) of the
-    chunks before it would be lost: such a method stops with a line naming it instead of compressing by part of its
-    scores."""
+def test_statistics_kept_beside_the_entries_are_carried_across_prompt_chunks():
+    """The host gathers a prompt chunk's layer anew from the slots; the per-entry statistics (``kv.extras``) of the
+    chunks before it are carried to it (entry i is position i until the prompt's end), so a method that keeps its
+    scores there compresses by all of them: attnkit's outputs."""
     n, new, kv, d = N, NEW, 2, 16
     method = StatisticsBesideEntries(budget_tokens=40)
-    q, k, v, _ = session_reference(resolve_method("observed_attention:budget_tokens=40"), 3, ROPE16)
+    q, k, v, expected = session_reference(method, 3, ROPE16)
     plan = plan_for(method, n, new, 1)
-    with pytest.raises(RuntimeError, match="observed_attention keeps per-entry statistics \\(score\\) across prompt"):
-        live_calls(lambda s, t: Row("r", method, plan, new, s, t), DictStore(kv, d, n + new), q, k, v,
-                   [(0, 70), (70, n)], host.WorkerState())
+    chunks = [(0, 30), (30, 70), (70, n)] + [(p, p + 1) for p in range(n, n + new)]
+    got = live_calls(lambda s, t: Row("r", method, plan, new, s, t), DictStore(kv, d, n + new), q, k, v, chunks,
+                     host.WorkerState())
+    assert_host_outputs(Row("r", method, plan, new, 0, 1), got, expected)
+
+
+def tiny_surrogate(tmp_path, hidden_size=8, kv=2):
+    """A kvzap surrogate of random weights for a one-layer model of `hidden_size` and `kv` kv heads."""
+    from attnkit.methods.kvzap_predictor import save_predictor
+
+    torch.manual_seed(9)
+    meta = {"model": "synthetic", "n_layers": 1, "hidden_size": hidden_size, "n_kv_heads": kv}
+    return str(save_predictor(tmp_path / "kvzap.safetensors", "linear",
+                              [[torch.randn(kv, hidden_size), torch.randn(kv)]], meta))
+
+
+@pytest.mark.parametrize("params", ["budget_tokens=40,window=8", "budget_tokens=40,decode_every=6,window=8"])
+@pytest.mark.parametrize("chunking", ["stepwise", "recomputed"])
+def test_kvzap_scores_the_layer_inputs_the_backend_hands_over(tmp_path, params, chunking):
+    """kvzap in the host: each call handed its tokens' layer inputs (the prompt in three chunks, its scores carried
+    between them; then one token per forward, the steps that cannot compress run as plain attention and caught up
+    with their inputs; or all of it recomputed in one chunk): attnkit's session's outputs."""
+    n, new, kv, d = N, NEW, 2, 16
+    method = resolve_method(f"kvzap:config={tiny_surrogate(tmp_path)},{params}")
+    hidden = torch.randn(n + new, 8)
+    q, k, v, expected = session_reference(method, 4, ROPE16, hidden)
+    plan = plan_for(method, n, new, 1)
+    chunks = [(0, n + new)] if chunking == "recomputed" else \
+        [(0, 30), (30, 70), (70, n)] + [(p, p + 1) for p in range(n, n + new)]
+    if chunking == "recomputed" and not plan.live:
+        chunks = [(0, n)] + [(p, p + 1) for p in range(n, n + new)]  # a prompt-only plan: vLLM's kernel decodes
+    got = live_calls(lambda s, t: Row("r", method, plan, new, s, t), DictStore(kv, d, n + new), q, k, v, chunks,
+                     host.WorkerState(), hidden=hidden)
+    assert_host_outputs(Row("r", method, plan, new, 0, 1), got, expected)
 
 
 def test_each_engine_keeps_its_own_requests():

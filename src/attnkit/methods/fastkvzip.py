@@ -35,7 +35,8 @@ geometry or other weights) or the authors' torch file as kvpress downloads it (`
 
 At a budget that holds everything nothing is scored into a decision and the tokens are ``full``'s. The prompt's
 attention is plain dense attention. The hosts that hand over the layers' inputs are attnkit's runner and
-``AttnkitCache``; vLLM's attention does not see them (refused there).
+``AttnkitCache``; vLLM refuses it (its choice across kv heads gives them different counts, which a request's
+blocks cannot hold).
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ of attnkit's ``kvzip`` score, so that ``kvzap`` approximates the method it repla
 At a budget that holds everything, or ``threshold=-inf``, nothing is scored into a decision and the tokens and
 logits are ``full``'s. The prompt's attention is plain dense attention (SDPA), so prefill costs ``full``'s plus
 the surrogate. ``config`` is the surrogate's file; a file trained for a model of another geometry or with other
-weights is refused in one line. The hosts that hand over the layers' inputs are attnkit's runner and
-``AttnkitCache``; vLLM's attention does not see them (refused there).
+weights is refused in one line. The hosts that hand over the layers' inputs are attnkit's runner,
+``AttnkitCache`` and vLLM's (:mod:`attnkit.vllm.inputs`: budget mode only, since a threshold's kept count depends on
+the scores and vLLM's blocks need a plan).
 """
 
 from __future__ import annotations
@@ -149,12 +150,24 @@ class KVzap(PromptScorer):
         if hidden.shape[1] != n:
             raise AttnkitError(f"kvzap: layer {ctx.index}'s input holds {hidden.shape[1]} tokens but its attention "
                                f"{n}")
-        return self._predictor.scores(ctx.index, hidden)
+        scores = self._predictor.scores(ctx.index, hidden)  # every kv head of the model
+        if ctx.session.shard is None:
+            return scores
+        return scores[:, ctx.session.held_heads(ctx.kv.keys.shape[1], kv=True)]  # a shard's own kv heads
+
+    def check_model(self, n_layers: int, hidden_size: int, kv_heads: int, layers: list | None = None) -> None:
+        """Refuse, in one line, a model whose geometry, or where `layers` (each layer's attention module, or an
+        object with ``key_fingerprint()``) are given whose key projections, are not the surrogate's (a host that
+        checks before it runs the model: vLLM's, when it takes a request)."""
+        self._predictor.check_model(n_layers, hidden_size, kv_heads)
+        for index, module in enumerate(layers or []):
+            self._predictor.check_layer(index, module)
 
     def _check(self, ctx: LayerContext, k: torch.Tensor) -> None:
         """Refuse a surrogate trained for another model, once per layer and generation."""
         if not ctx.state.checked:
-            self._predictor.check_model(ctx.session.n_layers, ctx.layer_input().shape[-1], k.shape[1])
+            kv_heads = ctx.session.model_heads(None, k.shape[1])[1]
+            self._predictor.check_model(ctx.session.n_layers, ctx.layer_input().shape[-1], kv_heads)
             self._predictor.check_layer(ctx.index, ctx.layer_module())
             ctx.state.checked = True
 
@@ -183,6 +196,12 @@ class KVzap(PromptScorer):
                 buf[:, :, slot] = score[:, :, 0]
             else:
                 buf.scatter_(2, slot, score)
+
+    def skip_appends(self, ctx: LayerContext, k, v, q, positions: torch.Tensor) -> None:
+        """The appended entries scored from their tokens' layer inputs, as :meth:`after_write` scores one."""
+        first = ctx.kv.length
+        super().skip_appends(ctx, k, v, q, positions)
+        self.score_buffer(ctx)[:, :, first:ctx.kv.length] = self.predicted(ctx, positions.shape[0])
 
     def decode_attention(self, ctx: LayerContext, q, k, v) -> torch.Tensor:
         if self.threshold is None or not self.evicts(ctx):

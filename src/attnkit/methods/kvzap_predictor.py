@@ -62,7 +62,11 @@ def fingerprint(module) -> float | None:
     """The sum of squares of an attention module's key projection (every parameter where it has none): what a file
     records per layer, so that the weights of another model with the same geometry are refused. None where the
     weights are not in memory (a layer accelerate offloads to the disk holds them only inside its projections'
-    calls)."""
+    calls). A host whose modules hold the key projection inside a merged one (vLLM's ``qkv_proj``) hands over an object
+    that computes it (``key_fingerprint()``: :class:`attnkit.vllm.inputs.KeyProjection`)."""
+    own = getattr(module, "key_fingerprint", None)
+    if own is not None:
+        return own()
     proj = getattr(module, "k_proj", None)
     params = [proj.weight] if proj is not None else list(module.parameters())
     if any(p.device.type == "meta" for p in params):

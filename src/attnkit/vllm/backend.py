@@ -73,7 +73,8 @@ class StepPart:
     # rows decoding one token over one run of slots that ends at their own, read in place by vLLM's kernel through
     # a sliding window of the run's length (None: there are none)
     windows: Windows | None
-    # live rows among them whose methods catch up later: (token, request id, position, queries kept)
+    # live rows among them whose methods catch up later: (token, request id, position, queries kept, whether the
+    # method reads the layer's input hidden states)
     skipped: list
     # live rows of per-step methods decoding one token, stepped together where they can (:mod:`attnkit.vllm.stacked`):
     # (token, Row, block table row)
@@ -83,6 +84,7 @@ class StepPart:
     state: host.WorkerState
     shard: HeadShard | None  # the model's heads this worker holds (None: all)
     plain: object = None  # vLLM's metadata of the plain rows (None: there are none)
+    inputs: bool = False  # whether rows read the layers' input hidden states (attnkit.vllm.inputs)
     plain_index: torch.Tensor | None = None  # the plain rows' tokens
     quest: pages.QuestStep | None = None  # quest requests' decode queries (None: there are none)
     # the tokens whose keys Quest's block summaries take: those of requests that may share their blocks as a cached
@@ -165,6 +167,9 @@ class AttnkitBuilderMixin:
                  or (r.quest_prompt and tokens[i])]
         part = StepPart(rows=[], decode=None, windows=None, skipped=[], stacked=[], n_layers=self.n_layers, rope=self.rope,
                         state=state, shard=self.shard)
+        if any(r.method.needs_layer_inputs and tokens[i] for i, r in enumerate(rows)):
+            state.inputs.install(requests.current_model(), extract_layer_index, self.shard)
+            part.inputs = True
         decode, runs, quest = [], {}, []
         for i, r in enumerate(rows):
             if r.plan.plain or not tokens[i] or r.quest_prompt:
@@ -185,7 +190,7 @@ class AttnkitBuilderMixin:
                 else:
                     decode.append((qsl[i], host.decode_slots(r.plan, r.start), cm.block_table_tensor[i]))
                 if kept is not None:
-                    part.skipped.append((qsl[i], r.request_id, r.start, kept))
+                    part.skipped.append((qsl[i], r.request_id, r.start, kept, r.method.needs_layer_inputs))
             else:
                 part.rows.append((qsl[i], qsl[i + 1], r, cm.block_table_tensor[i]))
         shared = [i for i, r in enumerate(rows) if r.plan.shares_prefix and tokens[i]]
@@ -341,9 +346,12 @@ class AttnkitImplMixin:
             firsts, entries = part.decode
             out = self.gathered_decode(query[firsts], entries, key_cache, value_cache, layout)
             output[firsts] = out.reshape(output[firsts].shape).to(output.dtype)
-        for first, request_id, position, kept in part.skipped:
+        hidden = module = None
+        if part.inputs:
+            hidden, module = part.state.inputs.of(self.layer_index, query.shape[0])
+        for first, request_id, position, kept, reads in part.skipped:
             q = query[first].reshape(-1, key_cache.shape[-1]).clone() if kept else None
-            part.state.live.skipped(request_id, self.layer_index, position, q)
+            part.state.live.skipped(request_id, self.layer_index, position, q, hidden[first].clone() if reads else None)
         rest = []
         if part.stacked:
             rest = stacked.attention(part.stacked, call, query, key, value, (key_cache, value_cache, layout, store),
@@ -353,7 +361,8 @@ class AttnkitImplMixin:
             q = query[first:end].transpose(0, 1).unsqueeze(0)
             k = key[first:end].transpose(0, 1).unsqueeze(0)
             v = value[first:end].transpose(0, 1).unsqueeze(0)
-            out = host.row_attention(row, call, q, k, v, host.PagedRequest(*request, block_size))
+            inputs = (hidden[first:end], module) if row.method.needs_layer_inputs else None
+            out = host.row_attention(row, call, q, k, v, host.PagedRequest(*request, block_size), inputs)
             if row.kernel_prompt:  # the prompt's outputs are the kernel's: keep them
                 skip = max(0, row.plan.prompt_len - row.start)
                 first, out = first + skip, out[:, :, skip:]

@@ -27,6 +27,7 @@ from attnkit.methods.base import Method
 from attnkit.methods.compose import Compose
 from attnkit.session import LayerContext, Session, Step
 from attnkit.vllm import live, metrics
+from attnkit.vllm.inputs import LayerInputs
 from attnkit.vllm.plan import Plan
 from attnkit.vllm.requests import Row
 
@@ -67,6 +68,9 @@ class Prefill:
     session: Session
     step: Step | None = None
     step_key: tuple | None = None
+    # per layer, the statistics the method keeps beside the prompt's entries (LayerKV.extras: kvzap's scores), carried
+    # from one chunk to the next (the entries themselves are gathered anew from their slots)
+    extras: dict = field(default_factory=dict)
 
 
 class Prefills:
@@ -94,6 +98,10 @@ class Prefills:
             entry.step_key = (start, end)
         return entry.step
 
+    def extras(self, row: Row) -> dict:
+        """Per layer, the statistics `row`'s method keeps beside its prompt's entries (see :class:`Prefill`)."""
+        return self.open[row.request_id].extras
+
     def close(self, row: Row) -> None:
         self.open.pop(row.request_id, None)
 
@@ -108,6 +116,8 @@ class WorkerState:
 
     prefills: Prefills = field(default_factory=Prefills)
     live: live.LiveRequests = field(default_factory=live.LiveRequests)
+    # the layers' attention inputs of the forward in progress, for methods that read them (attnkit.vllm.inputs)
+    inputs: LayerInputs = field(default_factory=LayerInputs)
     # the chunk lengths vLLM fed each recent request's prompt in (its last feeding, after a preemption the recompute's),
     # by request id: attnkit's runner given the same chunks computes the same prompt (chunk_size=...)
     prompt_chunks: OrderedDict = field(default_factory=OrderedDict)
@@ -116,6 +126,7 @@ class WorkerState:
         """A new forward; `known`: the ids of every request the runner holds (running, waiting or preempted)."""
         self.prefills.retain(known)
         self.live.begin_forward(known)
+        self.inputs.begin_forward()
 
     def note_prompt(self, request_id: str, prompt_len: int, start: int, tokens: int) -> None:
         """A row of a step feeding `tokens` tokens from position `start` (kept: :attr:`prompt_chunks`)."""
@@ -142,32 +153,38 @@ class LayerCall:
     shard: HeadShard | None = None
 
 
-def row_attention(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> torch.Tensor:
+def row_attention(row: Row, call: LayerCall, q, k, v, paged: PagedRequest, inputs=None) -> torch.Tensor:
     """Outputs ``[1, heads, tokens, d]`` of one row's queries `q` (keys `k`, values `v` ``[1, kv, tokens, d]``
     already stored in their slots), at positions ``row.start ...``; zeros for prompt tokens whose outputs vLLM's
-    kernel computes (:attr:`Row.kernel_prompt`)."""
+    kernel computes (:attr:`Row.kernel_prompt`). `inputs`: for a method that reads them, the layer's input hidden
+    states of the row's tokens ``[tokens, hidden]`` and its key projection (:mod:`attnkit.vllm.inputs`)."""
     plan, start = row.plan, row.start
     if plan.live:
-        return live.attention(row, session_method, call, q, k, v, paged)
+        return live.attention(row, session_method, call, q, k, v, paged, inputs)
     outs = []
     if plan.hooks and start < plan.prompt_len:
         m = min(start + q.shape[2], plan.prompt_len) - start
-        outs.append(prompt_chunk(row, call, q[:, :, :m], k[:, :, :m], v[:, :, :m], paged))
+        chunk_inputs = None if inputs is None else (inputs[0][:m], inputs[1])
+        outs.append(prompt_chunk(row, call, q[:, :, :m], k[:, :, :m], v[:, :, :m], paged, chunk_inputs))
         q, start = q[:, :, m:], start + m
     if q.shape[2]:
         outs.append(visible_attention(plan, start, q, paged, call.scaling))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> torch.Tensor:
+def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest, inputs=None) -> torch.Tensor:
     """A prompt chunk through the method's own hooks; the prompt's last chunk writes back what the method kept."""
     plan, start, layer = row.plan, row.start, call.layer
     end = start + q.shape[2]
     step = call.state.prefills.step(row, call, start, end)
+    if inputs is not None:
+        step.note_layer_input(layer, inputs[0][None], inputs[1])
+    kept_extras = call.state.prefills.extras(row)
     held = LayerKV.allocate(1, k.shape[1], plan.prompt_len, k.shape[-1], k.dtype, k.device)
     if start:
         keys, values = paged.gather(torch.arange(start))
         held.append(keys, values, torch.arange(start, device=k.device))
+        held.extras = kept_extras.pop(layer, {})  # entry i is position i: nothing leaves before the prompt's end
     cache = step.session.cache
     cache.layers[layer] = held
     started = time.perf_counter()
@@ -175,9 +192,13 @@ def prompt_chunk(row: Row, call: LayerCall, q, k, v, paged: PagedRequest) -> tor
         out = step.attention(layer, q, k, v, call.scaling, None)
         extras = cache.layers[layer].extras
         if extras and not step.last_chunk:
-            # the next chunk's layer is gathered anew from the slots: statistics kept beside the entries would be lost
-            raise RuntimeError(f"attnkit: {row.method.name} keeps per-entry statistics ({', '.join(sorted(extras))}) "
-                               f"across prompt chunks, which this host does not carry between chunks")
+            # the next chunk's layer is gathered anew from the slots, in position order: the statistics beside the
+            # entries are carried to it, which holds only while every entry of the prompt so far is held
+            if cache.layers[layer].length != end:
+                raise RuntimeError(f"attnkit: {row.method.name} evicted within the prompt and keeps per-entry "
+                                   f"statistics ({', '.join(sorted(extras))}), which this host does not carry "
+                                   f"between chunks")
+            kept_extras[layer] = extras
         if step.last_chunk and plan.kept is not None:
             keys, values, positions = cache.layers[layer].view()
             if keys.shape[2] != plan.kept:

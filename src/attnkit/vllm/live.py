@@ -74,7 +74,8 @@ class LiveRequest:
     next: int = 0
     forward: int = -1
     steps: list = field(default_factory=list)
-    # steps run as plain attention since the last call through the hooks: position -> {layer: queries or None}
+    # steps run as plain attention since the last call through the hooks: position -> {layer: (queries or None,
+    # the layer's input hidden state or None)}
     pending: dict = field(default_factory=dict)
     # what requests share to step together (attnkit.vllm.stacked): the method as its session runs it, by its whole
     # parameters (kept, not rebuilt per layer)
@@ -112,15 +113,16 @@ class LiveRequests:
         entry.steps = steps_of(entry.session, row)
         return entry
 
-    def skipped(self, request_id: str, layer: int, position: int, q: torch.Tensor | None) -> None:
-        """Note a decode step that ran as plain attention: its position and this layer's queries ``[heads, d]``
-        (None when the method keeps none)."""
+    def skipped(self, request_id: str, layer: int, position: int, q: torch.Tensor | None,
+                hidden: torch.Tensor | None = None) -> None:
+        """Note a decode step that ran as plain attention: its position, this layer's queries ``[heads, d]`` (None
+        when the method keeps none) and its input hidden state ``[hidden]`` (None when the method reads none)."""
         entry = self.open.get(request_id)
         if entry is None or (entry.forward != self.forward and position != entry.next):
             raise RuntimeError(f"attnkit: request {request_id} skipped position {position} with no state to catch up")
         if entry.forward != self.forward:
             entry.forward, entry.next, entry.steps = self.forward, position + 1, []
-        entry.pending.setdefault(position, {})[layer] = q
+        entry.pending.setdefault(position, {})[layer] = (q, hidden)
 
 
 def new_session(method, call, prompt_len, max_tokens, rows: int = 1) -> Session:
@@ -239,16 +241,19 @@ def relocate(kv: LayerKV, slots: torch.Tensor, end: int, write, floor: int) -> t
     return new
 
 
-def catch_up(entry: LiveRequest, call, start: int, end: int, gather) -> None:
+def catch_up(entry: LiveRequest, call, start: int, end: int, gather, module=None) -> None:
     """Bring a layer's state past the steps ``[start, end)`` that ran as plain attention (:meth:`LiveRequests.
-    skipped`): their entries (vLLM wrote them at their positions' slots) and noted queries, through the method."""
+    skipped`): their entries (vLLM wrote them at their positions' slots), noted queries and layer inputs (`module`:
+    the layer's key projection, handed over with them), through the method."""
     positions = torch.arange(start, end)
     if sorted(p for p in entry.pending if start <= p < end) != positions.tolist():
         raise RuntimeError(f"attnkit: a live request's layer {call.layer} misses steps between {start} and {end}")
-    noted = [entry.pending[p].get(call.layer) for p in range(start, end)]
+    noted = [entry.pending[p].get(call.layer, (None, None)) for p in range(start, end)]
     keys, values = gather(range(start, end))
-    q = None if noted[0] is None else torch.stack(noted, dim=1)[None].to(keys.device)  # [1, heads, steps, d]
+    q = None if noted[0][0] is None else torch.stack([n[0] for n in noted], dim=1)[None].to(keys.device)
     step = Step(entry.session, "decode", positions.to(keys.device))
+    if noted[0][1] is not None:  # [1, steps, hidden]
+        step.note_layer_input(call.layer, torch.stack([n[1] for n in noted])[None].to(keys.device), module)
     entry.session.method.skip_appends(LayerContext(step, call.layer, call.scaling, None, device=keys.device), keys, values, q,
                         step.q_pos)
     for p in range(start, end):
@@ -257,18 +262,23 @@ def catch_up(entry: LiveRequest, call, start: int, end: int, gather) -> None:
             del entry.pending[p]
 
 
-def attention(row: Row, make_method, call, q, k, v, paged) -> torch.Tensor:
+def attention(row: Row, make_method, call, q, k, v, paged, inputs=None) -> torch.Tensor:
     """Outputs ``[1, heads, tokens, d]`` of a live row's tokens in one layer (see the module docstring); `call` is
     the :class:`attnkit.vllm.host.LayerCall`, `paged` the request's :class:`attnkit.vllm.host.PagedRequest`,
-    ``make_method(row)`` the method a new session runs."""
+    ``make_method(row)`` the method a new session runs, `inputs` the layer's input hidden states of the row's tokens
+    and its key projection (for a method that reads them; else None)."""
     started = time.perf_counter()
     entry = call.state.live.enter(row, make_method, call)
     session, index = entry.session, call.layer
     old = entry.layers[index]
     session.cache.layers[index] = None if old is None else hydrate(old, paged.gather)
+    module = None if inputs is None else inputs[1]
+    if inputs is not None:
+        for step, a, b in entry.steps:
+            step.note_layer_input(index, inputs[0][None, a:b], module)
     try:
         if old is not None and old.end < row.start:
-            catch_up(entry, call, old.end, row.start, paged.gather)
+            catch_up(entry, call, old.end, row.start, paged.gather, module)
         outs = [appending(step, index, call.scaling, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
                 if step.phase == "decode" and b - a > 1 else
                 step.attention(index, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], call.scaling, None)

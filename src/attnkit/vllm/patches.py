@@ -29,6 +29,7 @@ is tested with (:data:`attnkit.vllm.versions.TESTED`); on any other the plugin l
 
 from __future__ import annotations
 
+from vllm.config import CompilationMode
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.utils import length_from_prompt_token_ids_or_embeds
@@ -42,6 +43,7 @@ from attnkit.errors import AttnkitError
 from attnkit.rope import Rope
 from attnkit.vllm import metrics, requests
 from attnkit.vllm.config import KEY, EngineConfig, engine_of
+from attnkit.vllm.inputs import check_layer_inputs, check_surrogate
 from attnkit.vllm.manager import attnkit_managers, scheduled_requests
 from attnkit.vllm.plan import check_pages, check_parallel, check_prompt
 from attnkit.vllm.versions import tested, untested_error, wrap
@@ -63,6 +65,9 @@ def check_engine(config) -> None:
                            f"{config.cache_config.cache_dtype!r} is not supported (use 'auto')")
     check_parallel(engine.method, config.parallel_config.tensor_parallel_size, "additional_config['attnkit']['recipe']",
                    config.model_config.get_total_num_kv_heads())
+    check_layer_inputs(engine.method, eager(config), config.model_config.architectures,
+                       "additional_config['attnkit']['recipe']")
+    check_surrogate(engine.method, *geometry(config.model_config))
     if config.cache_config.user_specified_block_size:  # else vLLM sets it with the backend, later: checked per request
         check_pages(engine.method, config.cache_config.block_size, "additional_config['attnkit']['recipe']")
     window = getattr(config.model_config.hf_text_config, "sliding_window", None)
@@ -75,6 +80,17 @@ def check_engine(config) -> None:
     elif device != "cpu":
         raise AttnkitError(f"the attnkit vLLM plugin runs on vLLM's CPU platform and (not yet engine-tested) on CUDA "
                            f"with FlashAttention; device {device!r} is not supported")
+
+
+def eager(config) -> bool:
+    """Whether the engine runs its model eagerly (Python hooks on its modules run as written)."""
+    return config.compilation_config.mode == CompilationMode.NONE
+
+
+def geometry(model_config) -> tuple[int, int, int, str]:
+    """The model's layers, hidden size and kv heads, and where its weights are (a local folder, or a hub id)."""
+    return (model_config.get_total_num_hidden_layers(), model_config.get_hidden_size(),
+            model_config.get_total_num_kv_heads(), model_config.model)
 
 
 def check_cuda(config) -> None:
@@ -110,6 +126,8 @@ def check_request(vllm_config, request, rope) -> None:
         check_parallel(method, vllm_config.parallel_config.tensor_parallel_size, "extra_args['attnkit']",
                        vllm_config.model_config.get_total_num_kv_heads())
         check_pages(method, vllm_config.cache_config.block_size, "extra_args['attnkit']")
+        check_layer_inputs(method, eager(vllm_config), vllm_config.model_config.architectures, "extra_args['attnkit']")
+        check_surrogate(method, *geometry(vllm_config.model_config))
         check_prompt(method, prompt_len, params.max_tokens, n_layers, rope)
     except AttnkitError as error:
         raise VLLMValidationError(f"attnkit: {error}", parameter="extra_args" if spec is not None else None,

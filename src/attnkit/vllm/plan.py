@@ -18,8 +18,8 @@ stored after RoPE at their original positions, so where an entry sits never chan
 Methods (each kv head choosing its own entries, uniform budget per kv head and layer):
 
 - prompt scorers (``snapkv``, ``knorm``, ``keydiff``, ``random``, ``lagkv``, ``cur``, ``observed_attention``,
-  ``expected_attention``, ``cap``, ``leverage``, ``non_causal_attention``, ``compactor``): compacted after the
-  prompt; generated tokens are appended (decode reads ``[n - B, p]``). ChunkKV's ``chunk_length`` runs as is: it changes
+  ``expected_attention``, ``cap``, ``leverage``, ``non_causal_attention``, ``compactor``, ``kvzap`` with a budget,
+  whose surrogate reads the layers' inputs: :mod:`attnkit.vllm.inputs`): compacted after the prompt; generated tokens are appended (decode reads ``[n - B, p]``). ChunkKV's ``chunk_length`` runs as is: it changes
   which ``B`` entries each kv head keeps (the method's own ``compact``), not how many.
   So does ``then=SCORER`` (kvpress's ``ComposedPress``): ``B`` is the second scorer's count of what the first kept.
 - ``streaming``: sinks plus a window of ``B - sinks`` recent tokens; compacted after the prompt like a scorer
@@ -61,6 +61,7 @@ from attnkit.methods.compose import Compose
 from attnkit.methods.full import Full
 from attnkit.methods.h2o import H2O
 from attnkit.methods.keyformer import Keyformer
+from attnkit.methods.kvzap import KVzap
 from attnkit.methods.minference import SparsePrefill
 from attnkit.methods.prompt_scorer import PromptScorer
 from attnkit.methods.quest import Quest
@@ -75,7 +76,7 @@ from attnkit.vllm.shards import shard_refusal
 
 SUPPORTED = ("full, window, streaming (positions=original), snapkv, knorm, keydiff, random, lagkv, cur, cap, "
              "observed_attention, expected_attention, finch (positions=original), qfilter, leverage, "
-             "non_causal_attention, compactor, rkv (a budget or budget_tokens, one value for every layer and kv head; "
+             "non_causal_attention, compactor, kvzap (config=FILE; with enforce_eager=True), rkv (a budget or budget_tokens, one value for every layer and kv head; "
              "decode_every re-compresses while decoding, to B or with decode_fraction to a share of the tokens seen; "
              "segment_length; merge=true without decode_every; then=SCORER, a second scorer on what the first kept), "
              "h2o, tova, keyformer (per step, or buffered with decode_every), quest (page_size = the engine's block "
@@ -139,9 +140,12 @@ def check_supported(method: Method, source: str) -> None:
     elif getattr(cache, "criticalkv", False):
         raise _unsupported(cache, source, " (criticalkv weighs values by each layer's output projection, which vLLM's "
                                           "attention does not hand over)")
-    elif cache.needs_layer_inputs:
-        raise _unsupported(cache, source, " (it reads the layers' input hidden states, which vLLM's attention does "
-                                          "not see)")
+    elif cache.needs_layer_inputs and not isinstance(cache, KVzap):  # fastkvzip
+        raise _unsupported(cache, source, " (its gates choose across kv heads, and by default across layers, so they "
+                                          "keep different counts, while a request's blocks hold every kv head alike)")
+    elif isinstance(cache, KVzap) and cache.threshold is not None:
+        raise _unsupported(cache, source, f" (threshold={cache.threshold} keeps a count per kv head that depends on "
+                                          f"the scores, which the host cannot plan; use a budget)")
     elif cache.rewrites_stored_keys():
         raise _unsupported(cache, source, " (it rewrites keys it stored, which the host keeps in vLLM's blocks)")
     elif isinstance(cache, PromptScorer):

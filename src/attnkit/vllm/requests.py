@@ -140,6 +140,11 @@ def runner_state(make):
     return state
 
 
+def current_model():
+    """The model of the model runner building this step's metadata."""
+    return _current_runner().get_model()
+
+
 def _current_runner():
     runner = _runner.get()
     if runner is None:

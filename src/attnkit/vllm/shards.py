@@ -6,12 +6,13 @@ only that head's entries and queries, or sums over every head that the workers a
 heads, Keyformer's shared score, Compactor's standardisation: :func:`attnkit.heads.sum_over_heads`), and whatever it
 draws or calibrates per head of the model is read at the shard's own heads: the worker hands its sessions the
 model-wide index of its first heads (:class:`attnkit.heads.HeadShard`), and the noise, scores, sketches, statistics
-and patterns of Keyformer, random, leverage, compactor, TriAttention, q-filters, Expected Attention and MInference are
-read there. The others are refused in one line at engine start or at request submission (a refusal inside a worker
+and patterns of Keyformer, random, leverage, compactor, TriAttention, q-filters, Expected Attention, MInference and
+KVzap's surrogate (its scores of the shard's kv heads, its weight check summed over the workers) are read there.
+The others are refused in one line at engine start or at request submission (a refusal inside a worker
 would end the engine):
 
 - a calibration file that holds something per head of the model and that its method does not read at the shard's
-  heads (DuoAttention's, the trained surrogates and gates): a shard would read head 0's where it holds head 1, and
+  heads (DuoAttention's, Fast KVzip's gates): a shard would read head 0's where it holds head 1, and
   keep other entries than attnkit's runner;
 - any method but full attention and the position-only ``window`` and ``streaming`` when there are more workers than
   kv heads: vLLM then copies a kv head to several workers, each with part of its query heads, and the copies would
@@ -28,6 +29,7 @@ from attnkit.methods.compose import Compose
 from attnkit.methods.expected_attention import ExpectedAttention
 from attnkit.methods.full import Full
 from attnkit.methods.keyformer import Keyformer
+from attnkit.methods.kvzap import KVzap
 from attnkit.methods.leverage import Leverage
 from attnkit.methods.minference import MInference, MInferenceStatic
 from attnkit.methods.qfilter import QFilter
@@ -38,7 +40,7 @@ from attnkit.methods.window import Window
 
 # methods whose draws or calibration files are read at the shard's own heads (attnkit.heads.held_heads)
 READS_SHARD = (Keyformer, TriAttention, QFilter, ExpectedAttention, Random, MInference, MInferenceStatic,
-               Leverage, Compactor)  # exactly these: no subclass
+               Leverage, Compactor, KVzap)  # exactly these: no subclass
 
 
 def _head_specific(part: Method) -> str:
