@@ -38,10 +38,22 @@ the per-step form.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from attnkit.methods.eviction import EvictionMethod
+import torch
+
+from attnkit.methods.eviction import EvictionMethod, EvictionState
 from attnkit.session import LayerContext
 from attnkit.validate import whole
+
+
+@dataclass
+class BufferedState(EvictionState):
+    """The buffered form's queries of the steps since the last compression (``[b, heads, n, d]``, their positions
+    ``[n]``), for a method that takes their statistics together at the next one (:attr:`BufferedEviction.between`)."""
+
+    queued_q: torch.Tensor | None = None
+    queued_pos: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,12 @@ class BufferedEviction(EvictionMethod):
     docstring): 0 evicts one entry per step; ``N >= 1`` lets ``N`` tokens in, then compresses back to ``B``."""
 
     decode_every: int = 0
+
+    # what the buffered form's steps between two compressions leave for the next one, where they only append and
+    # attend: "queries" (their statistics are taken together at the compression step from their queries: H2O's
+    # accumulated attention), "nothing" (the compression step's own statistics replace theirs: TOVA's latest
+    # attention), None (each step's hooks gather something of their own: Keyformer's noisy scores)
+    between: ClassVar[str | None] = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,3 +86,39 @@ class BufferedEviction(EvictionMethod):
             s = ctx.session
             ctx.state.evicts = self.layer_budget(ctx) < s.prompt_len + s.max_new_tokens
         return super().evicts(ctx)
+
+    # ---- the steps between two compressions ---------------------------------------------------------
+    def decode_queries_kept(self) -> int | None:
+        """How many queries the buffered form's steps between two compressions leave in the layer's state (see
+        :meth:`attnkit.methods.prompt_scorer.PromptScorer.decode_queries_kept`: a host may run such steps as plain
+        attention and catch up with :meth:`skip_appends`); None: the per-step form, or a method whose steps do more
+        (:attr:`between`)."""
+        if not self.decode_every or self.between is None:
+            return None
+        return self.decode_every if self.between == "queries" else 0
+
+    def skip_appends(self, ctx: LayerContext, k, v, q, positions: torch.Tensor) -> None:
+        """The layer's state after ``len(positions)`` such steps: their entries appended in order, their queries
+        queued (:meth:`queue_queries`), the steps counted."""
+        ctx.kv.append(k, v, positions)
+        if self.between == "queries":
+            self.queue_queries(ctx, q, positions)
+        ctx.state.decoded += positions.shape[0]
+
+    @staticmethod
+    def queue_queries(ctx: LayerContext, q: torch.Tensor, positions: torch.Tensor) -> None:
+        st = ctx.state
+        if st.queued_q is not None:
+            q, positions = torch.cat([st.queued_q, q], dim=2), torch.cat([st.queued_pos, positions])
+        st.queued_q, st.queued_pos = q, positions
+
+    def compresses_now(self, ctx: LayerContext) -> bool:
+        """Whether this decode step of the buffered form is a compression step (the ``N``-th since the last:
+        :meth:`~attnkit.methods.eviction.EvictionMethod.after_decode`)."""
+        return (ctx.state.decoded + 1) % self.decode_every == 0
+
+    def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
+        super().keep_rows(layer_states, session_state, rows)
+        for st in layer_states:
+            if getattr(st, "queued_q", None) is not None:
+                st.queued_q = st.queued_q[rows.to(st.queued_q.device)]

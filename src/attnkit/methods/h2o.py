@@ -14,6 +14,9 @@ budget half heavy hitters, half recent tokens (``recent=0.5``).
 attended with everything held, every entry still accumulating its attention, and after every ``N``-th step the
 layer goes back to the ``B`` entries of highest accumulated attention plus the recent window (at most ``B + N``
 held; the ``N`` dropped together, by scores up to ``N`` steps newer than the one-per-step rule would have used).
+The attention the ``N`` steps' queries give is added at the ``N``-th step, all of them in one pass (each over the
+entries held at its own step), which is the same sum as step by step, and lets a host run the steps between as
+plain attention (``decode_queries_kept``).
 
 Prompt scores are computed in the same blocks of queries as the prompt's attention output
 (:func:`attnkit.methods.scoring.attention_with_statistics`: the probabilities are computed once and no
@@ -27,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.methods.buffered import BufferedEviction
+from attnkit.methods.buffered import BufferedEviction, BufferedState
 from attnkit.methods.eviction import RecentWindowEviction
-from attnkit.methods.scoring import attend_with_logits, reduce_heads
+from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 
@@ -42,6 +45,8 @@ class H2O(BufferedEviction, RecentWindowEviction):
     name = "h2o"
     summary = "heavy hitters by accumulated attention + recent window (H2O, Zhang et al. 2023)"
     default_recent = 0.5
+    layer_state_type = BufferedState
+    between = "queries"
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return self.score_buffer(ctx)[:, :, :ctx.kv.length]
@@ -56,7 +61,22 @@ class H2O(BufferedEviction, RecentWindowEviction):
         self.score_buffer(ctx)[:, :, :ctx.kv.length] += stats
 
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
+        if self.decode_every and self.between:  # the buffered form: the step's attention taken at the compression
+            out = super().attend_decode(ctx, q)
+            self.queue_queries(ctx, q, ctx.q_pos)
+            if self.compresses_now(ctx):
+                self._add_queued(ctx)
+            return out
         keys, values, _ = ctx.kv.view()
         out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
         self.score_buffer(ctx)[:, :, :ctx.kv.length] += reduce_heads(probs[:, :, :, 0], self.gqa_reduce)  # one query
         return out
+
+    def _add_queued(self, ctx: LayerContext) -> None:
+        """The accumulated attention of the queued steps (:class:`~attnkit.methods.buffered.BufferedState`), each
+        query over the entries held at its step (those at its position or before), in one pass."""
+        st = ctx.state
+        keys, _, positions = ctx.kv.view()
+        self.score_buffer(ctx)[:, :, :ctx.kv.length] += attention_statistics(
+            st.queued_q, keys, ctx.scaling, st.queued_pos, positions, reduce=self.gqa_reduce, window=ctx.native_window)
+        st.queued_q = st.queued_pos = None

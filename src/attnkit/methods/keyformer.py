@@ -56,10 +56,10 @@ from typing import Any
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.methods.buffered import BufferedEviction
-from attnkit.methods.eviction import EvictionState, RecentWindowEviction
+from attnkit.methods.buffered import BufferedEviction, BufferedState
+from attnkit.methods.eviction import RecentWindowEviction
 from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, GumbelFactorWeights, keyformer_noise
-from attnkit.methods.scoring import attend_with_logits, reduce_heads
+from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import choice, number, whole
@@ -78,7 +78,7 @@ def keyformer_tau(t, T, tau_init: float = 1.0, tau_end: float = 2.0):
 
 
 @dataclass
-class KeyformerState(EvictionState):
+class KeyformerState(BufferedState):
     """Keyformer's per-layer state: the decode iteration t of eq. 10 and the temperature it gave."""
 
     t: int = 0
@@ -138,6 +138,12 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         return keyformer_tau(t, T, self.tau_init, self.tau_end)
 
     @property
+    def between(self) -> str | None:
+        # the buffered form's per-layer score of the steps between compressions is taken together at the next one
+        # (a step's noise and temperature follow from its position); the shared score sums over the layers as it goes
+        return "queries" if self.score == "per_layer" and self.positions == "original" else None
+
+    @property
     def stacks_decode(self) -> bool:
         # the shared score sums over a generation's own positions, and new positions rotate by one query's: those
         # decode one generation at a time
@@ -179,6 +185,7 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         return KeyformerRun()
 
     def keep_rows(self, layer_states: list, session_state: KeyformerRun, rows: torch.Tensor) -> None:
+        super().keep_rows(layer_states, session_state, rows)
         if session_state.score is not None:
             rows = rows.to(session_state.score.device)
             session_state.score = session_state.score[rows]
@@ -260,7 +267,17 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
     def add_prefill_scores(self, ctx: LayerContext, stats: torch.Tensor) -> None:
         self._accumulate(ctx, stats)
 
+    def skip_appends(self, ctx: LayerContext, k, v, q, positions: torch.Tensor) -> None:
+        super().skip_appends(ctx, k, v, q, positions)
+        ctx.state.t += positions.shape[0]  # the steps' iterations of eq. 10, as before_write counts them
+
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
+        if self.decode_every and self.between:  # the buffered form: the step's score taken at the compression
+            out = self._attend_held(ctx, q)
+            self.queue_queries(ctx, q, ctx.q_pos)
+            if self.compresses_now(ctx):
+                self._add_queued(ctx)
+            return out
         keys, values, positions = ctx.kv.view()
         if self.positions == "new":
             keys = self._at_new_positions(ctx, keys, positions)
@@ -271,6 +288,28 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         f = self._weights(ctx, tau, decoding=True)(logits, ctx.q_pos, positions)
         self._accumulate(ctx, reduce_heads(f, self.gqa_reduce)[:, :, 0])  # the step's one query
         return out
+
+    def _add_queued(self, ctx: LayerContext) -> None:
+        """The score f (eq. 9) of the queued steps' queries (:class:`~attnkit.methods.buffered.BufferedState`), each
+        over the entries held at its step, with its own noise and its iteration's temperature (the steps are
+        consecutive, the last this one), added in one pass."""
+        st = ctx.state
+        keys, _, positions = ctx.kv.view()
+        last, kv_heads = int(st.queued_pos[-1]), positions.shape[1]
+
+        def weights(logits, q_pos, k_pos):
+            if self.noise in ("gumbel", "gaussian"):
+                logits += keyformer_noise(self.noise, self.seed, ctx.index, kv_heads, logits.shape[2], q_pos, k_pos,
+                                          ctx.session.first_head)
+            elif self.noise == "constant":
+                logits += EULER_GAMMA
+            tau = self.tau((st.t - (last - q_pos)).clamp(min=1).double(), ctx.session.max_new_tokens)
+            logits /= tau.to(logits.dtype).view(1, 1, 1, -1, 1)
+            return torch.softmax(logits, dim=-1)
+
+        self._accumulate(ctx, attention_statistics(st.queued_q, keys, ctx.scaling, st.queued_pos, positions,
+                                                   reduce=self.gqa_reduce, weights=weights, window=ctx.native_window))
+        st.queued_q = st.queued_pos = None
 
     def _at_new_positions(self, ctx: LayerContext, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys rotated to their rank in the cache, the query (rank length-1) keeping its own rotation:

@@ -33,15 +33,14 @@ from typing import ClassVar
 
 import torch
 
-from attnkit.methods.buffered import BufferedEviction
-from attnkit.methods.eviction import EvictionState
+from attnkit.methods.buffered import BufferedEviction, BufferedState
 from attnkit.methods.scoring import attend_with_logits, attention_statistics
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 
 
 @dataclass
-class TOVAState(EvictionState):
+class TOVAState(BufferedState):
     newest: int | torch.Tensor | None = None  # the slot (or ``[b, kv, 1]`` slots) of this step's token
 
 
@@ -55,6 +54,7 @@ class TOVA(BufferedEviction):
     summary = "drop the entry the current query attends to least, averaged over heads (TOVA, Oren et al. 2024)"
     kvpress = "TOVAPress"
     layer_state_type: ClassVar[type] = TOVAState
+    between = "nothing"  # the compression step's own attention replaces the scores of the steps before it
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
         if self.evicts(ctx):
