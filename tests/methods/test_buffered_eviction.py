@@ -207,6 +207,23 @@ def test_keyformer_keeps_the_recent_window_and_the_best_accumulated_score(every,
     assert held == accumulated_reference(q, k, 30, 12, every, 3, keyformer_weights(noise, 7, 2, 2, 20))
 
 
+def test_the_steps_between_compressions_only_append_and_queue_their_queries():
+    """What a host may run as plain attention between two compressions (decode_queries_kept): H2O's and Keyformer's
+    per-layer score queue their N steps' queries (taken at the N-th step, which the references above check), TOVA's
+    keep nothing; the per-step forms and Keyformer's shared score run their hooks on every step."""
+    assert attnkit.make_method("h2o", budget_tokens=12, decode_every=4).decode_queries_kept() == 4
+    assert attnkit.make_method("keyformer", budget_tokens=12, decode_every=5).decode_queries_kept() == 5
+    assert attnkit.make_method("tova", budget_tokens=12, decode_every=4).decode_queries_kept() == 0
+    for method in (attnkit.make_method("keyformer", budget_tokens=12, decode_every=4, score="shared"),
+                   attnkit.make_method("h2o", budget_tokens=12), attnkit.make_method("keyformer", budget_tokens=12)):
+        assert method.decode_queries_kept() is None
+    q, k, v = qkv(40, seed=5)
+    method = attnkit.make_method("h2o", budget_tokens=12, recent_tokens=4, decode_every=4)
+    session, _, _ = drive(method, q, k, v, prompt_len=30)  # 10 decode steps: compressions after the 4th and 8th
+    state = session.layer_state[0]
+    assert state.decoded == 10 and state.queued_q.shape[2] == 2 and state.queued_pos.tolist() == [38, 39]
+
+
 @pytest.mark.parametrize("every", [1, 3, 6])
 @pytest.mark.parametrize("prompt_len", [6, 30])
 def test_tova_keeps_what_the_latest_query_attends_to_most(every, prompt_len):

@@ -264,7 +264,8 @@ LIVE_SPECS = ["h2o:budget_tokens=40", "tova:budget_tokens=40", "keyformer:budget
               "knorm:budget_tokens=36,decode_every=7", "keydiff:budget_tokens=40,decode_every=5",
               "expected_attention:budget_tokens=40,decode_every=6", "rkv:budget_tokens=40,decode_every=8",
               "minference+h2o:budget_tokens=40", "snapkv:budget_tokens=40,decode_every=4,chunk_length=4",
-              "h2o:budget_tokens=40,decode_every=6", "tova:budget_tokens=40,decode_every=5",
+              "h2o:budget_tokens=40,decode_every=6", "tova:budget_tokens=40,decode_every=5", "keyformer:budget_tokens=40,decode_every=6",
+              "keyformer:budget_tokens=40,decode_every=4,noise=gaussian,tau_end=3.0",
               "knorm:budget_tokens=40,decode_every=4,decode_fraction=0.3"]
 
 

@@ -33,6 +33,13 @@ its ``B`` counting the incoming token). Keyformer's shared score, summed over th
 layer, so a compression after step ``g`` ranks by every layer's scores through step ``g - 1`` and every layer keeps
 the same entries. A decode step takes one token: a speculative verification (several at once) is refused, as in
 the per-step form.
+
+Between two compressions a step only appends its entry and attends over everything held, except for what it adds to
+the statistics (:attr:`BufferedEviction.between`): H2O's accumulated attention and Keyformer's per-layer score are
+taken at the compression step from the queued queries of the steps since the last one, in one pass, each query over
+the entries held at its own step (those at its position or before) with its own noise and temperature, the same sums
+as step by step; TOVA's scores are its latest query's, which the compression step's replace. So a host may run those
+steps as plain attention and catch up (``decode_queries_kept``, ``skip_appends``: attnkit's vLLM host does).
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ class BufferedEviction(EvictionMethod):
     # what the buffered form's steps between two compressions leave for the next one, where they only append and
     # attend: "queries" (their statistics are taken together at the compression step from their queries: H2O's
     # accumulated attention), "nothing" (the compression step's own statistics replace theirs: TOVA's latest
-    # attention), None (each step's hooks gather something of their own: Keyformer's noisy scores)
+    # attention), None (each step's hooks gather something of their own: Keyformer's shared score)
     between: ClassVar[str | None] = None
 
     def __post_init__(self):
