@@ -398,12 +398,15 @@ def test_prefix_caching_never_shares_compressed_blocks(engine, model):
     ({"recipe": "missing.yaml"}, "does not exist"),
     ({"recipe": "snapkv:budget=0.3", "budget": 2}, "unknown key"),
     ({}, "needs a 'recipe'"),
+    ({"recipe": f"kvzap:config={KVZAP},threshold=-4"}, "threshold=-4"),
+    ({"recipe": f"kvzap:config={KVZAP},budget=0.3"}, "enforce_eager=True"),  # an engine compiling its model
 ])
 def test_bad_configs_fail_at_engine_start_in_one_line(config, message):
     from vllm import LLM
 
+    settings = dict(COMMON, enforce_eager="enforce_eager" not in message)
     with pytest.raises(AttnkitError) as info:
-        LLM(**COMMON, additional_config={"attnkit": config})
+        LLM(**settings, additional_config={"attnkit": config})
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
