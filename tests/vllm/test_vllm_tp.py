@@ -44,7 +44,8 @@ def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
                  "h2o:budget_tokens=256", "keyformer:budget_tokens=256",
                  # their choice reads every head: each worker's sums added to the other's
                  "tova:budget_tokens=256", "keyformer:budget_tokens=300,score=shared", "compactor:budget=0.3",
-                 "keyformer:budget_tokens=256,noise=gaussian,decode_every=8",
+                 "keyformer:budget_tokens=256,noise=gaussian,decode_every=8", "tova:budget_tokens=256,decode_every=8",
+                 "h2o:budget_tokens=256,decode_every=8",  # buffered: the steps between compressions as plain rows
                  f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=8",
                  f"qfilter:config={QFILTER},budget=0.3", "random:budget=0.3,seed=7", "leverage:budget=0.3",
                  f"expected_attention:stats={EA_STATS},budget_tokens=256,decode_every=8",
