@@ -114,6 +114,7 @@ class BufferedEviction(EvictionMethod):
 
     @staticmethod
     def queue_queries(ctx: LayerContext, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add steps' queries ``[b, heads, n, d]`` at `positions` to the layer's queue (:class:`BufferedState`)."""
         st = ctx.state
         if st.queued_q is not None:
             q, positions = torch.cat([st.queued_q, q], dim=2), torch.cat([st.queued_pos, positions])

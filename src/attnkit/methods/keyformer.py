@@ -303,7 +303,7 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
                                           ctx.session.first_head)
             elif self.noise == "constant":
                 logits += EULER_GAMMA
-            tau = self.tau((st.t - (last - q_pos)).clamp(min=1).double(), ctx.session.max_new_tokens)
+            tau = torch.as_tensor(self.tau((st.t - (last - q_pos)).clamp(min=1).double(), ctx.session.max_new_tokens))
             logits /= tau.to(logits.dtype).view(1, 1, 1, -1, 1)
             return torch.softmax(logits, dim=-1)
 

@@ -156,9 +156,9 @@ class KVzap(PromptScorer):
         return scores[:, ctx.session.held_heads(ctx.kv.keys.shape[1], kv=True)]  # a shard's own kv heads
 
     def check_model(self, n_layers: int, hidden_size: int, kv_heads: int, layers: list | None = None) -> None:
-        """Refuse, in one line, a model whose geometry, or where `layers` (each layer's attention module, or an
-        object with ``key_fingerprint()``) are given whose key projections, are not the surrogate's (a host that
-        checks before it runs the model: vLLM's, when it takes a request)."""
+        """Refuse, in one line, a model of another geometry than the surrogate's or, where `layers` are given (each
+        layer's attention module, or an object with ``key_fingerprint()``), with other key projections: for a host
+        that checks before it runs the model (vLLM's, when it takes a request)."""
         self._predictor.check_model(n_layers, hidden_size, kv_heads)
         for index, module in enumerate(layers or []):
             self._predictor.check_layer(index, module)
