@@ -13,6 +13,7 @@ import attnkit
 from attnkit import AttnkitError
 from attnkit.forward import forward, logits_of, prefill
 from attnkit.hf_cache import AttnkitCache
+from attnkit.methods.buffered import FILL_QUEUE
 from attnkit.methods.eviction import EvictionMethod
 from attnkit.methods.keyformer_noise import keyformer_noise
 from attnkit.methods.spec import parse_method_spec
@@ -210,12 +211,15 @@ def test_keyformer_keeps_the_recent_window_and_the_best_accumulated_score(every,
 def test_the_steps_between_compressions_only_append_and_queue_their_queries():
     """What a host may run as plain attention between two compressions (decode_queries_kept): H2O's and Keyformer's
     per-layer score queue their N steps' queries (taken at the N-th step, which the references above check), TOVA's
-    keep nothing; the per-step forms and Keyformer's shared score run their hooks on every step."""
+    keep nothing; their per-step forms queue the steps that fill the budget (FILL_QUEUE at a time); TOVA's per-step
+    form and Keyformer's shared score run their hooks on every step."""
     assert attnkit.make_method("h2o", budget_tokens=12, decode_every=4).decode_queries_kept() == 4
     assert attnkit.make_method("keyformer", budget_tokens=12, decode_every=5).decode_queries_kept() == 5
     assert attnkit.make_method("tova", budget_tokens=12, decode_every=4).decode_queries_kept() == 0
+    assert attnkit.make_method("h2o", budget_tokens=12).decode_queries_kept() == FILL_QUEUE
+    assert attnkit.make_method("keyformer", budget_tokens=12).decode_queries_kept() == FILL_QUEUE
     for method in (attnkit.make_method("keyformer", budget_tokens=12, decode_every=4, score="shared"),
-                   attnkit.make_method("h2o", budget_tokens=12), attnkit.make_method("keyformer", budget_tokens=12)):
+                   attnkit.make_method("tova", budget_tokens=12)):
         assert method.decode_queries_kept() is None
     q, k, v = qkv(40, seed=5)
     method = attnkit.make_method("h2o", budget_tokens=12, recent_tokens=4, decode_every=4)

@@ -7,6 +7,7 @@ import torch
 import attnkit
 from attnkit.cache import KVCache
 from attnkit.forward import forward, prefill
+from attnkit.methods.buffered import FILL_QUEUE
 from attnkit.methods.keyformer import keyformer_tau
 from attnkit.methods.keyformer_noise import keyformer_noise
 from attnkit.session import Session, Step, new_session
@@ -98,7 +99,7 @@ def test_keyformer_shared_vs_per_layer_scores(small_llama):
 
     def run(score, budget_tokens, steps):
         method = attnkit.make_method("keyformer", budget_tokens=budget_tokens, score=score, seed=1)
-        session = new_session(small_llama, method, 120, 30)
+        session = new_session(small_llama, method, 120, 40)
         with torch.inference_mode():
             logits = prefill(small_llama, session, ids)
             token = int(logits.argmax())
@@ -107,14 +108,16 @@ def test_keyformer_shared_vs_per_layer_scores(small_llama):
                 token = int(logits[-1].argmax())
         return session
 
-    # no eviction: compare the raw accumulated scores after prefill + 1 step
-    per_layer, shared = run("per_layer", 149, 1), run("shared", 149, 1)  # 149 < 120 + 30: scored
-    total = torch.zeros(121)
+    # no eviction: compare the raw accumulated scores after prefill + FILL_QUEUE steps (per_layer takes the steps
+    # that fill its budget together, every FILL_QUEUE-th of them)
+    per_layer, shared = run("per_layer", 159, FILL_QUEUE), run("shared", 159, FILL_QUEUE)  # 159 < 120 + 40: scored
+    seen = 120 + FILL_QUEUE
+    total = torch.zeros(seen)
     for layer in per_layer.cache.layers:
         pos = layer.view()[2][0]
         total.index_add_(0, pos.reshape(-1), layer.extras["score"][0, :, :layer.length].reshape(-1))
     state = shared.state
-    assert torch.allclose(state.score[0, :121] + state.pending[0, :121], total, atol=1e-4)
+    assert torch.allclose(state.score[0, :seen] + state.pending[0, :seen], total, atol=1e-4)
 
     # with eviction: shared keeps one token set everywhere, per_layer does not
     per_layer, shared = run("per_layer", 40, 20), run("shared", 40, 20)

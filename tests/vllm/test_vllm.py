@@ -320,7 +320,9 @@ DECODING = ["h2o:budget_tokens=256", "tova:budget=0.3", "keyformer:budget_tokens
             "snapkv:budget_tokens=256,decode_every=24", "rkv:budget_tokens=256,decode_every=24",
             "expected_attention:budget=0.3,decode_every=30", "a_shape:n_init=64,n_local=256+h2o:budget=0.3",
             f"triattention:config={TRIATTENTION},budget_tokens=256,decode_every=24,window_size=16",
-            f"kvzap:config={KVZAP},budget_tokens=256,decode_every=24,window=16"]  # each token scored from its input
+            f"kvzap:config={KVZAP},budget_tokens=256,decode_every=24,window=16",  # each token scored from its input
+            # per step, prompts of 600 and 900 tokens filling their budget for 40 and 50 tokens as plain decode rows
+            "h2o:budget_tokens=640", "keyformer:budget_tokens=950"]
 LONG = 100  # generated tokens: at least three compressions of every decode_every above
 
 

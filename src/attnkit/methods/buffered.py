@@ -53,6 +53,10 @@ from attnkit.methods.eviction import EvictionMethod, EvictionState
 from attnkit.session import LayerContext
 from attnkit.validate import whole
 
+# the per-step form's decode steps while a layer still fills its budget (a prompt shorter than it) whose statistics
+# are taken together: every FILL_QUEUE-th of them, and before the first eviction
+FILL_QUEUE = 32
+
 
 @dataclass
 class BufferedState(EvictionState):
@@ -100,7 +104,9 @@ class BufferedEviction(EvictionMethod):
         :meth:`attnkit.methods.prompt_scorer.PromptScorer.decode_queries_kept`: a host may run such steps as plain
         attention and catch up with :meth:`skip_appends`); None: the per-step form, or a method whose steps do more
         (:attr:`between`)."""
-        if not self.decode_every or self.between is None:
+        if not self.decode_every:  # the per-step form: the steps that fill the layer's budget (FILL_QUEUE)
+            return FILL_QUEUE if self.between == "queries" else None
+        if self.between is None:
             return None
         return self.decode_every if self.between == "queries" else 0
 
@@ -120,10 +126,29 @@ class BufferedEviction(EvictionMethod):
             q, positions = torch.cat([st.queued_q, q], dim=2), torch.cat([st.queued_pos, positions])
         st.queued_q, st.queued_pos = q, positions
 
-    def compresses_now(self, ctx: LayerContext) -> bool:
-        """Whether this decode step of the buffered form is a compression step (the ``N``-th since the last:
-        :meth:`~attnkit.methods.eviction.EvictionMethod.after_decode`)."""
-        return (ctx.state.decoded + 1) % self.decode_every == 0
+    def queues(self, ctx: LayerContext) -> bool:
+        """Whether this decode step's statistics wait in the queue (:class:`BufferedState`): every step of the
+        buffered form, and the per-step form's steps while the layer still fills its budget."""
+        return self.between == "queries" and (bool(self.decode_every) or not ctx.state.evicting)
+
+    def takes_queued(self, ctx: LayerContext) -> bool:
+        """Whether this step takes the queued statistics: the buffered form's compression steps (the ``N``-th since
+        the last: :meth:`~attnkit.methods.eviction.EvictionMethod.after_decode`), every ``FILL_QUEUE``-th generated
+        token of the per-step form while it fills its budget (its first eviction takes them too:
+        :meth:`before_write`)."""
+        if self.decode_every:
+            return (ctx.state.decoded + 1) % self.decode_every == 0
+        return (int(ctx.q_pos[-1]) + 1 - ctx.session.prompt_len) % FILL_QUEUE == 0
+
+    def before_write(self, ctx: LayerContext) -> None:
+        super().before_write(ctx)
+        if not self.decode_every and ctx.state.queued_q is not None and ctx.kv.length >= self.decode_limit(ctx):
+            self.add_queued(ctx)  # the first eviction ranks by every step's statistics
+
+    def add_queued(self, ctx: LayerContext) -> None:
+        """Add the queued steps' statistics to the layer's and empty the queue (a method with ``between =
+        "queries"``)."""
+        raise NotImplementedError
 
     def keep_rows(self, layer_states: list, session_state, rows: torch.Tensor) -> None:
         super().keep_rows(layer_states, session_state, rows)

@@ -61,18 +61,18 @@ class H2O(BufferedEviction, RecentWindowEviction):
         self.score_buffer(ctx)[:, :, :ctx.kv.length] += stats
 
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
-        if self.decode_every and self.between:  # the buffered form: the step's attention taken at the compression
+        if self.queues(ctx):  # the buffered form, or a per-step layer filling its budget: the attention taken later
             out = super().attend_decode(ctx, q)
             self.queue_queries(ctx, q, ctx.q_pos)
-            if self.compresses_now(ctx):
-                self._add_queued(ctx)
+            if self.takes_queued(ctx):
+                self.add_queued(ctx)
             return out
         keys, values, _ = ctx.kv.view()
         out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
         self.score_buffer(ctx)[:, :, :ctx.kv.length] += reduce_heads(probs[:, :, :, 0], self.gqa_reduce)  # one query
         return out
 
-    def _add_queued(self, ctx: LayerContext) -> None:
+    def add_queued(self, ctx: LayerContext) -> None:
         """The accumulated attention of the queued steps (:class:`~attnkit.methods.buffered.BufferedState`), each
         query over the entries held at its step (those at its position or before), in one pass."""
         st = ctx.state

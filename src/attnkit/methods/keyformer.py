@@ -251,6 +251,7 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         return self.score == "shared"  # later layers have not scored the prompt yet
 
     def before_write(self, ctx: LayerContext) -> None:
+        super().before_write(ctx)  # the queued steps' scores at their own iterations, before this step's
         ctx.state.t += 1
         if self.score == "shared":
             shared = self._shared(ctx)
@@ -272,11 +273,11 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         ctx.state.t += positions.shape[0]  # the steps' iterations of eq. 10, as before_write counts them
 
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
-        if self.decode_every and self.between:  # the buffered form: the step's score taken at the compression
+        if self.queues(ctx):  # the buffered form, or a per-step layer filling its budget: the score taken later
             out = self._attend_held(ctx, q)
             self.queue_queries(ctx, q, ctx.q_pos)
-            if self.compresses_now(ctx):
-                self._add_queued(ctx)
+            if self.takes_queued(ctx):
+                self.add_queued(ctx)
             return out
         keys, values, positions = ctx.kv.view()
         if self.positions == "new":
@@ -289,7 +290,7 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         self._accumulate(ctx, reduce_heads(f, self.gqa_reduce)[:, :, 0])  # the step's one query
         return out
 
-    def _add_queued(self, ctx: LayerContext) -> None:
+    def add_queued(self, ctx: LayerContext) -> None:
         """The score f (eq. 9) of the queued steps' queries (:class:`~attnkit.methods.buffered.BufferedState`), each
         over the entries held at its step, with its own noise and its iteration's temperature (the steps are
         consecutive, the last this one), added in one pass."""

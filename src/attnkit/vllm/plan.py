@@ -212,6 +212,7 @@ class Plan:
     every: int = 0  # generated tokens between its compressions back to B (1: per step); 0: not live
     pages: bool = False  # Quest: every slot kept, each decode step reads the blocks its query chooses
     fraction: float | None = None  # decode_fraction: each compression keeps a share of the tokens seen, not `budget`
+    fill: int = 0  # a per-step method filling its budget runs its hooks every `fill`-th token (0: every token)
 
     @property
     def live(self) -> bool:
@@ -219,9 +220,10 @@ class Plan:
         return self.every > 0
 
     def compresses_at(self, position: int) -> bool:
-        """Whether a live request's decode step at `position` may compress (every step of a per-step method; the
-        ``N``-th generated token of a re-compressing one), so that the method's hooks must run on it."""
-        return self.every <= 1 or (position + 1 - self.prompt_len) % self.every == 0
+        """Whether a live request's decode step at `position` runs the method's hooks (a per-step method's every step
+        once it holds its budget, every `fill`-th before; a re-compressing one's every ``N``-th generated token)."""
+        every = self.every if self.every > 1 or not self.fill or self.held(position) >= self.budget else self.fill
+        return every <= 1 or (position + 1 - self.prompt_len) % every == 0
 
     def held(self, computed: int) -> int:
         """Entries per kv head a live request holds once `computed` tokens are processed (see the module
@@ -383,16 +385,16 @@ def live_plan(cache: Method, prompt_len: int, max_tokens: int, n_layers: int, pr
         return Plan(prompt_len, hooks=prefill_sparse)
     budget, keep = cache.layer_budget(ctx), cache.prefill_keep(ctx)
     kept = keep if keep < prompt_len and not cache.defer_prefill_eviction(ctx) else None
-    every = getattr(cache, "decode_every", 0) or 1
+    every = getattr(cache, "decode_every", 0) or 1  # a per-step method's filling steps (attnkit.methods.buffered)
+    fill = (getattr(cache, "decode_queries_kept", lambda: None)() or 0) if not getattr(cache, "decode_every", 0) else 0
     return Plan(prompt_len, kept, hooks=True, budget=budget, every=every,
-                fraction=getattr(cache, "decode_fraction", None))
+                fraction=getattr(cache, "decode_fraction", None), fill=fill)
 
 
 def check_prompt(method: Method, prompt_len: int, max_tokens: int, n_layers: int, rope) -> None:
     """Raise the method's own one-line AttnkitError when its parameters do not fit a prompt of `prompt_len` tokens
-    and `max_tokens` new ones (a budget whose fraction of a short prompt leaves no room for SnapKV's window or
-    StreamingLLM's sinks, say): what attnkit's runner asks of every layer before any work
-    (:meth:`~attnkit.methods.base.Method.planned_slots`), asked here when vLLM takes the request, so that the
-    request fails alone instead of a worker in the middle of a batch. `rope` is the model's
-    :class:`~attnkit.rope.Rope` (methods that undo rotations check that the model has one)."""
+    and `max_tokens` new ones (a budget whose fraction of a short prompt leaves no room for SnapKV's window, say):
+    what attnkit's runner asks of every layer before any work (:meth:`~attnkit.methods.base.Method.planned_slots`),
+    asked when vLLM takes the request, so that it fails alone, not a worker in the middle of a batch. `rope`: the
+    model's :class:`~attnkit.rope.Rope` (methods that undo rotations check that the model has one)."""
     planned_slots(Session(method, KVCache(n_layers, 1), n_layers, prompt_len, max_tokens, rope))

@@ -35,9 +35,11 @@ from attnkit.vllm.requests import Row
 
 
 def stackable(row: Row) -> bool:
-    """Whether `row` may step with others: a live per-step request decoding one token after its prompt."""
+    """Whether `row` may step with others: a live per-step request decoding one token after its prompt, on a step
+    that runs the method's hooks (not one that fills its budget as a plain decode row: :attr:`Row.kept_queries`)."""
     plan = row.plan
-    return plan.live and plan.every == 1 and row.tokens == 1 and not row.in_prompt and row.method.stacks_decode
+    return (plan.live and plan.every == 1 and row.tokens == 1 and not row.in_prompt and row.method.stacks_decode
+            and row.kept_queries is None)
 
 
 def attention(rows: list, call: host.LayerCall, query, key, value, cache, output) -> list:
