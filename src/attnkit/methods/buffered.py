@@ -40,6 +40,9 @@ taken at the compression step from the queued queries of the steps since the las
 the entries held at its own step (those at its position or before) with its own noise and temperature, the same sums
 as step by step; TOVA's scores are its latest query's, which the compression step's replace. So a host may run those
 steps as plain attention and catch up (``decode_queries_kept``, ``skip_appends``: attnkit's vLLM host does).
+The per-step form does the same with the steps that fill a layer's budget (a prompt shorter than ``B``: they only
+append), H2O's and Keyformer's per-layer statistics of them taken every :data:`FILL_QUEUE`-th generated token and
+before the first eviction, so that at most that many queries wait.
 """
 
 from __future__ import annotations
@@ -116,7 +119,8 @@ class BufferedEviction(EvictionMethod):
         ctx.kv.append(k, v, positions)
         if self.between == "queries":
             self.queue_queries(ctx, q, positions)
-        ctx.state.decoded += positions.shape[0]
+        if self.decode_every:  # the per-step form counts no steps (its states then stack: attnkit.vllm.stacked)
+            ctx.state.decoded += positions.shape[0]
 
     @staticmethod
     def queue_queries(ctx: LayerContext, q: torch.Tensor, positions: torch.Tensor) -> None:
