@@ -619,3 +619,21 @@ def test_quest_pages_in_vllm_blocks_choose_and_read_what_attnkit_quest_does(size
     with pytest.raises(AttnkitError, match="page_size"):
         pages.layer_groups([pages.Query(0, 100, 0, resolve_method("quest:token_budget=64,page_size=8"))], 1, size,
                            tables[:1], torch.tensor([101]))
+
+
+def test_a_per_step_layer_that_filled_its_budget_as_plain_rows_stacks_again():
+    """A per-step request whose prompt is shorter than its budget runs its filling steps as plain decode rows and
+    catches up (skip_appends): afterwards its layer state counts no steps of its own and holds no queued query, so it
+    stacks with other requests' (attnkit.vllm.stacked), and its outputs are attnkit's."""
+    n, new, kv, d = N, NEW, 2, 16
+    method = resolve_method("h2o:budget_tokens=90")  # 10 filling steps, then one eviction per step
+    q, k, v, expected = session_reference(method, 5, ROPE16)
+    plan = plan_for(method, n, new, 1)
+    assert plan.fill and not plan.compresses_at(n) and plan.compresses_at(n + 10)
+    state = host.WorkerState()
+    chunks = [(0, n)] + [(p, p + 1) for p in range(n, n + new)]
+    got = live_calls(lambda s, t: Row("r", method, plan, new, s, t), DictStore(kv, d, n + new), q, k, v, chunks, state)
+    assert_host_outputs(Row("r", method, plan, new, 0, 1), got, expected)
+    layer_state = state.live.open["r"].session.layer_state[0]
+    layer_state = getattr(layer_state, "cache", layer_state)  # the method's own, where vLLM's kernel gave the prompt
+    assert layer_state.decoded == 0 and layer_state.queued_q is None
