@@ -150,7 +150,9 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         return super().stacks_decode and self.score == "per_layer" and self.positions == "original"
 
     # ---- the score f (eq. 9) ---------------------------------------------------------------------------
-    def _weights(self, ctx: LayerContext, tau: float, decoding: bool = False):
+    def _weights(self, ctx: LayerContext, tau, decoding: bool = False):
+        """eq. 9 as a weights function of the logits; `tau` a number, a tensor ``[rows]`` (a stacked step's rows) or a
+        function of the query positions giving one per query (the queued steps of :meth:`add_queued`)."""
         kv_heads = ctx.kv.positions.shape[1]
 
         def f(logits: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -163,7 +165,9 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
                                               k_pos, ctx.session.first_head)
             elif self.noise == "constant":
                 logits += EULER_GAMMA
-            if isinstance(tau, torch.Tensor):  # one per row of a stacked step (dividing by 1 changes nothing)
+            if callable(tau):  # one per query
+                logits /= tau(q_pos).to(logits.dtype).view(1, 1, 1, -1, 1)
+            elif isinstance(tau, torch.Tensor):  # one per row of a stacked step (dividing by 1 changes nothing)
                 logits /= tau.to(logits.dtype).view(-1, 1, 1, 1, 1)
             elif tau != 1.0:
                 logits /= tau
@@ -296,20 +300,14 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         consecutive, the last this one), added in one pass."""
         st = ctx.state
         keys, _, positions = ctx.kv.view()
-        last, kv_heads = int(st.queued_pos[-1]), positions.shape[1]
+        last = int(st.queued_pos[-1])
 
-        def weights(logits, q_pos, k_pos):
-            if self.noise in ("gumbel", "gaussian"):
-                logits += keyformer_noise(self.noise, self.seed, ctx.index, kv_heads, logits.shape[2], q_pos, k_pos,
-                                          ctx.session.first_head)
-            elif self.noise == "constant":
-                logits += EULER_GAMMA
-            tau = torch.as_tensor(self.tau((st.t - (last - q_pos)).clamp(min=1).double(), ctx.session.max_new_tokens))
-            logits /= tau.to(logits.dtype).view(1, 1, 1, -1, 1)
-            return torch.softmax(logits, dim=-1)
+        def tau(q_pos):  # each queued step's iteration: the last queued is the layer's current one
+            return torch.as_tensor(self.tau((st.t - (last - q_pos)).clamp(min=1).double(), ctx.session.max_new_tokens))
 
         self._accumulate(ctx, attention_statistics(st.queued_q, keys, ctx.scaling, st.queued_pos, positions,
-                                                   reduce=self.gqa_reduce, weights=weights, window=ctx.native_window))
+                                                   reduce=self.gqa_reduce, weights=self._weights(ctx, tau),
+                                                   window=ctx.native_window))
         st.queued_q = st.queued_pos = None
 
     def _at_new_positions(self, ctx: LayerContext, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

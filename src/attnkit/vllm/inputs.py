@@ -10,7 +10,7 @@ vLLM code is patched) notes that input for the forward in progress, and the atte
 of it to the row's session. The hooks are installed the first time a step has a request that needs them, and the
 notes are cleared at every forward's start, so a layer whose input was not seen in this forward is an error, never
 a stale input. A compiled model (vLLM's torch.compile, anything but ``enforce_eager=True``) would not run Python
-hooks as written: such requests are refused when vLLM takes them (:func:`attnkit.vllm.plan.check_layer_inputs`).
+hooks as written: such requests are refused when vLLM takes them (:func:`check_layer_inputs`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from safetensors import safe_open
 from attnkit.errors import AttnkitError
 from attnkit.heads import HeadShard
 from attnkit.methods.base import Method
-from attnkit.methods.compose import Compose
 from attnkit.methods.kvzap import KVzap
+from attnkit.vllm.plan import cache_part
 
 # vLLM model classes whose attention modules hold ``qkv_proj`` and ``attn`` (Llama, Mistral, Qwen2, Qwen3)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -161,6 +161,6 @@ def check_surrogate(method: Method, n_layers: int, hidden_size: int, kv_heads: i
     """Refuse, in one line, a kvzap surrogate trained for another model, before any worker runs it: its geometry and,
     where `model` is a local checkpoint folder, its layers' key projections (the workers check those again on
     their own weights, :class:`KeyProjection`)."""
-    cache = method.cache_method if isinstance(method, Compose) else method
+    cache = cache_part(method)
     if isinstance(cache, KVzap):
         cache.check_model(n_layers, hidden_size, kv_heads, checkpoint_keys(model, n_layers))
