@@ -5,7 +5,7 @@ blocks of 128 tokens, prompts chunked by 1024), so that these long tests run on 
 beside that module's."""
 
 import pytest
-from test_vllm import ATTNKIT, BLOCKS, Output, assert_same_tokens, in_process_engines, params, shut_down, tokens
+from test_vllm import ATTNKIT, BLOCKS, KVZAP, Output, assert_same_tokens, in_process_engines, params, shut_down, tokens
 
 import attnkit
 from attnkit.eval.data.task_registry import get_task
@@ -129,6 +129,28 @@ def test_preempted_requests_recompute_to_the_same_tokens(engine, model, monkeypa
         mine = [i for i, s in enumerate(specs) if s == spec]
         assert_same_tokens([out[i] for i in mine], model, [prompts[i] for i in mine], spec, max_tokens=news[mine[0]],
                            engine=engine)
+
+
+def test_a_kvzap_request_preempted_mid_decode_recomputes_to_the_same_tokens(engine, model, monkeypatch):
+    """kvzap scores each entry from its layer's input: a request preempted after hundreds of generated tokens (five
+    whole requests growing past the 96 blocks preempt the last admitted, the kvzap one) recomputes its prompt and
+    generated tokens in one prefill, the inputs of each noted again, and still gives attnkit's whole output."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted, preempt = [], Scheduler._preempt_request
+
+    def noting(self, request, *args, **kwargs):
+        preempted.append((request.request_id, request.num_computed_tokens - request.num_prompt_tokens))
+        return preempt(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", noting)
+    prompts = [get_task("passkey").make(model.tokenizer, n, seed=60 + i).prompt for i, n in enumerate([2000] * 5 + [300])]
+    spec = f"kvzap:config={KVZAP},budget_tokens=256,decode_every=64"
+    specs, news = ["full"] * 5 + [spec], [400] * 5 + [600]  # whole: 16 blocks each, 19 at the end; kvzap: 3-4
+    out = tokens(engine.generate(prompts, [params(s, max_tokens=n) for s, n in zip(specs, news)], use_tqdm=False))
+    mine = [generated for rid, generated in preempted if rid.rsplit("-", 1)[0] == out[-1].request_id]
+    assert mine and min(mine) >= 2 * 64, preempted  # after two compressions at least
+    assert_same_tokens([out[-1]], model, [prompts[-1]], spec, max_tokens=news[-1], engine=engine)
 
 
 def test_planned_admission_spares_compressed_requests_their_preemptions(engine, model, monkeypatch):
