@@ -11,8 +11,33 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # test depends on this machine's timings; tests of the guard set ATTNKIT_NATIVE themselves
 os.environ.setdefault("ATTNKIT_NATIVE", "1")
 
+import torch  # noqa: E402
+
+# under pytest-xdist (./run test: a worker per core) each worker computes on one thread: two workers of two threads
+# each on two cores wait on each other's spinning threads
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1) > 1:
+    torch.set_num_threads(1)
+
 import attnkit  # noqa: E402
 from helpers import REPORT_SWEEP, SMALL  # noqa: E402
+
+# the slowest test files (tens of seconds each, the vLLM ones minutes), started first under pytest-xdist's --dist
+# loadfile, which hands files to the workers in collection order: a long file left for last would hold one worker
+# while the other idles
+SLOW_FIRST = ("eval/run/test_ray_sweep.py", "speculative/test_speculative_generate.py", "test_batch.py",
+              "test_readme.py", "cli/test_cli.py", "training/test_train_v2_run.py", "test_device_map.py",
+              "eval/report/test_report_scale.py", "methods/test_chunk_length.py", "test_hf_cache.py",
+              "vllm/test_vllm.py", "vllm/test_vllm_capacity.py", "vllm/test_vllm_server.py", "vllm/test_vllm_tp.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def order(item):
+        return rank.get(os.path.relpath(str(item.path), here), len(SLOW_FIRST))
+
+    items.sort(key=order)  # stable: within a file and among the others, the collection order
 
 
 @pytest.fixture(scope="session")
