@@ -8,6 +8,7 @@ import os
 
 import pytest
 from test_vllm import TINY
+from test_vllm_tp import two_worker_engine, two_workers
 
 import attnkit
 from attnkit.errors import AttnkitError
@@ -20,40 +21,28 @@ NEW = 12  # generated tokens: three compressions of decode_every=4
 @pytest.fixture(scope="module")
 def cluster():
     import ray
-    from ray_cpu import claim_ray_gpus
+    from vllm.platforms.cpu import CpuPlatform
 
-    # vLLM's CPU workers bind their threads to NUMA nodes; on one node each is given half of this process's cores
-    # (both the same one where it has one: an xdist worker of ./run test). Ray's processes take this environment.
-    cores = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cores) // 2)
-    settings = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, r)) for r in (cores[:half], cores[half:] or cores[:half])),
-                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                # Ray lowers its workers' priority by default; the engine core in this process polls them every step
-                "RAY_worker_niceness": "0"}
-    before = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    claim_ray_gpus()
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"worker_process_setup_hook": "ray_cpu.claim_ray_gpus",
-                          "env_vars": {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}})
-    yield
-    ray.shutdown()
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as patch:
+        # Ray's processes take this environment; Ray lowers its workers' priority by default, and the engine core in
+        # this process polls them every step
+        for name, value in dict(two_workers(), RAY_worker_niceness="0").items():
+            patch.setenv(name, value)
+        patch.setattr(CpuPlatform, "ray_device_key", "GPU")  # in this process; ray_cpu.py in Ray's
+        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING",
+                 runtime_env={"worker_process_setup_hook": "ray_cpu.claim_ray_gpus",
+                              "env_vars": {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}})
+        yield
+        ray.shutdown()
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel CPU workers need two cores")
 def test_ray_executor_workers_give_attnkit_tokens(cluster):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     model = attnkit.load_model("tiny")
     prompts = [get_task("passkey").make(model.tokenizer, n, seed=70 + i).prompt for i, n in enumerate((400, 700))]
-    llm = LLM(model=TINY, dtype="float32", enforce_eager=True, max_model_len=2048, tensor_parallel_size=2,
-              distributed_executor_backend="ray", enable_chunked_prefill=False, max_num_batched_tokens=2048,
-              additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
+    llm = two_worker_engine("ray", 2048)
     try:
         executor = type(llm.llm_engine.engine_core.engine_core.model_executor).__name__
         assert "Ray" in executor, executor

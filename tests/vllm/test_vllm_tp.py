@@ -17,27 +17,38 @@ from attnkit.eval.data.task_registry import get_task
 MINFERENCE = os.path.join(SWEEPS, "minference_tiny_yarn8_32k.json")  # per-head patterns of tiny's geometry
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel CPU workers need two cores")
-def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
-    from vllm import LLM, SamplingParams
-    from vllm.exceptions import VLLMValidationError
-
-    # vLLM's CPU workers bind their threads to NUMA nodes; on one node, each worker is given half of this process's
-    # cores (both the same one where it has one: an xdist worker of ./run test)
+def two_workers() -> dict:
+    """vLLM's settings for an engine of two tensor-parallel CPU workers: vLLM's CPU workers bind their threads to NUMA
+    nodes, and on one node each is given half of this process's cores (both the same one where it has one: an xdist
+    worker of ./run test); the engine core runs in this process, the two workers in their own (on two cores a child
+    engine process's busy loop would take time from the workers)."""
     cores = sorted(os.sched_getaffinity(0))
     half = max(1, len(cores) // 2)
     ranks = (cores[:half], cores[half:] or cores[:half])
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, r)) for r in ranks))
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    # the engine core in this process, the two workers in their own: on two cores a child engine process's busy loop
-    # would take time from the workers
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, r)) for r in ranks), "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def two_worker_engine(backend: str, length: int):
+    """An engine of two tensor-parallel workers started by `backend` (vLLM's ``distributed_executor_backend``), every
+    prompt prefilled whole (no chunked prefill), as attnkit.generate does, so the tokens compare exactly."""
+    from vllm import LLM
+
+    return LLM(model=TINY, dtype="float32", enforce_eager=True, max_model_len=length, tensor_parallel_size=2,
+               distributed_executor_backend=backend, enable_chunked_prefill=False, max_num_batched_tokens=length,
+               additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel CPU workers need two cores")
+def test_tensor_parallel_workers_give_attnkit_tokens(monkeypatch):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    for name, value in two_workers().items():
+        monkeypatch.setenv(name, value)
     model = attnkit.load_model("tiny")
     prompts = [get_task("passkey").make(model.tokenizer, n, seed=50 + i).prompt for i, n in enumerate((800, 1600))]
-    # every prompt prefilled whole (no chunked prefill), as attnkit.generate does, so the tokens compare exactly
-    llm = LLM(model=TINY, dtype="float32", enforce_eager=True, max_model_len=4096, tensor_parallel_size=2,
-              distributed_executor_backend="mp", enable_chunked_prefill=False, max_num_batched_tokens=4096,
-              additional_config={"attnkit": {"recipe": "snapkv:budget=0.3", "allow": "*"}})
+    llm = two_worker_engine("mp", 4096)
     try:
         specs = ["streaming:budget_tokens=256", f"minference:config={MINFERENCE}+snapkv:budget=0.3",  # heads' patterns
                  # per step; Keyformer's Gumbel noise of each shard's heads
