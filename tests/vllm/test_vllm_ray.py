@@ -63,10 +63,10 @@ def test_ray_executor_workers_give_attnkit_tokens(cluster):
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_pipeline_stages_are_refused_in_one_line(cluster):
+def test_pipeline_stages_are_refused_in_one_line():
     from vllm import LLM
 
-    with pytest.raises(AttnkitError) as info:
+    with pytest.raises(AttnkitError) as info:  # refused with the engine's settings, before any worker starts
         LLM(model=TINY, dtype="float32", enforce_eager=True, max_model_len=2048, pipeline_parallel_size=2,
-            distributed_executor_backend="ray", additional_config={"attnkit": {"recipe": "snapkv:budget=0.3"}})
+            additional_config={"attnkit": {"recipe": "snapkv:budget=0.3"}})
     assert "pipeline_parallel_size=2" in str(info.value) and "\n" not in str(info.value)
