@@ -21,9 +21,8 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1
 import attnkit  # noqa: E402
 from helpers import REPORT_SWEEP, SMALL  # noqa: E402
 
-# the slowest test files (tens of seconds each, the vLLM ones minutes), started first under pytest-xdist's --dist
-# loadfile, which hands files to the workers in collection order: a long file left for last would hold one worker
-# while the other idles
+# the slowest test files, started first under pytest-xdist's --dist loadfile, which hands files to the workers in
+# collection order: a long file left for last would hold one worker while the other idles
 SLOW_FIRST = ("eval/run/test_ray_sweep.py", "speculative/test_speculative_generate.py", "test_batch.py",
               "test_readme.py", "cli/test_cli.py", "training/test_train_v2_run.py", "test_device_map.py",
               "eval/report/test_report_scale.py", "methods/test_chunk_length.py", "test_hf_cache.py",
