@@ -14,6 +14,9 @@ Random operands in the layer geometry of `--model` (by default `tiny`'s: 8 query
 - ``paged`` (``paged.cpp``, :mod:`attnkit.methods.quest_native`): Quest's decoding step over a `--context`-token
   cache reading a sixteenth (the page choice and the attention); the torch path bounds, chooses, gathers and attends;
   SDPA over the whole cache (``full``'s step) beside it.
+- ``decode`` (``decode.cpp``, :mod:`attnkit.methods.decode_native`): a per-step eviction method's decode step
+  (the attention, its logits and probabilities) of `--rows` requests holding `--held` entries per kv head: in vLLM's
+  CPU blocks read in place (``decode/b``; the torch path gathers them first) and in a tensor (``decode/t``).
 
 Each row is one kernel and build (``<kernel> [<isa>]``) or a torch path, run once per round in a new order every
 round (a row leaves its operands in the caches for the next); ``x torch`` is the median over rounds of the
@@ -33,10 +36,11 @@ import torch.nn.functional as F
 
 from attnkit import native
 from attnkit import sparse as sa
-from attnkit.methods import quest_native, quest_pages, scoring, scoring_native
+from attnkit.methods import decode_native, quest_native, quest_pages, scoring, scoring_native
 from attnkit.methods.keyformer_noise import GumbelFactorWeights
 from attnkit.model import load_model
 from attnkit.sparse.patterns import HeadPattern
+from attnkit.vllm import paged
 
 TINY_GEOMETRY = "random:llama:layers=6,hidden=256,heads=8,kv_heads=2,head_dim=32,intermediate=768,context=40000"
 PATTERNS = [HeadPattern("vertical_slash", k_v=256, k_s=512), HeadPattern("a_shape", n_init=64, n_local=1024),
@@ -93,6 +97,33 @@ def groups(args) -> dict[str, dict[str, tuple]]:
         lambda: F.scaled_dot_product_attention(step_q, keys, values, scale=scale, enable_gqa=True), None)}
     for isa in args.isas:
         out["paged"][f"paged, choice and attention [{isa}]"] = (kernel_step, isa)
+    out.update(decode_groups(args, hq, kv, d, gen))
+    return out
+
+
+def decode_groups(args, hq: int, kv: int, d: int, gen: torch.Generator) -> dict[str, dict[str, tuple]]:
+    """``decode/b``: a stacked per-step step in vLLM's CPU blocks (`--rows` requests holding `--held` entries per kv
+    head, scattered in a run of slots, each block's keys transposed), the kernel reading them in place against the
+    host's gather and torch's product-softmax-product; ``decode/t``: the same entries in a tensor (attnkit's runner)."""
+    rows, held, size = args.rows, args.held, 128
+    per_row = -(-(held + held // 4) // size) + 1
+    k_cache, v_cache = paged.split_cache(torch.randn(rows * per_row + 1, kv, size, 2 * d, generator=gen))
+    tables = torch.randperm(rows * per_row + 1, generator=gen)[:rows * per_row].view(rows, per_row)
+    slots = torch.stack([torch.stack([torch.randperm(held + held // 4, generator=gen)[:held] + size // 2
+                                      for _ in range(kv)]) for _ in range(rows)])
+    layout = paged.Layout(paged.TRANSPOSED, None)
+    k_entries, v_entries = paged.entries(k_cache, v_cache, layout, tables, slots)
+    keys, values = k_entries.tensor(), v_entries.tensor()
+    q, scale = torch.randn(rows, hq, 1, d, generator=gen), d ** -0.5
+    out = {"decode/b": {"torch (gather, product-softmax-product)": (lambda: scoring.attend_with_logits(
+        q, *paged.gather_heads(k_cache, v_cache, layout, tables, slots), scale, native=False), None)},
+        "decode/t": {"torch (product-softmax-product)": (lambda: scoring.attend_with_logits(
+            q, keys, values, scale, native=False), None)}}
+    for isa in args.isas:
+        out["decode/b"][f"decode, in place [{isa}]"] = (lambda: decode_native.attend(
+            q, k_entries, v_entries, scale, threads=args.threads), isa)
+        out["decode/t"][f"decode [{isa}]"] = (lambda: decode_native.attend(q, keys, values, scale,
+                                                                           threads=args.threads), isa)
     return out
 
 
@@ -103,7 +134,9 @@ def main(argv=None) -> None:
     p.add_argument("--length", type=int, default=8192, help="prompt tokens (scoring, sparse)")
     p.add_argument("--context", type=int, default=32768, help="cached tokens of Quest's step (paged)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--step-repeats", type=int, default=50, help="repeats of the short paged rows")
+    p.add_argument("--step-repeats", type=int, default=50, help="repeats of the short paged and decode rows")
+    p.add_argument("--rows", type=int, default=32, help="requests of the decode rows")
+    p.add_argument("--held", type=int, default=256, help="entries each kv head holds in the decode rows")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--flex", action="store_true", help="time FlexAttention too (compiles first: minutes)")
@@ -118,7 +151,7 @@ def main(argv=None) -> None:
     with torch.no_grad():
         for kernel, rows in groups(args).items():
             times = {name: [] for name in rows}
-            repeats = args.step_repeats if kernel == "paged" else args.repeats
+            repeats = args.step_repeats if kernel in ("paged", "decode/b", "decode/t") else args.repeats
             names = list(rows)
             for r in range(repeats + 1):
                 # a new order every round: a row leaves its operands in the caches for the next one

@@ -56,7 +56,9 @@ from typing import Any
 import torch
 
 from attnkit.errors import AttnkitError
+from attnkit.methods import decode_native
 from attnkit.methods.buffered import BufferedEviction, BufferedState
+from attnkit.methods.decode_native import KeyformerScore
 from attnkit.methods.eviction import RecentWindowEviction
 from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, GumbelFactorWeights, keyformer_noise
 from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
@@ -286,13 +288,31 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         keys, values, positions = ctx.kv.view()
         if self.positions == "new":
             keys = self._at_new_positions(ctx, keys, positions)
-        out, logits, _ = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
+        visible = self.window_visibility(ctx)
         t = ctx.state.t  # one per row in a stacked step
         tau = self.tau(t.clamp(min=1) if ctx.step.per_row else max(t, 1), ctx.session.max_new_tokens)
         ctx.state.tau = tau
+        if decode_native.runs(q, keys, values, visible):  # the step's attention and its score in one kernel call
+            out, _, _, score = decode_native.attend(q, keys, values, ctx.scaling, score=self._step_score(
+                ctx, tau, positions, q.shape[1] // keys.shape[1]))
+            self._accumulate(ctx, score)
+            return out
+        out, logits, _ = attend_with_logits(q, keys, values, ctx.scaling, visible, native=False)
         f = self._weights(ctx, tau, decoding=True)(logits, ctx.q_pos, positions)
         self._accumulate(ctx, reduce_heads(f, self.gqa_reduce)[:, :, 0])  # the step's one query
         return out
+
+    def _step_score(self, ctx: LayerContext, tau, positions: torch.Tensor, groups: int) -> KeyformerScore:
+        """eq. 9 of this decode step for the kernel (:class:`~attnkit.methods.decode_native.KeyformerScore`): the
+        draws :meth:`_weights` adds, at the temperature it divides by."""
+        rows, kv_heads = positions.shape[:2]
+        tau = torch.as_tensor(tau, dtype=torch.float32).reshape(-1)
+        if self.noise in ("gumbel", "gaussian"):
+            noise = self._decode_noise(ctx, kv_heads * groups)
+            offsets = noise.row_offsets(ctx, kv_heads).reshape(-1, kv_heads * groups).expand(rows, -1)
+            return KeyformerScore(noise.table(), offsets, positions, tau, self.gqa_reduce)
+        return KeyformerScore(None, None, positions, tau, self.gqa_reduce,
+                              EULER_GAMMA if self.noise == "constant" else 0.0)
 
     def add_queued(self, ctx: LayerContext) -> None:
         """The score f (eq. 9) of the queued steps' queries (:class:`~attnkit.methods.buffered.BufferedState`), each

@@ -24,6 +24,7 @@ import torch
 
 from attnkit import masks
 from attnkit.attention import flash_with_lse, has_flash
+from attnkit.methods import decode_native
 
 # Largest number of (query head x query x key) entries one block of the score computation holds, by
 # device type. Each entry costs a few 4-byte temporaries (logits, weights; hashed noise). On a CPU small
@@ -229,24 +230,22 @@ def one_pass_pays(device: torch.device, n_keys: int) -> bool:
     return limit is None or n_keys <= limit
 
 
-def attend_with_logits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                       visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attend_with_logits(q: torch.Tensor, keys, values, scaling: float, visible: torch.Tensor | None = None,
+                       native: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of decode queries that also returns what a scoring method needs.
 
-    q ``[b, hq, n, d]`` (n small), keys/values ``[b, kv, L, d]`` (never expanded to the query heads),
-    `visible` a boolean mask broadcastable to ``[b, kv, g, n, L]`` or None. Returns the output
-    ``[b, hq, n, d]``, the float32 logits and the probabilities, both ``[b, kv, g, n, L]``.
+    q ``[b, hq, n, d]`` (n small), keys/values ``[b, kv, L, d]`` (tensors, never expanded to the query heads, or
+    :class:`~attnkit.methods.decode_native.Entries` read where they lie), `visible` a boolean mask broadcastable to
+    ``[b, kv, g, n, L]`` or None. Returns the output ``[b, hq, n, d]``, the float32 logits and the probabilities, both
+    ``[b, kv, g, n, L]``. `native` (None: where :func:`attnkit.methods.decode_native.runs`) computes one query per
+    row with the CPU kernel, the same bits wherever the entries lie; otherwise torch's operations
+    (:func:`~attnkit.methods.decode_native.torch_attend`) on a copy.
     """
-    b, hq, n, d = q.shape
-    kv, n_keys = keys.shape[1], keys.shape[2]
-    g = hq // kv
-    qg = q.reshape(b, kv, g * n, d)
-    logits = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scaling).view(b, kv, g, n, n_keys)
-    if visible is not None:
-        logits = logits.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.matmul(probs.view(b, kv, g * n, n_keys).to(values.dtype), values)
-    return out.view(b, hq, n, d), logits, probs
+    if native is None:
+        native = decode_native.runs(q, keys, values, visible)
+    if native:
+        return decode_native.attend(q, keys, values, scaling)
+    return decode_native.torch_attend(q, decode_native.tensor(keys), decode_native.tensor(values), scaling, visible)
 
 
 def flat_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor, kv_heads: int,

@@ -1,8 +1,8 @@
 """attnkit's C++ kernels for the CPU: built the first time a process needs one, cached per machine, called through
 :mod:`ctypes`.
 
-Each kernel is one plain C++17 file here (GCC/Clang vector extensions, ``std::thread``) with a C entry point, and
-``tile.h`` holds what they share (vectors of the target's register width, their exponential, FlashAttention's
+Each kernel is one plain C++17 file here (GCC/Clang vector extensions, ``std::thread`` or OpenMP) with a C entry
+point, and ``tile.h`` holds what they share (vectors of the target's register width, their exponential, FlashAttention's
 micro-tiles, sized at build time for the instruction set: 32 registers of 16 floats with AVX-512, 16 of 8 with AVX2).
 They use neither torch's nor Python's headers, so one compiler call builds each: the system's compiler (``$CXX``,
 else ``c++``, ``g++`` or ``clang++``) for the instruction set ``$ATTNKIT_NATIVE_ISA`` names (:data:`ISAS`):
@@ -41,6 +41,9 @@ ENV_SWITCH = "ATTNKIT_NATIVE"  # 0: never build or use the kernels; 1: always wh
 ENV_ISA = "ATTNKIT_NATIVE_ISA"
 ENV_CACHE = "ATTNKIT_CACHE_DIR"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
+# a kernel's own flags, dropped where the compiler refuses them: the decode kernel runs on OpenMP's threads (torch's
+# pool where torch links the same runtime), serially without
+OWN_FLAGS = {"decode": ("-fopenmp",)}
 # the compiler's target per instruction set; `native` is dropped when the compiler refuses it
 ISAS = {"native": ("-march=native",), "avx2": ("-mavx2", "-mfma"),
         "avx512": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma")}
@@ -118,7 +121,8 @@ def _build(name: str, target_isa: str) -> Path:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++ or clang++)")
     source = FOLDER / f"{name}.cpp"
     tune = ISAS[target_isa]
-    parts = [source.read_bytes(), (FOLDER / "tile.h").read_bytes(), cxx.encode(), " ".join(FLAGS + tune).encode(),
+    own = OWN_FLAGS.get(name, ())
+    parts = [source.read_bytes(), (FOLDER / "tile.h").read_bytes(), cxx.encode(), " ".join(FLAGS + tune + own).encode(),
              _cpu().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     folder = cache_folder()
@@ -127,7 +131,9 @@ def _build(name: str, target_isa: str) -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     error = ""
-    for flags in (tune, ()) if target_isa == "native" else (tune,):
+    tries = [tune + own, tune] if own else [tune]
+    tries += [flags[len(tune):] for flags in tries] if target_isa == "native" else []  # -march=native refused
+    for flags in tries:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
         done = subprocess.run([cxx, *FLAGS, *flags, f"-I{FOLDER}", str(source), "-o", tmp], capture_output=True,

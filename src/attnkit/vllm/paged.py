@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.errors import AttnkitError
+from attnkit.methods.decode_native import Entries
 
 DIGIT = 32  # every code written is an integer in [1, DIGIT], exact in any float dtype the cache holds
 
@@ -151,6 +152,29 @@ def gather_heads(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Lay
     return tuple(_entry_rows(half, order, block_rows, slots).view(rows, kv, n, -1) if not isinstance(order, str)
                  else _transposed_entries(half, block_rows, slots)
                  for half, order in ((key_cache, layout.key_order), (value_cache, layout.value_order)))
+
+
+def entries(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Layout, block_rows: torch.Tensor,
+            slots: torch.Tensor) -> tuple[Entries, Entries] | None:
+    """:func:`gather_heads`'s entries read where they lie, not copied (:class:`~attnkit.methods.decode_native.Entries`:
+    each entry's address in its half of the cache), or None for a layout whose entries are not one run of numbers at
+    a fixed distance (a permutation :func:`learn_layout` found)."""
+    if not all(order is None or isinstance(order, str) for order in (layout.key_order, layout.value_order)):
+        return None
+    rows, kv, n = slots.shape
+    slots = slots.to(block_rows.device)
+    size = key_cache.shape[2]
+    block, within = slots.div(size, rounding_mode="floor"), slots.remainder(size)
+    blocks = block_rows.long().gather(1, block.flatten(1)).view_as(slots)
+    heads = torch.arange(kv, device=slots.device).view(1, kv, 1)
+    found = []
+    for half, order in ((key_cache, layout.key_order), (value_cache, layout.value_order)):
+        start = (blocks * half.stride(0)).add_(heads * half.stride(1))
+        if isinstance(order, str):  # TRANSPOSED: a block's entry numbers lie block_size apart
+            found.append(Entries(half, start.add_(within), size, half.shape[3]))
+        else:
+            found.append(Entries(half, start.add_(within * half.stride(2)), half.stride(3), half.shape[3]))
+    return found[0], found[1]
 
 
 def _transposed_entries(half: torch.Tensor, block_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,11 @@ per layer: dozens of small operations per request, which on a serving batch cost
 requests of a step that hold their full budget (a layer full at ``B`` entries per kv head, its state caught up to
 this token) and run the same method step together, per layer:
 
-- one gather of every request's entries from their slots (:func:`attnkit.vllm.paged.gather_heads`), in each
-  request's own order, into one attnkit :class:`~attnkit.cache.LayerKV` whose rows are the requests, their per-entry
-  statistics beside them;
+- every request's entries, in each request's own order, as one attnkit :class:`~attnkit.cache.LayerKV` whose rows
+  are the requests, their per-entry statistics beside them: the entries' addresses in vLLM's blocks
+  (:func:`attnkit.vllm.paged.entries`, :class:`InPlace`), which the method's attention reads in place (on a CPU,
+  :mod:`attnkit.methods.decode_native`; elsewhere a copy), or, for a layout they cannot describe, one gather
+  (:func:`attnkit.vllm.paged.gather_heads`);
 - one call of the method's own decode hooks on it, a :class:`~attnkit.session.Step` whose rows each sit at their own
   position (:attr:`~attnkit.session.Step.per_row`), the requests' method states stacked into one and back
   (:meth:`~attnkit.methods.base.Method.stack_states`): the same operations as one request's step, on more rows;
@@ -25,13 +27,35 @@ prompt, its states not stackable) runs one by one.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from attnkit.cache import LayerKV
+from attnkit.methods import decode_native
+from attnkit.methods.decode_native import Entries, tensor
 from attnkit.session import Step
 from attnkit.vllm import host, live, metrics, paged
 from attnkit.vllm.requests import Row
+
+
+@dataclass
+class InPlace(LayerKV):
+    """A stacked step's entries read where they lie in vLLM's blocks (:class:`~attnkit.methods.decode_native.Entries`),
+    not copied: the new token, which vLLM has written at its own position's slot, takes its victim's place in each row
+    and kv head by its address (`fresh`: its keys' and values' entries ``[rows, kv, 1]``)."""
+
+    fresh: tuple[Entries, Entries] | None = None
+
+    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        self.keys, self.values = (e.with_offsets(e.offsets.scatter(2, slots, f.offsets))
+                                  for e, f in zip((self.keys, self.values), self.fresh))
+        self.positions.scatter_(2, slots, pos.expand_as(slots))
+        for stat in self.extras.values():
+            stat.scatter_(2, slots, 0)
+
+    def write_slot(self, slot: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        self.write_slots(torch.full(self.positions.shape[:2] + (1,), slot, device=self.positions.device), k, v, pos)
 
 
 def stackable(row: Row) -> bool:
@@ -80,15 +104,25 @@ def _step(members: list, call: host.LayerCall, query, key, value, cache, output)
     index = torch.tensor(firsts, device=query.device)
     slots = torch.stack([o.slots for o in olds])  # [rows, kv, held]: each entry's slot, in its LayerKV's order
     tables = torch.stack(block_rows)
-    keys, values = paged.gather_heads(key_cache, value_cache, layout, tables, slots)
-    kv = LayerKV(keys, values, torch.cat([o.kv.positions for o in olds]).to(keys.device), held,
-                 extras={name: torch.cat([o.kv.extras[name] for o in olds]) for name in olds[0].kv.extras})
     positions = torch.tensor([r.start for r in rows])
+    held_at = torch.cat([o.kv.positions for o in olds]).to(key_cache.device)
+    extras = {name: torch.cat([o.kv.extras[name] for o in olds]) for name in olds[0].kv.extras}
+    found = None
+    if query.dtype == key_cache.dtype and decode_native.reads_in_place(key_cache.device, key_cache.dtype,
+                                                                        key_cache.shape[-1], value_cache.shape[-1]):
+        # the held entries and, last, the new token at its position's slot
+        found = paged.entries(key_cache, value_cache, layout, tables,
+                              torch.cat([slots, positions.view(-1, 1, 1).expand(slots.shape[:2] + (1,))], dim=2))
+    if found is None:  # no kernel to read them in place, or a layout whose entries it cannot address: copies
+        kv = LayerKV(*paged.gather_heads(key_cache, value_cache, layout, tables, slots), held_at, held, extras=extras)
+    else:
+        kv = InPlace(*(e[:, :, :held] for e in found), held_at, held, extras=extras,
+                     fresh=tuple(e[:, :, held:] for e in found))
     session = live.new_session(method, call, torch.tensor([s.prompt_len for s in sessions]),
                                torch.tensor([s.max_new_tokens for s in sessions]), count)
     session.layer_state[layer], session.state = stacked
     session.cache.layers[layer] = kv
-    step = Step(session, "decode", positions.view(-1, 1, 1).to(keys.device), per_row=True)
+    step = Step(session, "decode", positions.view(-1, 1, 1).to(key_cache.device), per_row=True)
     out = step.attention(layer, query[index].unsqueeze(2), key[index].unsqueeze(2), value[index].unsqueeze(2),
                          call.scaling, None)
     kv = session.cache.layers[layer]
@@ -109,7 +143,7 @@ def _step(members: list, call: host.LayerCall, query, key, value, cache, output)
     leaving = (slots < floors.view(-1, 1, 1).to(slots.device)).flatten(1).any(dim=1).tolist()
     for r in (r for r, moved in enumerate(leaving) if moved):
         write = paged.request_slots(key_cache, value_cache, layout, block_rows[r], key_cache.shape[2], store)[1]
-        own = LayerKV(kv.keys[r:r + 1], kv.values[r:r + 1], kv.positions[r:r + 1], held)
+        own = LayerKV(tensor(kv.keys[r:r + 1]), tensor(kv.values[r:r + 1]), kv.positions[r:r + 1], held)
         slots[r] = live.relocate(own, slots[r], int(ends[r]), write, int(floors[r]))
     lowest = slots.flatten(1).min(dim=1).values.tolist()
     # each request's rows of the step's tensors (views: a request's later steps write only its own row)
