@@ -1,6 +1,6 @@
 // One decoding query per row and query head over the entries its kv head holds, wherever they lie, with the logits
-// and probabilities a per-step eviction method scores by (H2O, arXiv 2306.14048; TOVA, arXiv 2401.06104; Keyformer,
-// arXiv 2403.09054), on a CPU.
+// and probabilities a per-step eviction method scores by (H2O, arXiv 2306.14048; TOVA, arXiv 2401.06104), and
+// optionally Keyformer's score (arXiv 2403.09054, eq. 9), on a CPU.
 //
 // What and why: see attnkit/methods/decode_native.py. In short, a per-step method needs each step's attention
 // probabilities over the held entries, which no attention kernel returns, so it computes the step's attention
@@ -10,9 +10,10 @@
 //
 // Addressing: entry j of row r and kv head h starts at element koff[(r * KV + h) * N + j] of `key` (voff of
 // `value`), or, without offsets, at r * ks[0] + h * ks[1] + j * ks[2] (a strided tensor [R, KV, N, D]); its numbers
-// lie ks[3] (vs[3]) elements apart: a strided tensor and vLLM's blocks (rows, or each block's keys transposed) alike. The arithmetic never depends on where an entry lies, so a cache read in place
-// and a copy of it give the same bits. Queries q [R, HQ, D] (qs: row and head strides, the last axis contiguous);
-// outputs out [R, HQ, DV], logits and probs [R, HQ, N] (contiguous; logits already scaled).
+// lie ks[3] (vs[3]) elements apart: a strided tensor and vLLM's blocks (rows, or each block's keys transposed)
+// alike. The arithmetic never depends on where an entry lies, so a cache read in place and a copy of it give the
+// same bits. Queries q [R, HQ, D] (qs: row and head strides, the last axis contiguous); outputs out [R, HQ, DV],
+// logits and probs [R, HQ, N] (contiguous; logits already scaled).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -56,7 +57,7 @@ struct Scratch {
     std::vector<float> y;                           // Keyformer's noisy logits of one query head
 };
 
-// entry c of a tile (from entry j0) of row r and kv head h: where its numbers start
+// where entry j of row r and kv head h starts: off[j] (that row and head's offsets), or by the strides
 inline int64_t start(const int64_t* off, const int64_t* strides, int64_t r, int64_t h, int64_t j) {
     return off ? off[j] : r * strides[0] + h * strides[1] + j * strides[2];
 }
@@ -76,12 +77,8 @@ void load_keys(const Problem& a, Scratch& s, int64_t item, int64_t j0, int64_t n
                 const v4 r1 = *reinterpret_cast<const v4u*>(a.key + at[c + 1] + d);
                 const v4 r2 = *reinterpret_cast<const v4u*>(a.key + at[c + 2] + d);
                 const v4 r3 = *reinterpret_cast<const v4u*>(a.key + at[c + 3] + d);
-                const v4 t0 = __builtin_shufflevector(r0, r1, 0, 4, 1, 5), t1 = __builtin_shufflevector(r2, r3, 0, 4, 1, 5);
-                const v4 t2 = __builtin_shufflevector(r0, r1, 2, 6, 3, 7), t3 = __builtin_shufflevector(r2, r3, 2, 6, 3, 7);
-                *reinterpret_cast<v4u*>(kt + d * BK + c) = __builtin_shufflevector(t0, t1, 0, 1, 4, 5);
-                *reinterpret_cast<v4u*>(kt + (d + 1) * BK + c) = __builtin_shufflevector(t0, t1, 2, 3, 6, 7);
-                *reinterpret_cast<v4u*>(kt + (d + 2) * BK + c) = __builtin_shufflevector(t2, t3, 0, 1, 4, 5);
-                *reinterpret_cast<v4u*>(kt + (d + 3) * BK + c) = __builtin_shufflevector(t2, t3, 2, 3, 6, 7);
+                for (int i = 0; i < 4; ++i)  // built lane by lane: compilers turn this into shuffles
+                    *reinterpret_cast<v4u*>(kt + (d + i) * BK + c) = v4{r0[i], r1[i], r2[i], r3[i]};
             }
         for (; c < n; ++c)
             for (int64_t d = 0; d < D; ++d) kt[d * BK + c] = a.key[at[c] + d];
@@ -100,7 +97,8 @@ void load_keys(const Problem& a, Scratch& s, int64_t item, int64_t j0, int64_t n
     for (int64_t d = 0; d < D; ++d) std::fill(kt + d * BK + n, kt + (d + 1) * BK, 0.0f);
 }
 
-// the n values of a tile as rows of DV numbers: where they lie (a strided tensor's, row stride *stride), or copied into vt
+// the n values of a tile as rows of DV numbers: where they lie (a strided tensor's, row stride *stride), or copied
+// into vt
 const float* load_values(const Problem& a, Scratch& s, int64_t item, int64_t j0, int64_t n, int64_t* stride) {
     const int64_t r = item / a.KV, h = item % a.KV;
     if (!a.voff && a.vstep == 1) {
