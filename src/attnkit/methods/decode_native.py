@@ -14,11 +14,15 @@ arithmetic never depends on where the entries lie, so attnkit's runner (a stride
 and vLLM's blocks (read in place) give the same bits, and therefore the same tokens; it is written by hand because no
 library attends over entries addressed one by one and returns the probabilities.
 
+With Keyformer's score (:class:`KeyformerScore`) the same call also computes eq. 9 of the step from its logits. The
+kernel runs on OpenMP's threads (torch's pool where torch links the same runtime), one row and kv head each.
+
 Where it runs (:func:`runs`): a CPU, float32, one query per row, no sliding-window mask, value heads a multiple of 16
-wide, the kernel built and, by :mod:`attnkit.native.guard`, faster than torch's product-softmax-product on this CPU
-(one comparison per machine, build and head size: a choice that depends on nothing a host sets, its batches or a
-tensor-parallel worker's share of the heads, so every host on the machine makes the same one). Elsewhere torch's operations run on a copy of the entries (:meth:`Entries.
-tensor`); both agree to float32 rounding (``tests/methods/test_decode_native.py``).
+wide, the kernel built and, by :mod:`attnkit.native.guard`, faster than torch's product-softmax-product
+(:func:`torch_attend`) on this CPU: one comparison per machine, build and head size, a choice that depends on nothing
+a host sets (its batches, a tensor-parallel worker's share of the heads), so every host on the machine makes the same
+one. Elsewhere torch's operations run on a copy of the entries (:meth:`Entries.tensor`); both agree to float32
+rounding (``tests/methods/test_decode_native.py``).
 """
 
 from __future__ import annotations
