@@ -35,7 +35,7 @@ import torch
 from attnkit import native
 from attnkit.native import guard
 
-GUARD_ROWS, GUARD_KEYS = 16, 1024  # the guard's comparison: rows (requests) and held entries per kv head
+GUARD_ROWS, GUARD_KEYS = 32, 2048  # the guard's comparison: rows (requests) and held entries per kv head (a serving batch)
 GUARD_REPEATS = 15  # its timed runs of each path (short calls: more of them than the prompt kernels' comparisons)
 _P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURE = ("attnkit_decode_attention",
