@@ -103,7 +103,8 @@ def test_where_it_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["h2o:budget_tokens=48", "tova:budget_tokens=48",
-                                  "keyformer:budget_tokens=48,gqa_reduce=max", "keyformer:budget_tokens=48,noise=gaussian"])
+                                  "keyformer:budget_tokens=48,gqa_reduce=max",
+                                  "keyformer:budget_tokens=48,noise=gaussian"])
 def test_per_step_generations_keep_the_tokens_of_the_torch_path(arch_models, monkeypatch, spec):
     """A batch of per-step generations evicting on every step: the kernel takes every layer's decode step, and the
     tokens and logits (within 1e-4) are the torch path's."""

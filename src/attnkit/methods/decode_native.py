@@ -35,7 +35,7 @@ import torch
 from attnkit import native
 from attnkit.native import guard
 
-GUARD_ROWS, GUARD_KEYS = 32, 2048  # the guard's comparison: rows (requests) and held entries per kv head (a serving batch)
+GUARD_ROWS, GUARD_KEYS = 32, 2048  # the guard's comparison, a serving batch: rows (requests), entries per kv head
 GUARD_REPEATS = 15  # its timed runs of each path (short calls: more of them than the prompt kernels' comparisons)
 _P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURE = ("attnkit_decode_attention",
@@ -204,8 +204,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor | Entries, values: torch.Tensor |
         _pointer(positions), _pointer(tau), float(score.shift if score else 0.0),
         int(score is not None and score.reduce == "max"), _pointer(weights), threads or torch.get_num_threads())
     if code:
-        raise ValueError(f"the CPU decode kernel refused q {tuple(q.shape)}, values {tuple(values.shape)} (code {code}): "
-                         f"it takes value heads a multiple of 16 wide")
+        raise ValueError(f"the CPU decode kernel refused q {tuple(q.shape)}, values {tuple(values.shape)} "
+                         f"(code {code}): it takes value heads a multiple of 16 wide")
     return (out, logits, probs) if score is None else (out, logits, probs, weights)
 
 
