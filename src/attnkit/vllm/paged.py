@@ -161,20 +161,25 @@ def entries(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: Layout, 
     a fixed distance (a permutation :func:`learn_layout` found)."""
     if not all(order is None or isinstance(order, str) for order in (layout.key_order, layout.value_order)):
         return None
-    rows, kv, n = slots.shape
     slots = slots.to(block_rows.device)
-    size = key_cache.shape[2]
-    block, within = slots.div(size, rounding_mode="floor"), slots.remainder(size)
-    blocks = block_rows.long().gather(1, block.flatten(1)).view_as(slots)
-    heads = torch.arange(kv, device=slots.device).view(1, kv, 1)
-    found = []
-    for half, order in ((key_cache, layout.key_order), (value_cache, layout.value_order)):
-        start = (blocks * half.stride(0)).add_(heads * half.stride(1))
-        if isinstance(order, str):  # TRANSPOSED: a block's entry numbers lie block_size apart
-            found.append(Entries(half, start.add_(within), size, half.shape[3]))
-        else:
-            found.append(Entries(half, start.add_(within * half.stride(2)), half.stride(3), half.shape[3]))
-    return found[0], found[1]
+    blocks = _blocks_of(block_rows, slots, key_cache.shape[2])
+    return tuple(Entries(half, _starts(half, order, blocks, slots),  # TRANSPOSED: numbers block_size apart
+                         half.shape[2] if isinstance(order, str) else half.stride(3), half.shape[3])
+                 for half, order in ((key_cache, layout.key_order), (value_cache, layout.value_order)))
+
+
+def _blocks_of(block_rows: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tensor:
+    """The block id of each of the requests' `slots` ``[rows, kv_heads, n]`` through their block table rows."""
+    return block_rows.long().gather(1, slots.div(size, rounding_mode="floor").flatten(1)).view_as(slots)
+
+
+def _starts(half: torch.Tensor, order, blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Where each entry's first number lies in `half` (elements from its first), for the row layout (None) and
+    :data:`TRANSPOSED`, given its block (:func:`_blocks_of`) and slot."""
+    heads = torch.arange(half.shape[1], device=slots.device).view(1, -1, 1)
+    within = slots.remainder(half.shape[2])
+    start = (blocks * half.stride(0)).add_(heads * half.stride(1))
+    return start.add_(within if isinstance(order, str) else within * half.stride(2))
 
 
 def _transposed_entries(half: torch.Tensor, block_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -182,9 +187,7 @@ def _transposed_entries(half: torch.Tensor, block_rows: torch.Tensor, slots: tor
     product with queries wants): a :data:`TRANSPOSED` half's entries at `slots`, each number taken from the cache's
     storage where it lies (an entry's numbers lie ``block_size`` apart there, so rows cannot be picked whole)."""
     nb, kv, size, dim = half.shape
-    heads = torch.arange(kv, device=slots.device).view(1, kv, 1)
-    blocks = block_rows.long().gather(1, (slots // size).flatten(1)).view_as(slots)
-    first = blocks * half.stride(0) + heads * half.stride(1) + slots % size  # [rows, kv, n]: each entry's dim 0
+    first = _starts(half, TRANSPOSED, _blocks_of(block_rows, slots, size), slots)  # [rows, kv, n]: each entry's dim 0
     numbers = first.unsqueeze(2) + (torch.arange(dim, device=slots.device) * size).view(1, 1, dim, 1)
     storage = half.as_strided(((nb - 1) * half.stride(0) + (kv - 1) * half.stride(1) + dim * size,), (1,))
     return storage.take(numbers).transpose(-1, -2)
@@ -195,7 +198,7 @@ def _entry_rows(half: torch.Tensor, order, block_rows: torch.Tensor, slots: torc
     heads = torch.arange(kv, device=slots.device).view(1, kv, 1)
     if order is None and half.stride(2) == dim and half.stride(3) == 1 and half.stride(0) % dim == half.stride(1) % dim == 0:
         # every entry is a row of the cache's storage: pick the rows
-        blocks = block_rows.long().gather(1, (slots // size).flatten(1)).view_as(slots)
+        blocks = _blocks_of(block_rows, slots, size)
         ids = blocks * (half.stride(0) // dim) + heads * (half.stride(1) // dim) + slots % size
         storage = half.as_strided(((nb - 1) * (half.stride(0) // dim) + (kv - 1) * (half.stride(1) // dim) + size, dim),
                                   (dim, 1))
