@@ -309,8 +309,8 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         tau = torch.as_tensor(tau, dtype=torch.float32).reshape(-1)
         if self.noise in ("gumbel", "gaussian"):
             noise = self._decode_noise(ctx, kv_heads * groups)
-            offsets = noise.row_offsets(ctx, kv_heads).reshape(-1, kv_heads * groups).expand(rows, -1)
-            return KeyformerScore(noise.table(), offsets, positions, tau, self.gqa_reduce)
+            offsets = noise.row_offsets(ctx, kv_heads, positions.device).reshape(-1, kv_heads * groups).expand(rows, -1)
+            return KeyformerScore(noise.table(positions.device), offsets, positions, tau, self.gqa_reduce)
         return KeyformerScore(None, None, positions, tau, self.gqa_reduce,
                               EULER_GAMMA if self.noise == "constant" else 0.0)
 

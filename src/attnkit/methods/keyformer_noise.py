@@ -265,15 +265,16 @@ class DecodeNoise:
     def __call__(self, ctx: LayerContext, k_pos: torch.Tensor) -> torch.Tensor:
         """Noise ``[b, kv, g, 1, keys]`` for the held keys at `k_pos` ``[b, kv, keys]`` of layer ``ctx.index``."""
         # every held key is at or before the query
-        return table_draws(self.kind, self.row_offsets(ctx, k_pos.shape[1]), k_pos, largest=self.q)
+        return table_draws(self.kind, self.row_offsets(ctx, k_pos.shape[1], k_pos.device), k_pos, largest=self.q)
 
-    def table(self) -> torch.Tensor:
-        """The draw table, covering :meth:`row_offsets` plus every key position up to the step's query."""
-        return _table(self.kind, self.device, TABLE_SIZE + self.q + 1)
+    def table(self, device: torch.device) -> torch.Tensor:
+        """The draw table on `device` (a layer's), covering :meth:`row_offsets` plus every key position up to the
+        step's query."""
+        return _table(self.kind, device, TABLE_SIZE + self.q + 1)
 
-    def row_offsets(self, ctx: LayerContext, kv_heads: int) -> torch.Tensor:
+    def row_offsets(self, ctx: LayerContext, kv_heads: int, device: torch.device) -> torch.Tensor:
         """Where the step's rows start in :meth:`table`, per query head of layer ``ctx.index``: ``[1 or b, kv, g, 1,
-        1]`` int64 (the draw of key position j is ``table[offset + j]``)."""
+        1]`` int64 on `device` (the layer's: the draw of key position j is ``table[offset + j]``)."""
         # a stacked step (attnkit.session.Step.per_row) has one query position per row: its offsets are kept for
         # those positions (the host's layers each build their own stacked step)
         queries = tuple(ctx.q_pos.flatten().tolist()) if ctx.step.per_row else None
@@ -290,5 +291,5 @@ class DecodeNoise:
                 at = torch.tensor(queries, dtype=torch.int64).view(-1, 1, 1)
                 hashed = row_hashes(self.head_table[None], at).to(torch.int64)
                 self.offsets = (hashed & (TABLE_SIZE - 1)).to(self.device)
-        offsets = self.offsets[:, ctx.index].to(self.device)  # a few numbers per head, to this layer's device
+        offsets = self.offsets[:, ctx.index].to(device)  # a few numbers per head, to this layer's device
         return offsets.view(-1, kv_heads, self.n_heads // kv_heads, 1, 1)
