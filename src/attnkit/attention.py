@@ -101,7 +101,7 @@ def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     kv = keys.shape[1]
     folded = q.reshape(b, kv, (hq // kv) * n, d)  # row = group * n + i
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scaling)
-    return out.view(b, hq, n, d)
+    return out.reshape(b, hq, n, d)  # CUDA's kernels may return strides a view cannot fold back (a ragged batch's rows)
 
 
 def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
