@@ -131,7 +131,8 @@ def test_per_step_generations_keep_the_tokens_of_the_torch_path(arch_models, mon
 @pytest.mark.parametrize("reduce", ["mean", "max"])
 def test_keyformers_score_in_the_same_call(noise, reduce, build):
     """Keyformer's eq. 9 for the step (its draws at each held key's position, each row's temperature, the group
-    reduced) from the kernel's call equals torch's softmax of the noisy logits over the kernel's own logits."""
+    reduced) from the kernel's call equals torch's softmax of the noisy logits over the kernel's own logits; asked
+    for only some of its outputs, the kernel gives the same bits of those."""
     from attnkit.methods.keyformer_noise import EULER_GAMMA, TABLE_SIZE, _table, row_offsets, table_draws
 
     rows, hq, kv, n, d = 3, 8, 2, 90, 32
@@ -156,6 +157,12 @@ def test_keyformers_score_in_the_same_call(noise, reduce, build):
     assert got.shape == (rows, kv, n)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
     assert all(torch.equal(a, b) for a, b in zip(decode_native.attend(q, k, v, d ** -0.5), (out, logits, probs)))
+    # without the logits and probabilities (what Keyformer's step asks for), or the logits alone (H2O's and TOVA's):
+    # the same bits of what is asked for
+    alone = decode_native.attend(q, k, v, d ** -0.5, score=score, logits=False, probabilities=False)
+    assert alone[1] is None and alone[2] is None and torch.equal(alone[0], out) and torch.equal(alone[3], got)
+    no_logits = scoring.attend_with_logits(q, k, v, d ** -0.5, logits=False)
+    assert no_logits[1] is None and torch.equal(no_logits[0], out) and torch.equal(no_logits[2], probs)
 
 
 def test_a_layout_the_kernel_cannot_address_is_gathered():

@@ -357,24 +357,44 @@ PER_STEP = ["h2o:budget_tokens=256", "keyformer:budget_tokens=256", "tova:budget
 
 def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, short_prompts, monkeypatch):
     """Requests of a per-step method (one entry out per generated token) decoding in the same step run as one call
-    per layer (attnkit.vllm.stacked: their entries gathered together, the method's hooks on rows at their own
-    positions), arriving a few steps apart so their positions differ: every request's whole output (100 tokens) is
-    attnkit's own, and the stacked call did run, with several requests at once for each method."""
+    per layer (attnkit.vllm.stacked: their entries read together, the method's hooks on rows at their own
+    positions), arriving a few steps apart so their positions differ, the group kept from step to step while its
+    requests stay (a Herd), one request of each method sent one by one every seventh step (its group gives every
+    state back first): every request's whole output (100 tokens) is attnkit's own; the stacked call did run, with
+    several requests at once for each method, its groups kept over many steps and given back as requests came,
+    left, and stepped alone."""
     from attnkit.vllm import stacked
+    from attnkit.vllm.stacked import Herd
 
-    together, step = {}, stacked._step
+    together, counts, step, start, dissolve, stackable = {}, {"step": 0, "start": 0, "dissolve": 0}, Herd.step, \
+        Herd.start.__func__, Herd.dissolve, stacked.stackable
 
-    def counting(members, *args):
-        ran = step(members, *args)
+    def counting(herd, members, *args):
+        step(herd, members, *args)
         spec = members[0][1].method.describe()
-        together[spec] = max(together.get(spec, 0), len(members) if ran else 0)
-        return ran
+        together[spec] = max(together.get(spec, 0), len(members))
+        counts["step"] += 1
 
-    monkeypatch.setattr(stacked, "_step", counting)
+    def starting(cls, *args):
+        counts["start"] += 1
+        return start(cls, *args)
+
+    def dissolving(herd):
+        counts["dissolve"] += 1
+        dissolve(herd)
+
+    def sometimes(row):  # the second request of each method: one by one at every seventh position
+        return stackable(row) and not (row.request_id.endswith("-1") and row.start % 7 == 0)
+
+    monkeypatch.setattr(Herd, "step", counting)
+    monkeypatch.setattr(Herd, "start", classmethod(starting))
+    monkeypatch.setattr(Herd, "dissolve", dissolving)
+    monkeypatch.setattr(stacked, "stackable", sometimes)
     arrivals = [(f"together-{spec}-{i}", p, params(spec, LONG)) for i, p in enumerate(short_prompts)
                 for spec in PER_STEP]
     done = run_steps(engine, arrivals, steps_between=2)
     assert len(together) == len(PER_STEP) and min(together.values()) >= 3, together
+    assert counts["step"] > 3 * counts["start"] and counts["dissolve"] > 0, counts
     for spec in PER_STEP:
         ids = [a[0] for a in arrivals if a[0].startswith(f"together-{spec}-")]
         assert_same_tokens([done[i] for i in ids], model, short_prompts, spec, max_tokens=LONG, engine=engine)

@@ -133,7 +133,7 @@ class CaM(EvictionMethod):
     # ---- decoding ----------------------------------------------------------------------------------------------
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
         keys, values, _ = ctx.kv.view()
-        out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
+        out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx), logits=False)
         self.score_buffer(ctx, "attention")[:, :, :ctx.kv.length] += reduce_heads(probs[:, :, :, 0], "mean")
         return out
 

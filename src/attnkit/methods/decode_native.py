@@ -173,10 +173,12 @@ class KeyformerScore:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor | Entries, values: torch.Tensor | Entries, scaling: float,
-           threads: int | None = None, score: KeyformerScore | None = None):
+           threads: int | None = None, score: KeyformerScore | None = None, logits: bool = True,
+           probabilities: bool = True):
     """:func:`~attnkit.methods.scoring.attend_with_logits` for one query per row (`q` ``[b, hq, 1, d]``) by the
-    kernel: the output ``[b, hq, 1, dv]``, the logits and the probabilities ``[b, kv, g, 1, n]`` (float32); with
-    `score`, Keyformer's score ``[b, kv, n]`` after them."""
+    kernel: the output ``[b, hq, 1, dv]``, the logits and the probabilities ``[b, kv, g, 1, n]`` (float32; either
+    None where `logits` or `probabilities` is False: a caller that needs only some of them is spared writing the
+    others); with `score`, Keyformer's score ``[b, kv, n]`` after them."""
     lib = library()
     if lib is None:
         raise RuntimeError("the CPU decode kernel is not available (see runs)")
@@ -189,8 +191,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor | Entries, values: torch.Tensor |
     q = q if q.stride(-1) == 1 else q.contiguous()
     (kp, koff, ks), (vp, voff, vs) = (_address(t) for t in (keys, values))
     out = torch.empty(b, hq, 1, dv, dtype=torch.float32)
-    logits = torch.empty(b, kv, hq // kv, 1, n, dtype=torch.float32)
-    probs = torch.empty_like(logits)
+    shape = (b, kv, hq // kv, 1, n)
+    probs = torch.empty(shape, dtype=torch.float32) if probabilities else None
+    logits = torch.empty(shape, dtype=torch.float32) if logits else None
     weights = table = offsets = positions = tau = None
     if score is not None:
         weights = torch.empty(b, kv, n, dtype=torch.float32)
@@ -200,7 +203,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor | Entries, values: torch.Tensor |
             table, offsets = score.table, score.offsets.to(torch.int64).reshape(b, hq).contiguous()
     code = lib.attnkit_decode_attention(
         q.data_ptr(), _int64s(q.stride()[:2]), b, hq, kv, n, d, dv, kp, _pointer(koff), ks, vp, _pointer(voff), vs,
-        float(scaling), out.data_ptr(), logits.data_ptr(), probs.data_ptr(), _pointer(table), _pointer(offsets),
+        float(scaling), out.data_ptr(), _pointer(logits), _pointer(probs), _pointer(table), _pointer(offsets),
         _pointer(positions), _pointer(tau), float(score.shift if score else 0.0),
         int(score is not None and score.reduce == "max"), _pointer(weights), threads or torch.get_num_threads())
     if code:

@@ -68,7 +68,7 @@ class H2O(BufferedEviction, RecentWindowEviction):
                 self.add_queued(ctx)
             return out
         keys, values, _ = ctx.kv.view()
-        out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
+        out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx), logits=False)
         self.score_buffer(ctx)[:, :, :ctx.kv.length] += reduce_heads(probs[:, :, :, 0], self.gqa_reduce)  # one query
         return out
 

@@ -294,7 +294,7 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         ctx.state.tau = tau
         if decode_native.runs(q, keys, values, visible):  # the step's attention and its score in one kernel call
             out, _, _, score = decode_native.attend(q, keys, values, ctx.scaling, score=self._step_score(
-                ctx, tau, positions, q.shape[1] // keys.shape[1]))
+                ctx, tau, positions, q.shape[1] // keys.shape[1]), logits=False, probabilities=False)
             self._accumulate(ctx, score)
             return out
         out, logits, _ = attend_with_logits(q, keys, values, ctx.scaling, visible, native=False)

@@ -231,7 +231,8 @@ def one_pass_pays(device: torch.device, n_keys: int) -> bool:
 
 
 def attend_with_logits(q: torch.Tensor, keys, values, scaling: float, visible: torch.Tensor | None = None,
-                       native: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       native: bool | None = None, logits: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Attention of decode queries that also returns what a scoring method needs.
 
     q ``[b, hq, n, d]`` (n small), keys/values ``[b, kv, L, d]`` (tensors, never expanded to the query heads, or
@@ -239,12 +240,13 @@ def attend_with_logits(q: torch.Tensor, keys, values, scaling: float, visible: t
     ``[b, kv, g, n, L]`` or None. Returns the output ``[b, hq, n, d]``, the float32 logits and the probabilities, both
     ``[b, kv, g, n, L]``. `native` (None: where :func:`attnkit.methods.decode_native.runs`) computes one query per
     row with the CPU kernel, the same bits wherever the entries lie; otherwise torch's operations
-    (:func:`~attnkit.methods.decode_native.torch_attend`) on a copy.
+    (:func:`~attnkit.methods.decode_native.torch_attend`) on a copy. With `logits` False a caller that reads only the
+    output and the probabilities may get None for the logits (the kernel then does not write them).
     """
     if native is None:
         native = decode_native.runs(q, keys, values, visible)
     if native:
-        return decode_native.attend(q, keys, values, scaling)
+        return decode_native.attend(q, keys, values, scaling, logits=logits)
     return decode_native.torch_attend(q, decode_native.tensor(keys), decode_native.tensor(values), scaling, visible)
 
 

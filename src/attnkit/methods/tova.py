@@ -85,7 +85,7 @@ class TOVA(BufferedEviction):
 
     def attend_decode(self, ctx: LayerContext, q: torch.Tensor) -> torch.Tensor:
         keys, values, _ = ctx.kv.view()
-        out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx))
+        out, _, probs = attend_with_logits(q, keys, values, ctx.scaling, self.window_visibility(ctx), logits=False)
         # probs [b, kv, g, 1, L]: the mean over every query head of the layer (of the whole model: a tensor-parallel
         # shard's heads and the others'), for every kv head's slots
         score = self.score_buffer(ctx)

@@ -13,7 +13,7 @@
 // lie ks[3] (vs[3]) elements apart: a strided tensor and vLLM's blocks (rows, or each block's keys transposed)
 // alike. The arithmetic never depends on where an entry lies, so a cache read in place and a copy of it give the
 // same bits. Queries q [R, HQ, D] (qs: row and head strides, the last axis contiguous); outputs out [R, HQ, DV],
-// logits and probs [R, HQ, N] (contiguous; logits already scaled).
+// logits and probs [R, HQ, N] (contiguous; logits already scaled; either null where the caller needs neither).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -129,8 +129,10 @@ bool block_logits(const Problem& a, Scratch& s, int64_t item, const float* Q) {
     std::vector<int64_t>& bases = s.bases;  // the blocks, in the order first met (a few: a linear search)
     bases.clear();
     s.where.resize(a.N);
+    const int64_t mask = (K & (K - 1)) == 0 ? K - 1 : -1;  // a block size that is a power of two: no division
     for (int64_t j = 0, last = -1; j < a.N; ++j) {
-        const int64_t base = off[j] - off[j] % K;
+        const int64_t within = mask >= 0 ? off[j] & mask : off[j] % K;
+        const int64_t base = off[j] - within;
         if (last < 0 || bases[last] != base) {
             last = std::find(bases.begin(), bases.end(), base) - bases.begin();
             if (last == static_cast<int64_t>(bases.size())) {
@@ -138,7 +140,7 @@ bool block_logits(const Problem& a, Scratch& s, int64_t item, const float* Q) {
                 bases.push_back(base);
             }
         }
-        s.where[j] = last * K + off[j] % K;
+        s.where[j] = last * K + within;
     }
     const int64_t W = static_cast<int64_t>(bases.size()) * K;  // slot logits per query row
     s.slots.resize(GP * W);
@@ -156,8 +158,9 @@ bool block_logits(const Problem& a, Scratch& s, int64_t item, const float* Q) {
     return true;
 }
 
-// Keyformer's score of item (r, h) from the logits it wrote to a.logits: eq. 9 per query head, reduced over the group
-void keyformer_weights(const Problem& a, Scratch& s, int64_t item) {
+// Keyformer's score of item (r, h) from its logits (L: a row of NP per query head, -inf past the last entry): eq. 9
+// per query head, reduced over the group
+void keyformer_weights(const Problem& a, Scratch& s, int64_t item, const float* L) {
     const int64_t r = item / a.KV, h = item % a.KV, G = a.G, N = a.N, NP = a.NP;
     const int64_t* kpos = a.kpos + item * N;
     float *Y = s.y.data(), *W = s.y.data() + NP;  // the noisy logits of a query head; the group's sum or maximum
@@ -165,7 +168,7 @@ void keyformer_weights(const Problem& a, Scratch& s, int64_t item) {
     const float tau = a.tau[r];
     for (int64_t g = 0; g < G; ++g) {
         const int64_t head = h * G + g;
-        const float* logit = a.logits + (r * a.HQ + head) * N;
+        const float* logit = L + g * NP;
         if (a.table) {
             const float* zeta = a.table + a.noise_off[r * a.HQ + head];
             for (int64_t j = 0; j < N; ++j) Y[j] = logit[j] + zeta[kpos[j]];
@@ -217,14 +220,14 @@ void run_item(const Problem& a, Scratch& s, int64_t item) {
             }
         }
     }
+    if (a.weights) keyformer_weights(a, s, item, L);
     // the probabilities: exponentials relative to each row's maximum, divided by their sum
     for (int64_t g = 0; g < G; ++g) {
         float* row = L + g * NP;
         vf top = splat(-INFINITY);
         for (int64_t c = 0; c < NP; c += VW) top = vmax(top, ld(row + c));
         const float m = hmax(top);
-        float* logit = a.logits + (r * a.HQ + h * G + g) * a.N;
-        std::memcpy(logit, row, a.N * sizeof(float));
+        if (a.logits) std::memcpy(a.logits + (r * a.HQ + h * G + g) * a.N, row, a.N * sizeof(float));
         vf sum = splat(0.0f);
         for (int64_t c = 0; c < NP; c += VW) {
             const vf e = vexp(ld(row + c) - m);
@@ -233,9 +236,8 @@ void run_item(const Problem& a, Scratch& s, int64_t item) {
         }
         const float total = hsum(sum);
         for (int64_t c = 0; c < NP; c += VW) st(row + c, ld(row + c) / total);
-        std::memcpy(a.probs + (r * a.HQ + h * G + g) * a.N, row, a.N * sizeof(float));
+        if (a.probs) std::memcpy(a.probs + (r * a.HQ + h * G + g) * a.N, row, a.N * sizeof(float));
     }
-    if (a.weights) keyformer_weights(a, s, item);
     for (int64_t g = G; g < GP; ++g) std::fill(L + g * NP, L + (g + 1) * NP, 0.0f);
     // the output: the probabilities times the values, tile by tile
     std::fill(O, O + GP * DV, 0.0f);

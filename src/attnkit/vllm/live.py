@@ -22,8 +22,9 @@ count; a slot's order does not matter to attention. The blocks wholly before the
 (:meth:`~attnkit.vllm.plan.Plan.freeable`); the layer's count is checked against the plan after every call.
 
 Requests of a per-step method that decode in the same step, each holding its full budget, step together instead,
-one call per layer for all of them (:mod:`attnkit.vllm.stacked`); the slots and states they leave are the ones this
-module keeps.
+one call per layer for all of them (:mod:`attnkit.vllm.stacked`); while the same requests do, their layers point to
+the group (:class:`Herded`), and each gets its own slots and state back (the ones this module keeps) when the group
+changes or before it steps alone.
 
 Steps that cannot compress, of a method whose decode step between two compressions only appends its entry, attends
 densely over everything held and remembers recent queries (:meth:`~attnkit.methods.prompt_scorer.PromptScorer.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,6 +64,20 @@ class LiveLayer:
     slots: torch.Tensor
     end: int  # the position after the layer's last call through the hooks (its run ends there)
     first: int  # the lowest slot an entry lies in (the run's first, or earlier in a block the plan keeps)
+
+
+@dataclass(eq=False)
+class Herded:
+    """One layer of a live request whose state lies, between steps, in a group of requests stepping together: row
+    `row` of `herd` (an :class:`attnkit.vllm.stacked.Herd`), whose ``dissolve()`` puts every member's own
+    :class:`LiveLayer` and state back."""
+
+    herd: Any
+    row: int
+
+    @property
+    def end(self) -> int:
+        return self.herd.ends[self.row]
 
 
 @dataclass
@@ -88,12 +104,17 @@ class LiveRequests:
     def __init__(self):
         self.open: dict[str, LiveRequest] = {}
         self.forward = 0
+        # groups of requests stepping together, by (layer, their method and budget) (attnkit.vllm.stacked.Herd)
+        self.herds: dict = {}
 
     def begin_forward(self, known) -> None:
         """A new forward pass; forget requests the model runner no longer holds (finished or aborted)."""
         self.forward += 1
         for rid in [r for r in self.open if r not in known]:
             del self.open[rid]
+        alive = {id(e) for e in self.open.values()}
+        for herd in [h for h in self.herds.values() if any(id(e) not in alive for e in h.members)]:
+            herd.dissolve()
 
     def enter(self, row: Row, make_method, call) -> LiveRequest:
         """`row`'s request with the steps of this forward (its tokens ``row.start ...``); ``make_method(row)``: the
@@ -271,6 +292,9 @@ def attention(row: Row, make_method, call, q, k, v, paged, inputs=None) -> torch
     entry = call.state.live.enter(row, make_method, call)
     session, index = entry.session, call.layer
     old = entry.layers[index]
+    if isinstance(old, Herded):  # its state lies in a group stepping together: its own first
+        old.herd.dissolve()
+        old = entry.layers[index]
     session.cache.layers[index] = None if old is None else hydrate(old, paged.gather)
     module = None if inputs is None else inputs[1]
     if inputs is not None:

@@ -5,19 +5,25 @@ stacks_decode`) evicts one entry per kv head and generated token. Run request by
 each step costs every request a gather of its entries, the method's few operations and the bookkeeping of its slots,
 per layer: dozens of small operations per request, which on a serving batch cost more than the model. Here the
 requests of a step that hold their full budget (a layer full at ``B`` entries per kv head, its state caught up to
-this token) and run the same method step together, per layer:
+this token) and run the same method step together, per layer, as a :class:`Herd`:
 
 - every request's entries, in each request's own order, as one attnkit :class:`~attnkit.cache.LayerKV` whose rows
   are the requests, their per-entry statistics beside them: the entries' addresses in vLLM's blocks
   (:func:`attnkit.vllm.paged.entries`, :class:`InPlace`), which the method's attention reads in place (on a CPU,
-  :mod:`attnkit.methods.decode_native`; elsewhere a copy), or, for a layout they cannot describe, one gather
+  :mod:`attnkit.methods.decode_native`; elsewhere a copy), or, for a layout they cannot describe, one gather per step
   (:func:`attnkit.vllm.paged.gather_heads`);
 - one call of the method's own decode hooks on it, a :class:`~attnkit.session.Step` whose rows each sit at their own
-  position (:attr:`~attnkit.session.Step.per_row`), the requests' method states stacked into one and back
+  position (:attr:`~attnkit.session.Step.per_row`), on the requests' method states stacked into one
   (:meth:`~attnkit.methods.base.Method.stack_states`): the same operations as one request's step, on more rows;
 - the new token took its victim's place in each row and kv head; its slot is its position's (vLLM wrote it there),
   every other entry stays in its slot. A request whose run of slots has just left a block moves that block's
   survivors into the run (:func:`attnkit.vllm.live.relocate`, once per block of steps, as one by one).
+
+A herd lasts while the same requests step together in the same order (a serving batch changes when a request joins,
+finishes or is preempted, not at every step): its stacked states, entries' slots and addresses are kept from step to
+step, so a step costs the method's hooks and the new token's address, not a stacking of every request's state. The
+requests' own layers point to it (:class:`attnkit.vllm.live.Herded`) until :meth:`Herd.dissolve` gives each its own
+state back: when the group changes, or before a request's step runs one by one.
 
 The entries, their order and the method's arithmetic are those of the one-by-one path, so a request's tokens do not
 depend on which requests it stepped with. A request that is not in that state (still filling its budget, in its
@@ -28,13 +34,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from attnkit.cache import LayerKV
 from attnkit.methods import decode_native
 from attnkit.methods.decode_native import Entries, tensor
-from attnkit.session import Step
+from attnkit.session import Session, Step
 from attnkit.vllm import host, live, metrics, paged
 from attnkit.vllm.requests import Row
 
@@ -71,88 +78,184 @@ def attention(rows: list, call: host.LayerCall, query, key, value, cache, output
     `output`, for those that can step together; returns the others as ``(first, end, Row, block table row)`` for the
     one-by-one path. `cache`: ``(key cache, value cache, layout, store)`` of the layer (the backend's
     ``cache_layout``)."""
+    requests, layer = call.state.live, call.layer
     groups: dict = {}
     rest = []
     for first, row, block_row in rows:
-        entry = call.state.live.enter(row, host.session_method, call)
-        old = entry.layers[call.layer]
-        if (old is None or old.end != row.start or entry.pending or old.kv.length != old.kv.capacity
-                or old.kv.length != row.plan.held(row.start + 1)):
+        entry = requests.enter(row, host.session_method, call)
+        held = _full(entry, entry.layers[layer], row)
+        if held is None:
             rest.append((first, first + 1, row, block_row))
         else:
             # one group per method as the session runs it (its whole parameters: a composed method's parts are not
             # hashable) and budget
             if entry.method_key is None:
                 entry.method_key = repr(entry.session.method)
-            groups.setdefault((entry.method_key, old.kv.capacity), []).append((first, row, block_row, entry, old))
-    for members in groups.values():
-        if len(members) == 1 or not _step(members, call, query, key, value, cache, output):
-            rest += [(first, first + 1, row, block_row) for first, row, block_row, _, _ in members]
+            groups.setdefault((entry.method_key, held), []).append((first, row, block_row, entry))
+    for herd in [h for (at, _), h in requests.herds.items() if at == layer]:
+        if not herd.continues(groups.get(herd.key, ())):
+            herd.dissolve()
+    for group, members in groups.items():
+        herd = requests.herds.get((layer, group))
+        if herd is None and len(members) > 1:
+            herd = Herd.start(members, call, group, query, cache)
+        if herd is None:
+            rest += [(first, first + 1, row, block_row) for first, row, block_row, _ in members]
+        else:
+            herd.step(members, call, query, key, value, cache, output)
     return rest
 
 
-def _step(members: list, call: host.LayerCall, query, key, value, cache, output) -> bool:
-    started = time.perf_counter()
-    firsts, rows, block_rows, entries, olds = zip(*members)
-    sessions = [e.session for e in entries]
-    method, layer = sessions[0].method, call.layer
-    stacked = method.stack_states([s.layer_state[layer] for s in sessions], [s.state for s in sessions])
-    if stacked is None or any(o.kv.extras.keys() != olds[0].kv.extras.keys() for o in olds):
-        return False
-    key_cache, value_cache, layout, store = cache
-    count, held = len(members), olds[0].kv.length
-    index = torch.tensor(firsts, device=query.device)
-    slots = torch.stack([o.slots for o in olds])  # [rows, kv, held]: each entry's slot, in its LayerKV's order
-    tables = torch.stack(block_rows)
-    positions = torch.tensor([r.start for r in rows])
-    held_at = torch.cat([o.kv.positions for o in olds]).to(key_cache.device)
-    extras = {name: torch.cat([o.kv.extras[name] for o in olds]) for name in olds[0].kv.extras}
-    found = None
-    if query.dtype == key_cache.dtype and decode_native.reads_in_place(key_cache.device, key_cache.dtype,
-                                                                        key_cache.shape[-1], value_cache.shape[-1]):
-        # the held entries and, last, the new token at its position's slot
-        found = paged.entries(key_cache, value_cache, layout, tables,
-                              torch.cat([slots, positions.view(-1, 1, 1).expand(slots.shape[:2] + (1,))], dim=2))
-    if found is None:  # no kernel to read them in place, or a layout whose entries it cannot address: copies
-        kv = LayerKV(*paged.gather_heads(key_cache, value_cache, layout, tables, slots), held_at, held, extras=extras)
+def _full(entry: live.LiveRequest, old, row: Row) -> int | None:
+    """The entries per kv head the request's layer holds (`old`, as it was left) where it may step with others: its
+    state caught up to this token and its budget full (the plan's count after this token); else None."""
+    if old is None or entry.pending or old.end != row.start:
+        return None
+    if isinstance(old, live.Herded):
+        held = old.herd.held
     else:
-        kv = InPlace(*(e[:, :, :held] for e in found), held_at, held, extras=extras,
-                     fresh=tuple(e[:, :, held:] for e in found))
-    session = live.new_session(method, call, torch.tensor([s.prompt_len for s in sessions]),
-                               torch.tensor([s.max_new_tokens for s in sessions]), count)
-    session.layer_state[layer], session.state = stacked
-    session.cache.layers[layer] = kv
-    step = Step(session, "decode", positions.view(-1, 1, 1).to(key_cache.device), per_row=True)
-    out = step.attention(layer, query[index].unsqueeze(2), key[index].unsqueeze(2), value[index].unsqueeze(2),
-                         call.scaling, None)
-    kv = session.cache.layers[layer]
-    if kv.length != held:
-        raise RuntimeError(f"attnkit: a stacked step of layer {layer} left {kv.length} entries per kv head, its "
-                           f"plans {held}")
-    method.unstack_states(stacked, [s.layer_state[layer] for s in sessions], [s.state for s in sessions])
-    output[index] = out[:, :, 0].reshape((count,) + tuple(output.shape[1:])).to(output.dtype)
-    # the new token holds its victim's index in each row and kv head, at its own position's slot
-    at = positions.view(-1, 1, 1).to(slots.device)
-    fresh = kv.positions[:, :, :held].to(slots.device) == at
-    if not bool((fresh.sum(dim=-1) == 1).all()):
-        raise RuntimeError(f"attnkit: a stacked step of layer {layer} did not take each new token once per kv head")
-    slots = torch.where(fresh, at, slots)
-    ends = positions + 1
-    floors = ends - held
-    floors -= floors % key_cache.shape[2]  # a per-step run's entries may wait in its first block (live.relocate)
-    leaving = (slots < floors.view(-1, 1, 1).to(slots.device)).flatten(1).any(dim=1).tolist()
-    for r in (r for r, moved in enumerate(leaving) if moved):
-        write = paged.request_slots(key_cache, value_cache, layout, block_rows[r], key_cache.shape[2], store)[1]
-        own = LayerKV(tensor(kv.keys[r:r + 1]), tensor(kv.values[r:r + 1]), kv.positions[r:r + 1], held)
-        slots[r] = live.relocate(own, slots[r], int(ends[r]), write, int(floors[r]))
-    lowest = slots.flatten(1).min(dim=1).values.tolist()
-    # each request's rows of the step's tensors (views: a request's later steps write only its own row)
-    meta = torch.empty((1,) + tuple(kv.keys.shape[1:]), dtype=kv.keys.dtype, device=live.META)
-    held_positions = kv.positions[:, :, :held].clone()
-    for r, entry in enumerate(entries):
-        own = LayerKV(meta, meta, kv.positions[r:r + 1], held,
-                      extras={name: stat[r:r + 1] for name, stat in kv.extras.items()})
-        entry.layers[layer] = live.LiveLayer(own, held_positions[r], slots[r], int(ends[r]), lowest[r])
-    # every step of a per-step method compresses: one layer's compression per request
-    metrics.compacted((time.perf_counter() - started) / count, held, count)
-    return True
+        held = old.kv.length if old.kv.length == old.kv.capacity else -1
+    return held if held == row.plan.held(row.start + 1) else None
+
+
+@dataclass(eq=False)
+class Herd:
+    """One layer's requests of one method and budget (`key`) stepping together, kept from step to step (see the
+    module's docstring): `members` (their :class:`attnkit.vllm.live.LiveRequest`, row by row), the method's
+    states stacked (`stacked`) in a session of their rows, each entry's slot ``[rows, kv, held]``, each request's
+    end of its run (the position after its last step) and the first slot of that run's first block (its floor:
+    :func:`attnkit.vllm.live.relocate`)."""
+
+    requests: live.LiveRequests
+    layer: int
+    key: tuple
+    members: tuple
+    marks: tuple  # what each member's layer holds while the herd lasts (its own LiveLayer comes back on dissolve)
+    method: Any
+    stacked: tuple
+    session: Session
+    slots: torch.Tensor
+    ends: list
+    floors: list
+    in_place: bool  # the entries read where they lie (InPlace); else gathered at each step
+    shape: tuple  # one request's keys ``[1, kv, held, d]``
+    held: int
+
+    @classmethod
+    def start(cls, members: list, call: host.LayerCall, key: tuple, query, cache) -> Herd | None:
+        """The herd of `members` (``(token, Row, block table row, LiveRequest)``, each holding its own
+        :class:`~attnkit.vllm.live.LiveLayer`), or None where their states do not stack."""
+        _, rows, block_rows, entries = zip(*members)
+        olds = [e.layers[call.layer] for e in entries]
+        sessions = [e.session for e in entries]
+        method, layer = sessions[0].method, call.layer
+        stacked = method.stack_states([s.layer_state[layer] for s in sessions], [s.state for s in sessions])
+        if stacked is None or any(o.kv.extras.keys() != olds[0].kv.extras.keys() for o in olds):
+            return None
+        for other in call.state.live.herds.values():  # one run state for every layer, as one generation has
+            if other.key == key and len(other.members) == len(entries) and all(
+                    a is b for a, b in zip(other.members, entries)):
+                stacked = (stacked[0], other.stacked[1])
+                break
+        key_cache, value_cache, layout, _ = cache
+        held, size = olds[0].kv.length, key_cache.shape[2]
+        slots = torch.stack([o.slots for o in olds])  # [rows, kv, held]: each entry's slot, in its LayerKV's order
+        held_at = torch.cat([o.kv.positions for o in olds]).to(key_cache.device)
+        extras = {name: torch.cat([o.kv.extras[name] for o in olds]) for name in olds[0].kv.extras}
+        shape = (1,) + tuple(olds[0].kv.keys.shape[1:])
+        found = None
+        if query.dtype == key_cache.dtype and decode_native.reads_in_place(key_cache.device, key_cache.dtype,
+                                                                            key_cache.shape[-1], value_cache.shape[-1]):
+            found = paged.entries(key_cache, value_cache, layout, torch.stack(block_rows), slots)
+        if found is None:  # no kernel to read them in place, or a layout whose entries it cannot address: copies
+            blank = torch.empty((len(olds),) + shape[1:], dtype=key_cache.dtype, device=live.META)
+            kv = LayerKV(blank, blank, held_at, held, extras=extras)
+        else:
+            kv = InPlace(*found, held_at, held, extras=extras)
+        session = live.new_session(method, call, torch.tensor([s.prompt_len for s in sessions]),
+                                   torch.tensor([s.max_new_tokens for s in sessions]), len(members))
+        session.layer_state[layer], session.state = stacked
+        session.cache.layers[layer] = kv
+        ends = [o.end for o in olds]
+        herd = cls(call.state.live, layer, key, entries, (), method, stacked, session, slots, ends,
+                   [e - held - (e - held) % size for e in ends], found is not None, shape, held)
+        herd.marks = tuple(live.Herded(herd, r) for r in range(len(entries)))
+        for entry, mark in zip(entries, herd.marks):
+            entry.layers[layer] = mark
+        herd.requests.herds[(layer, key)] = herd
+        return herd
+
+    def continues(self, members) -> bool:
+        """Whether `members` (this layer's group of the herd's method and budget in this step) are the herd's
+        requests, in its order."""
+        return len(members) == len(self.members) and all(m[3] is e for m, e in zip(members, self.members))
+
+    def step(self, members: list, call: host.LayerCall, query, key, value, cache, output) -> None:
+        """One decode step of the herd's requests (`members`: :meth:`continues`) in its layer, their outputs written
+        into `output`."""
+        started = time.perf_counter()
+        firsts, rows, block_rows, _ = zip(*members)
+        key_cache, value_cache, layout, store = cache
+        count, held, layer = len(members), self.held, self.layer
+        index = torch.tensor(firsts, device=query.device)
+        tables = torch.stack(block_rows)
+        at = torch.tensor([r.start for r in rows], device=key_cache.device).view(-1, 1, 1)
+        kv = self.session.cache.layers[layer]
+        if self.in_place:  # the new token at its position's slot, where vLLM wrote it
+            kv.fresh = paged.entries(key_cache, value_cache, layout, tables, at.expand(count, self.shape[1], 1))
+        else:
+            kv.keys, kv.values = paged.gather_heads(key_cache, value_cache, layout, tables, self.slots)
+        step = Step(self.session, "decode", at, per_row=True)
+        out = step.attention(layer, query[index].unsqueeze(2), key[index].unsqueeze(2), value[index].unsqueeze(2),
+                             call.scaling, None)
+        kv = self.session.cache.layers[layer]
+        if kv.length != held:
+            raise RuntimeError(f"attnkit: a stacked step of layer {layer} left {kv.length} entries per kv head, its "
+                               f"plans {held}")
+        output[index] = out[:, :, 0].reshape((count,) + tuple(output.shape[1:])).to(output.dtype)
+        # the new token holds its victim's index in each row and kv head, at its own position's slot
+        at = at.to(self.slots.device)
+        fresh = kv.positions[:, :, :held].to(self.slots.device) == at
+        if not bool((fresh.sum(dim=-1) == 1).all()):
+            raise RuntimeError(f"attnkit: a stacked step of layer {layer} did not take each new token once per kv head")
+        self.slots = torch.where(fresh, at, self.slots)
+        size = key_cache.shape[2]
+        for r, row in enumerate(rows):
+            end = self.ends[r] = row.start + 1
+            floor = end - held - (end - held) % size  # a per-step run's entries may wait in its first block
+            if floor != self.floors[r]:
+                self.floors[r] = floor
+                if bool((self.slots[r] < floor).any()):
+                    self._relocate(kv, r, cache, block_rows[r], tables[r:r + 1], end, floor)
+        if not self.in_place:  # the copies go: the next step gathers its entries again
+            kv.keys = kv.values = torch.empty((count,) + self.shape[1:], dtype=kv.keys.dtype, device=live.META)
+        # every step of a per-step method compresses: one layer's compression per request
+        metrics.compacted((time.perf_counter() - started) / count, held, count)
+
+    def _relocate(self, kv: LayerKV, r: int, cache, block_row, table, end: int, floor: int) -> None:
+        """Row `r`'s entries lying before `floor` moved into its run's free slots (:func:`attnkit.vllm.live.
+        relocate`), and their addresses with them."""
+        key_cache, value_cache, layout, store = cache
+        write = paged.request_slots(key_cache, value_cache, layout, block_row, key_cache.shape[2], store)[1]
+        own = LayerKV(tensor(kv.keys[r:r + 1]), tensor(kv.values[r:r + 1]), kv.positions[r:r + 1], self.held)
+        self.slots[r] = live.relocate(own, self.slots[r], end, write, floor)
+        if self.in_place:
+            keys, values = paged.entries(key_cache, value_cache, layout, table, self.slots[r:r + 1])
+            kv.keys.offsets[r], kv.values.offsets[r] = keys.offsets[0], values.offsets[0]
+
+    def dissolve(self) -> None:
+        """Every member's own state and layer back (:class:`attnkit.vllm.live.LiveLayer`: the meta keys and values
+        of a layer between calls), the herd forgotten."""
+        layer = self.layer
+        self.requests.herds.pop((layer, self.key), None)
+        sessions = [e.session for e in self.members]
+        self.method.unstack_states(self.stacked, [s.layer_state[layer] for s in sessions], [s.state for s in sessions])
+        kv = self.session.cache.layers[layer]
+        meta = torch.empty(self.shape, dtype=kv.keys.dtype, device=live.META)
+        held_positions = kv.positions[:, :, :self.held].clone()
+        lowest = self.slots.flatten(1).min(dim=1).values.tolist()
+        for r, (entry, mark) in enumerate(zip(self.members, self.marks)):
+            if entry.layers[layer] is mark:
+                own = LayerKV(meta, meta, kv.positions[r:r + 1], self.held,
+                              extras={name: stat[r:r + 1] for name, stat in kv.extras.items()})
+                entry.layers[layer] = live.LiveLayer(own, held_positions[r], self.slots[r], self.ends[r], lowest[r])
