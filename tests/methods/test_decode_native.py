@@ -133,7 +133,14 @@ def test_keyformers_score_in_the_same_call(noise, reduce, build):
     """Keyformer's eq. 9 for the step (its draws at each held key's position, each row's temperature, the group
     reduced) from the kernel's call equals torch's softmax of the noisy logits over the kernel's own logits; asked
     for only some of its outputs, the kernel gives the same bits of those."""
-    from attnkit.methods.keyformer_noise import EULER_GAMMA, TABLE_SIZE, _table, row_offsets, table_draws
+    from attnkit.methods.keyformer_noise import (
+        EULER_GAMMA,
+        TABLE_SIZE,
+        _table,
+        row_offsets,
+        table_counters,
+        table_draws,
+    )
 
     rows, hq, kv, n, d = 3, 8, 2, 90, 32
     q, k, v = randn(rows, hq, 1, d, seed=7), randn(rows, kv, n, d, seed=8), randn(rows, kv, n, d, seed=9)
@@ -157,6 +164,10 @@ def test_keyformers_score_in_the_same_call(noise, reduce, build):
     assert got.shape == (rows, kv, n)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
     assert all(torch.equal(a, b) for a, b in zip(decode_native.attend(q, k, v, d ** -0.5), (out, logits, probs)))
+    if noise == "gumbel":  # the table's draws computed from their counters: within float rounding of the logarithms
+        hashed = decode_native.attend(q, k, v, d ** -0.5, score=decode_native.KeyformerScore(
+            None, score.offsets, positions, tau, reduce, counters=table_counters()))
+        assert torch.equal(hashed[0], out) and torch.allclose(hashed[3], want, rtol=1e-5, atol=1e-7)
     # without the logits and probabilities (what Keyformer's step asks for), or the logits alone (H2O's and TOVA's):
     # the same bits of what is asked for
     alone = decode_native.attend(q, k, v, d ** -0.5, score=score, logits=False, probabilities=False)

@@ -62,6 +62,34 @@ def test_the_draw_table_is_the_same_built_in_chunks_or_at_once(kind, monkeypatch
     assert torch.equal(tables[0], tables[1])
 
 
+def test_the_table_counters_give_its_uniforms_bit_for_bit():
+    """What the decode kernel computes its Gumbel draws from (table_counters): the table's entries' uniforms, by the
+    integer steps the kernel takes (MurmurHash3's finaliser of the salted position, then the row's mix) on unsigned
+    32-bit numbers, equal the torch path's to the bit, and -log(-log u) of them the table's entries to float rounding."""
+    row, salt, m1, m2 = keyformer_noise_module.table_counters()
+    t = torch.cat([torch.arange(5000), torch.randint(0, 1 << 23, (5000,))])
+    mask = (1 << 32) - 1
+
+    def mul(x, m):  # unsigned 32-bit products, as the kernel's, in int64 without overflow
+        return ((x * (m >> 16) & mask) << 16) + x * (m & 0xFFFF) & mask
+
+    k = t ^ salt
+    k ^= k >> 16
+    k = mul(k, m1)
+    k ^= k >> 13
+    k = mul(k, m2)
+    k ^= k >> 16
+    x = mul(k ^ row, m1)
+    x ^= x >> 16
+    x = mul(x, m2)
+    bits = ((x >> 9) | 0x3F800000).to(torch.int32)
+    u = bits.view(torch.float32) - (1.0 - 2.0 ** -24)
+    zero = torch.zeros(1, dtype=torch.int64)
+    assert torch.equal(u, keyformer_noise_module.counter_uniforms(0, 0x7AB1E, zero, zero, t))
+    table = keyformer_noise_module._table("gumbel", torch.device("cpu"), int(t.max()) + 1)
+    assert torch.allclose(-(-u.log()).log(), table[t], rtol=1e-6, atol=1e-7)
+
+
 def test_gumbel_factor_is_exp_of_the_gumbel_draws():
     pos = torch.arange(300)
     zeta = keyformer_noise("gumbel", 4, 2, 2, 3, pos, pos)

@@ -39,8 +39,8 @@ GUARD_ROWS, GUARD_KEYS = 32, 2048  # the guard's comparison, a serving batch: ro
 GUARD_REPEATS = 15  # its timed runs of each path (short calls: more of them than the prompt kernels' comparisons)
 _P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURE = ("attnkit_decode_attention",
-             [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _F,
-              _I32, _P, _I32], _I32)
+             [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P,
+              _F, _I32, _P, _I32], _I32)
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,11 @@ class KeyformerScore:
     """What :func:`attend` needs for Keyformer's score of the step (eq. 9 of arXiv 2403.09054): per row and query
     head ``softmax((logit + zeta) / tau)``, reduced over the kv group (``mean`` or ``max``). ``zeta`` of key position
     ``j`` is ``table[offsets[row, head] + j]`` (the draws of :mod:`attnkit.methods.keyformer_noise`), or `shift` for
-    every key where `table` is None; `positions` ``[b, kv, n]`` are the held keys' positions, `tau` ``[b]`` each
-    row's temperature."""
+    every key where `table` and `counters` are None; `positions` ``[b, kv, n]`` are the held keys' positions, `tau`
+    ``[b]`` each row's temperature. With `counters` (:func:`~attnkit.methods.keyformer_noise.table_counters`) the
+    kernel computes each Gumbel draw of the table from its counter instead of reading it: the same integers, the
+    logarithms within about a float's last bit of torch's, and no cache miss per draw (a step's rows start at new
+    random offsets of a table of millions of entries)."""
 
     table: torch.Tensor | None
     offsets: torch.Tensor | None
@@ -170,6 +173,7 @@ class KeyformerScore:
     tau: torch.Tensor
     reduce: str
     shift: float = 0.0
+    counters: tuple[int, int, int, int] | None = None
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor | Entries, values: torch.Tensor | Entries, scaling: float,
@@ -194,16 +198,18 @@ def attend(q: torch.Tensor, keys: torch.Tensor | Entries, values: torch.Tensor |
     shape = (b, kv, hq // kv, 1, n)
     probs = torch.empty(shape, dtype=torch.float32) if probabilities else None
     logits = torch.empty(shape, dtype=torch.float32) if logits else None
-    weights = table = offsets = positions = tau = None
+    weights = table = offsets = positions = tau = counters = None
     if score is not None:
         weights = torch.empty(b, kv, n, dtype=torch.float32)
         positions = score.positions.to(torch.int64).contiguous()
         tau = score.tau.to(torch.float32).expand(b).contiguous()
-        if score.table is not None:
+        if score.table is not None or score.counters is not None:
             table, offsets = score.table, score.offsets.to(torch.int64).reshape(b, hq).contiguous()
+        if score.counters is not None:
+            counters = _int64s(score.counters)
     code = lib.attnkit_decode_attention(
         q.data_ptr(), _int64s(q.stride()[:2]), b, hq, kv, n, d, dv, kp, _pointer(koff), ks, vp, _pointer(voff), vs,
-        float(scaling), out.data_ptr(), _pointer(logits), _pointer(probs), _pointer(table), _pointer(offsets),
+        float(scaling), out.data_ptr(), _pointer(logits), _pointer(probs), _pointer(table), counters, _pointer(offsets),
         _pointer(positions), _pointer(tau), float(score.shift if score else 0.0),
         int(score is not None and score.reduce == "max"), _pointer(weights), threads or torch.get_num_threads())
     if code:

@@ -60,7 +60,14 @@ from attnkit.methods import decode_native
 from attnkit.methods.buffered import BufferedEviction, BufferedState
 from attnkit.methods.decode_native import KeyformerScore
 from attnkit.methods.eviction import RecentWindowEviction
-from attnkit.methods.keyformer_noise import EULER_GAMMA, NOISES, DecodeNoise, GumbelFactorWeights, keyformer_noise
+from attnkit.methods.keyformer_noise import (
+    EULER_GAMMA,
+    NOISES,
+    DecodeNoise,
+    GumbelFactorWeights,
+    keyformer_noise,
+    table_counters,
+)
 from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
@@ -310,6 +317,8 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         if self.noise in ("gumbel", "gaussian"):
             noise = self._decode_noise(ctx, kv_heads * groups)
             offsets = noise.row_offsets(ctx, kv_heads, positions.device).reshape(-1, kv_heads * groups).expand(rows, -1)
+            if self.noise == "gumbel":  # the kernel computes the table's draws it needs (KeyformerScore.counters)
+                return KeyformerScore(None, offsets, positions, tau, self.gqa_reduce, counters=table_counters())
             return KeyformerScore(noise.table(positions.device), offsets, positions, tau, self.gqa_reduce)
         return KeyformerScore(None, None, positions, tau, self.gqa_reduce,
                               EULER_GAMMA if self.noise == "constant" else 0.0)

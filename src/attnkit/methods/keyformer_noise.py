@@ -23,6 +23,7 @@ draws for decode steps.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -53,6 +54,7 @@ def _signed32(c: int) -> int:
 
 
 _M1, _M2 = _signed32(0x85EBCA6B), _signed32(0xC2B2AE35)
+_KEY_SALT = 0x27220A95  # mixed into every key position before it is hashed
 
 
 def _to_i32(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +85,7 @@ def row_hash_ints(heads_hashed: list[int], q: int) -> list[int]:
 
 def key_hashes(k_pos: torch.Tensor) -> torch.Tensor:
     """The column hash of :func:`counter_uniforms`, one per key position (int32)."""
-    return _to_i32(_mix32(k_pos.to(torch.int64) ^ 0x27220A95))
+    return _to_i32(_mix32(k_pos.to(torch.int64) ^ _KEY_SALT))
 
 
 def uniforms_from_hashes(rows: torch.Tensor, keys: torch.Tensor,
@@ -127,6 +129,19 @@ def counter_uniforms(seed: int, stream: int, heads: torch.Tensor, q_pos: torch.T
 TABLE_SIZE = 1 << 22
 _TABLES: dict[tuple[str, str], torch.Tensor] = {}
 _TABLE_CHUNK = {"cpu": 1 << 16}  # entries built at once, by device type (others: the whole table at once)
+_TABLE_STREAM = 0x7AB1E  # the counter stream of the table's entries
+
+
+@functools.cache
+def table_counters() -> tuple[int, int, int, int]:
+    """What a kernel needs to compute an entry of the draw table instead of reading it (the decode kernel's Gumbel
+    draws, :mod:`attnkit.methods.decode_native`): the row hash of the table's entries (:func:`row_hashes` of its
+    stream at head 0, query 0), the key salt of :func:`key_hashes` and the two multipliers of :func:`_mix32` and
+    :func:`uniforms_from_hashes`, as unsigned 32-bit integers. Entry ``t`` is then
+    ``uniforms_from_hashes(row, key_hashes(t))`` put through the kind's transform."""
+    zero = torch.zeros(1, dtype=torch.int64)
+    row = int(row_hashes(head_hashes(0, _TABLE_STREAM, zero), zero)) & _MASK32
+    return row, _KEY_SALT, _M1 & _MASK32, _M2 & _MASK32
 
 
 def _table(kind: str, device: torch.device, length: int) -> torch.Tensor:
@@ -151,12 +166,12 @@ def _table(kind: str, device: torch.device, length: int) -> torch.Tensor:
 def _table_entries(kind: str, t: torch.Tensor) -> torch.Tensor:
     """Entries `t` of the `kind` table (see :func:`_table`)."""
     heads = torch.zeros(1, dtype=torch.int64, device=t.device)
-    u = counter_uniforms(0, 0x7AB1E, heads, heads, t)
+    u = counter_uniforms(0, _TABLE_STREAM, heads, heads, t)
     if kind == "gumbel":
         return gumbel_from_uniforms(u)
     if kind == "factor":
         return u.log_().neg_().reciprocal_()  # exp(-log(-log u)) = 1 / -log(u)
-    return gaussian_from_uniforms(u, counter_uniforms(0, 0x7AB1E, heads, heads, t, second=True))
+    return gaussian_from_uniforms(u, counter_uniforms(0, _TABLE_STREAM, heads, heads, t, second=True))
 
 
 def row_offsets(seed: int, layer: int, kv_heads: int, groups: int, q_pos: torch.Tensor,

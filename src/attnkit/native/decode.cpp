@@ -41,10 +41,13 @@ struct Problem {
     float scale;
     float *out, *logits, *probs;
     // Keyformer's score (eq. 9), where `weights` is given: per row and query head, softmax((logit + zeta) / tau) with
-    // zeta = table[noise_off[r, head] + kpos[r, h, j]] (or `shift` where the table is null), reduced over the group
-    // (mean or max) into weights [R, KV, N]
+    // zeta = table[noise_off[r, head] + kpos[r, h, j]] (or `shift` where the table is null and `counters` too),
+    // reduced over the group (mean or max) into weights [R, KV, N]. With `counters` (the Gumbel table's row hash, key
+    // salt and two multipliers), the table's entries are computed where they are needed instead of read: gumbel_at
     const float *table, *tau;
     const int64_t *noise_off, *kpos;
+    bool hashed;
+    uint32_t row, salt, m1, m2;
     float shift;
     bool group_max;
     float* weights;
@@ -55,7 +58,30 @@ struct Scratch {
     std::vector<int64_t> at, bases, where;          // where a tile's keys start; block_logits' blocks, slots
     std::vector<float> slots;                       // block_logits' logits of every slot of those blocks
     std::vector<float> y;                           // Keyformer's noisy logits of one query head
+    std::vector<uint32_t> kp;                       // its keys' positions as 32-bit counters
 };
+
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+typedef uint32_t vuu __attribute__((vector_size(4 * VW), aligned(4)));  // the same, at any counter's address
+
+// Entries t of the Gumbel draw table, computed: -log(-log(u)), u from t's counter hash, the arithmetic of
+// attnkit/methods/keyformer_noise.py (key_hashes, uniforms_from_hashes; its integers bit for bit, its logarithms by
+// vlog, within about a float's last bit of torch's). Each draw costs a few vector operations where reading it costs
+// a cache miss: a step's rows start at new random offsets of a table of millions of entries.
+inline vf gumbel_at(const Problem& a, vu t) {
+    vu k = t ^ a.salt;  // key_hashes: MurmurHash3's finaliser
+    k ^= k >> 16;
+    k *= a.m1;
+    k ^= k >> 13;
+    k *= a.m2;
+    k ^= k >> 16;
+    vu x = (k ^ a.row) * a.m1;  // uniforms_from_hashes
+    x ^= x >> 16;
+    x *= a.m2;
+    x = (x >> 9) | 0x3F800000u;
+    const vf u = (vf)x - (1.0f - 0x1p-24f);
+    return -vlog(-vlog(u));
+}
 
 // where entry j of row r and kv head h starts: off[j] (that row and head's offsets), or by the strides
 inline int64_t start(const int64_t* off, const int64_t* strides, int64_t r, int64_t h, int64_t j) {
@@ -166,10 +192,16 @@ void keyformer_weights(const Problem& a, Scratch& s, int64_t item, const float* 
     float *Y = s.y.data(), *W = s.y.data() + NP;  // the noisy logits of a query head; the group's sum or maximum
     float* w = a.weights + item * N;
     const float tau = a.tau[r];
+    if (a.hashed)  // the positions as counters, once for the group (past N: any, their logits are -inf)
+        for (int64_t j = 0; j < NP; ++j) s.kp[j] = j < N ? static_cast<uint32_t>(kpos[j]) : 0u;
     for (int64_t g = 0; g < G; ++g) {
         const int64_t head = h * G + g;
         const float* logit = L + g * NP;
-        if (a.table) {
+        if (a.hashed) {
+            const uint32_t off = static_cast<uint32_t>(a.noise_off[r * a.HQ + head]);
+            for (int64_t j = 0; j < NP; j += VW)
+                st(Y + j, ld(logit + j) + gumbel_at(a, *reinterpret_cast<const vuu*>(s.kp.data() + j) + off));
+        } else if (a.table) {
             const float* zeta = a.table + a.noise_off[r * a.HQ + head];
             for (int64_t j = 0; j < N; ++j) Y[j] = logit[j] + zeta[kpos[j]];
         } else {
@@ -259,7 +291,8 @@ extern "C" int attnkit_decode_attention(const float* q, const int64_t* qs, int64
                                         int64_t N, int64_t D, int64_t DV, const float* key, const int64_t* koff,
                                         const int64_t* ks, const float* value, const int64_t* voff,
                                         const int64_t* vs, float scale, float* out, float* logits, float* probs,
-                                        const float* table, const int64_t* noise_off, const int64_t* kpos,
+                                        const float* table, const int64_t* counters, const int64_t* noise_off,
+                                        const int64_t* kpos,
                                         const float* tau, float shift, int group_max, float* weights, int threads) {
     if (R < 1 || KV < 1 || HQ % KV || N < 1 || D < 1 || DV < 16 || DV % 16) return 1;
     Problem a;
@@ -270,8 +303,12 @@ extern "C" int attnkit_decode_attention(const float* q, const int64_t* qs, int64
     a.N = N, a.NP = (N + BK - 1) / BK * BK, a.D = D, a.DV = DV, a.scale = scale;
     a.out = out, a.logits = logits, a.probs = probs;
     a.table = table, a.noise_off = noise_off, a.kpos = kpos, a.tau = tau, a.shift = shift;
+    a.hashed = counters != nullptr;
+    if (a.hashed)
+        a.row = static_cast<uint32_t>(counters[0]), a.salt = static_cast<uint32_t>(counters[1]),
+        a.m1 = static_cast<uint32_t>(counters[2]), a.m2 = static_cast<uint32_t>(counters[3]);
     a.group_max = group_max != 0, a.weights = weights;
-    if (weights && (!kpos || !tau || (table && !noise_off))) return 1;
+    if (weights && (!kpos || !tau || ((table || counters) && !noise_off))) return 1;
     const int64_t work = R * KV;
 #ifdef _OPENMP
     const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, work)));
@@ -290,6 +327,7 @@ extern "C" int attnkit_decode_attention(const float* q, const int64_t* qs, int64
             s.alpha.assign(QK_ROWS, 1.0f);
             s.at.assign(BK, 0);
             s.y.assign(weights ? 2 * a.NP : 0, 0.0f);
+            s.kp.assign(a.hashed ? a.NP : 0, 0u);
         }
     } catch (const std::bad_alloc&) {
         return 3;

@@ -108,6 +108,30 @@ inline vf vexp(vf x) {
     return dead ? splat(0.0f) : y;
 }
 
+// natural log of every lane, for positive normal arguments: Cephes' logf (the mantissa reduced to [sqrt(1/2), sqrt(2)),
+// a degree-9 polynomial of it minus 1, about 1 ulp)
+inline vf vlog(vf x) {
+    const vi bits = (vi)x;
+    vi e = ((bits >> 23) & 0xff) - 126;
+    const vf m = (vf)((bits & 0x007fffff) | 0x3f000000);  // [1/2, 1)
+    const vi small = m < 0.70710678118654752f;
+    e += small;                                   // -1 where the mantissa doubles
+    const vf f = m + (vf)((vi)m & small) - 1.0f;  // 2m - 1 or m - 1
+    const vf z = f * f;
+    vf p = splat(7.0376836292e-2f);
+    p = p * f - 1.1514610310e-1f;
+    p = p * f + 1.1676998740e-1f;
+    p = p * f - 1.2420140846e-1f;
+    p = p * f + 1.4249322787e-1f;
+    p = p * f - 1.6668057665e-1f;
+    p = p * f + 2.0000714765e-1f;
+    p = p * f - 2.4999993993e-1f;
+    p = p * f + 3.3333331174e-1f;
+    const vf fe = __builtin_convertvector(e, vf);
+    vf y = f * z * p + fe * -2.12194440e-4f - 0.5f * z;
+    return f + y + fe * 0.693359375f;
+}
+
 constexpr int64_t BK = 64;       // keys per tile
 constexpr int TV = BK / VW;      // vectors per row of a tile
 constexpr int64_t QK_ROWS = 4;   // rows of one logits micro-tile
