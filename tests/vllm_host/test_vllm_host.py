@@ -637,3 +637,27 @@ def test_a_per_step_layer_that_filled_its_budget_as_plain_rows_stacks_again():
     layer_state = state.live.open["r"].session.layer_state[0]
     layer_state = getattr(layer_state, "cache", layer_state)  # the method's own, where vLLM's kernel gave the prompt
     assert layer_state.decoded == 0 and layer_state.queued_q is None
+
+
+def test_many_compressions_of_one_call_count_as_many_observations():
+    """A stacked step observes its compaction time once per request (attnkit.vllm.metrics.compacted): its histogram
+    then reads as that many observations would, bucket by bucket, in the count and in the sum."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from attnkit.vllm import metrics
+
+    registry = CollectorRegistry()
+    buckets = (1e-4, 3e-4, 1e-3)
+    bulk, each = (Histogram(name, name, buckets=buckets, registry=registry) for name in ("bulk", "each"))
+    for seconds, times in ((2e-4, 32), (5.0, 3), (1e-4, 1), (7e-4, 0)):
+        metrics._observe(bulk, seconds, times)
+        for _ in range(times):
+            each.observe(seconds)
+
+    def samples(histogram, name):
+        return {(s.name.replace(name, ""), tuple(s.labels.items())): s.value for s in histogram.collect()[0].samples
+                if not s.name.endswith("_created")}
+
+    got, want = samples(bulk, "bulk"), samples(each, "each")
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-9 for k in got), (got, want)
+    assert want[("_count", ())] == 36

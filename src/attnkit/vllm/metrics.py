@@ -9,6 +9,8 @@ several API servers. In-process engines (``vllm.LLM``) count them in the process
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from prometheus_client import Counter, Histogram
 
 REQUESTS = Counter("attnkit_requests", "Requests whose method the attnkit plugin runs, by method", ["method"])
@@ -30,7 +32,25 @@ def method_label(method) -> str:
 def compacted(seconds: float, kept: int, requests: int = 1) -> None:
     """One layer's call that compressed `requests` requests to `kept` entries per kv head each took `seconds` per
     request."""
-    for _ in range(requests):
-        COMPACTION.observe(seconds)
+    _observe(COMPACTION, seconds, requests)
     COMPRESSIONS.inc(requests)
     ENTRIES_KEPT.inc(kept * requests)
+
+
+# prometheus_client's Histogram takes one observation per call, and a stacked step of a per-step method observes
+# once per request, per layer and generated token. In the versions tested the same `times` observations are one
+# update of its own parts (the sum, and the count of the first bucket that holds the value, as observe does); on any
+# other version, one observe per observation.
+_BULK = importlib.metadata.version("prometheus_client").startswith("0.26.")
+
+
+def _observe(histogram: Histogram, seconds: float, times: int) -> None:
+    if times == 1 or not _BULK:
+        for _ in range(times):
+            histogram.observe(seconds)
+        return
+    histogram._sum.inc(seconds * times)
+    for bound, bucket in zip(histogram._upper_bounds, histogram._buckets):
+        if seconds <= bound:
+            bucket.inc(times)
+            break
