@@ -53,8 +53,10 @@ class InPlace(LayerKV):
     and kv head by its address (`fresh`: its keys' and values' entries ``[rows, kv, 1]``)."""
 
     fresh: tuple[Entries, Entries] | None = None
+    taken: list = None  # the indices each write took since the step began (its victims)
 
     def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        self.taken.append(slots)
         self.keys, self.values = (e.with_offsets(e.offsets.scatter(2, slots, f.offsets))
                                   for e, f in zip((self.keys, self.values), self.fresh))
         self.positions.scatter_(2, slots, pos.expand_as(slots))
@@ -140,6 +142,8 @@ class Herd:
     in_place: bool  # the entries read where they lie (InPlace); else gathered at each step
     shape: tuple  # one request's keys ``[1, kv, held, d]``
     held: int
+    deltas: tuple = (0, 0)  # the distance of a block's consecutive slots, in the keys' and the values' half
+    last: tuple | None = None  # the last step's positions and new tokens' entries (_fresh)
 
     @classmethod
     def start(cls, members: list, call: host.LayerCall, key: tuple, query, cache) -> Herd | None:
@@ -179,6 +183,10 @@ class Herd:
         ends = [o.end for o in olds]
         herd = cls(call.state.live, layer, key, entries, (), method, stacked, session, slots, ends,
                    [e - held - (e - held) % size for e in ends], found is not None, shape, held)
+        if found is not None:  # a block's first two slots, through the first request's table
+            pair = paged.entries(key_cache, value_cache, layout, block_rows[0][None],
+                                 torch.tensor([0, 1]).expand(1, shape[1], 2))
+            herd.deltas = tuple(int(e.offsets[0, 0, 1] - e.offsets[0, 0, 0]) for e in pair)
         herd.marks = tuple(live.Herded(herd, r) for r in range(len(entries)))
         for entry, mark in zip(entries, herd.marks):
             entry.layers[layer] = mark
@@ -202,7 +210,7 @@ class Herd:
         at = torch.tensor([r.start for r in rows], device=key_cache.device).view(-1, 1, 1)
         kv = self.session.cache.layers[layer]
         if self.in_place:  # the new token at its position's slot, where vLLM wrote it
-            kv.fresh = paged.entries(key_cache, value_cache, layout, tables, at.expand(count, self.shape[1], 1))
+            kv.fresh, kv.taken = self._fresh(cache, tables, at, [r.start for r in rows]), []
         else:
             kv.keys, kv.values = paged.gather_heads(key_cache, value_cache, layout, tables, self.slots)
         step = Step(self.session, "decode", at, per_row=True)
@@ -215,10 +223,15 @@ class Herd:
         output[index] = out[:, :, 0].reshape((count,) + tuple(output.shape[1:])).to(output.dtype)
         # the new token holds its victim's index in each row and kv head, at its own position's slot
         at = at.to(self.slots.device)
-        fresh = kv.positions[:, :, :held].to(self.slots.device) == at
-        if not bool((fresh.sum(dim=-1) == 1).all()):
-            raise RuntimeError(f"attnkit: a stacked step of layer {layer} did not take each new token once per kv head")
-        self.slots = torch.where(fresh, at, self.slots)
+        taken = kv.taken if self.in_place else None
+        if taken is not None and len(taken) == 1 and tuple(taken[0].shape) == (count, self.shape[1], 1):
+            self.slots.scatter_(2, taken[0].to(self.slots.device), at.expand(count, self.shape[1], 1))
+        else:  # the method wrote otherwise than once per kv head, or the entries are copies: found by position
+            fresh = kv.positions[:, :, :held].to(self.slots.device) == at
+            if not bool((fresh.sum(dim=-1) == 1).all()):
+                raise RuntimeError(f"attnkit: a stacked step of layer {layer} did not take each new token once per kv "
+                                   f"head")
+            self.slots = torch.where(fresh, at, self.slots)
         size = key_cache.shape[2]
         for r, row in enumerate(rows):
             end = self.ends[r] = row.start + 1
@@ -231,6 +244,20 @@ class Herd:
             kv.keys = kv.values = torch.empty((count,) + self.shape[1:], dtype=kv.keys.dtype, device=live.META)
         # every step of a per-step method compresses: one layer's compression per request
         metrics.compacted((time.perf_counter() - started) / count, held, count)
+
+    def _fresh(self, cache, tables: torch.Tensor, at: torch.Tensor, starts: list) -> tuple[Entries, Entries]:
+        """The new tokens' entries ``[rows, kv, 1]`` at their positions' slots: where every row's token follows the
+        last step's in the same block, the last step's moved by one slot (a block's slots lie a fixed distance apart
+        in either half of vLLM's cache: :attr:`deltas`), else read through the block tables."""
+        key_cache, value_cache, layout, _ = cache
+        size, heads = key_cache.shape[2], self.shape[1]
+        last = self.last
+        if last is not None and all(p % size and p == q + 1 for p, q in zip(starts, last[0])):
+            fresh = tuple(e.with_offsets(e.offsets + d) for e, d in zip(last[1], self.deltas))
+        else:
+            fresh = paged.entries(key_cache, value_cache, layout, tables, at.expand(len(starts), heads, 1))
+        self.last = (starts, fresh)
+        return fresh
 
     def _relocate(self, kv: LayerKV, r: int, cache, block_row, table, end: int, floor: int) -> None:
         """Row `r`'s entries lying before `floor` moved into its run's free slots (:func:`attnkit.vllm.live.
