@@ -62,7 +62,7 @@ def main() -> None:
     if args.until is not None and names.index(args.until) < first:
         print(f"chain: {args.until} is done (a later stage has begun)", flush=True)
         return
-    previous = None
+    previous, trained = None, False
     for stage, config in zip(stages[first:], configs[first:]):
         run_dir = args.runs_dir / config["name"]
         max_steps = stage.get("max_steps")
@@ -81,10 +81,12 @@ def main() -> None:
                 argv.append("--fp32")
             if args.max_minutes is not None:
                 left = args.max_minutes - (time.time() - started) / 60
-                if left <= 0:
+                if left <= 0 and trained:
                     print(f"chain: out of time before {config['name']}", flush=True)
                     return
-                argv += ["--max-minutes", str(left)]
+                # a call trains at least one step of the first stage it reaches (saved), however short its time
+                argv += ["--max-minutes", str(max(left, 1e-9))]
+            trained = True
             print(f"chain: {config['name']} ({' '.join(argv)})", flush=True)
             if not train_v2.train(train_v2.parser().parse_args(argv)):
                 print(f"chain: stopped in {config['name']}; run again to go on", flush=True)
