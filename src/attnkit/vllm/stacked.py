@@ -56,7 +56,8 @@ class InPlace(LayerKV):
     taken: list = None  # the indices each write took since the step began (its victims)
 
     def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        self.taken.append(slots)
+        if self.taken is not None:
+            self.taken.append(slots)
         self.keys, self.values = (e.with_offsets(e.offsets.scatter(2, slots, f.offsets))
                                   for e, f in zip((self.keys, self.values), self.fresh))
         self.positions.scatter_(2, slots, pos.expand_as(slots))
