@@ -207,13 +207,14 @@ class Herd:
         key_cache, value_cache, layout, store = cache
         count, held, layer = len(members), self.held, self.layer
         index = torch.tensor(firsts, device=query.device)
-        tables = torch.stack(block_rows)
-        at = torch.tensor([r.start for r in rows], device=key_cache.device).view(-1, 1, 1)
+        starts = [r.start for r in rows]
+        at = torch.tensor(starts, device=key_cache.device).view(-1, 1, 1)
         kv = self.session.cache.layers[layer]
         if self.in_place:  # the new token at its position's slot, where vLLM wrote it
-            kv.fresh, kv.taken = self._fresh(cache, tables, at, [r.start for r in rows]), []
+            kv.fresh, kv.taken = self._fresh(cache, block_rows, at, starts), []
         else:
-            kv.keys, kv.values = paged.gather_heads(key_cache, value_cache, layout, tables, self.slots)
+            kv.keys, kv.values = paged.gather_heads(key_cache, value_cache, layout, torch.stack(block_rows),
+                                                    self.slots)
         step = Step(self.session, "decode", at, per_row=True)
         out = step.attention(layer, query[index].unsqueeze(2), key[index].unsqueeze(2), value[index].unsqueeze(2),
                              call.scaling, None)
@@ -240,13 +241,13 @@ class Herd:
             if floor != self.floors[r]:
                 self.floors[r] = floor
                 if bool((self.slots[r] < floor).any()):
-                    self._relocate(kv, r, cache, block_rows[r], tables[r:r + 1], end, floor)
+                    self._relocate(kv, r, cache, block_rows[r], end, floor)
         if not self.in_place:  # the copies go: the next step gathers its entries again
             kv.keys = kv.values = torch.empty((count,) + self.shape[1:], dtype=kv.keys.dtype, device=live.META)
         # every step of a per-step method compresses: one layer's compression per request
         metrics.compacted((time.perf_counter() - started) / count, held, count)
 
-    def _fresh(self, cache, tables: torch.Tensor, at: torch.Tensor, starts: list) -> tuple[Entries, Entries]:
+    def _fresh(self, cache, block_rows: tuple, at: torch.Tensor, starts: list) -> tuple[Entries, Entries]:
         """The new tokens' entries ``[rows, kv, 1]`` at their positions' slots: where every row's token follows the
         last step's in the same block, the last step's moved by one slot (a block's slots lie a fixed distance apart
         in either half of vLLM's cache: :attr:`deltas`), else read through the block tables."""
@@ -256,11 +257,12 @@ class Herd:
         if last is not None and all(p % size and p == q + 1 for p, q in zip(starts, last[0])):
             fresh = tuple(e.with_offsets(e.offsets + d) for e, d in zip(last[1], self.deltas))
         else:
-            fresh = paged.entries(key_cache, value_cache, layout, tables, at.expand(len(starts), heads, 1))
+            fresh = paged.entries(key_cache, value_cache, layout, torch.stack(block_rows),
+                                  at.expand(len(starts), heads, 1))
         self.last = (starts, fresh)
         return fresh
 
-    def _relocate(self, kv: LayerKV, r: int, cache, block_row, table, end: int, floor: int) -> None:
+    def _relocate(self, kv: LayerKV, r: int, cache, block_row: torch.Tensor, end: int, floor: int) -> None:
         """Row `r`'s entries lying before `floor` moved into its run's free slots (:func:`attnkit.vllm.live.
         relocate`), and their addresses with them."""
         key_cache, value_cache, layout, store = cache
@@ -268,7 +270,7 @@ class Herd:
         own = LayerKV(tensor(kv.keys[r:r + 1]), tensor(kv.values[r:r + 1]), kv.positions[r:r + 1], self.held)
         self.slots[r] = live.relocate(own, self.slots[r], end, write, floor)
         if self.in_place:
-            keys, values = paged.entries(key_cache, value_cache, layout, table, self.slots[r:r + 1])
+            keys, values = paged.entries(key_cache, value_cache, layout, block_row[None], self.slots[r:r + 1])
             kv.keys.offsets[r], kv.values.offsets[r] = keys.offsets[0], values.offsets[0]
 
     def dissolve(self) -> None:
