@@ -36,7 +36,8 @@ preempts later, so the peak alone flatters an engine short of KV space), preempt
 
 ``steps``: the cost of a decode step with attnkit's methods acting while decoding: ``--requests`` requests of 300
 tokens and 200 new ones, room for all, each spec (``;``-separated) in turn, then plain again: the median time of an
-engine step once every request decodes (the first third of the steps left out), and its ratio to plain's.
+engine step once every request decodes (the first third of the steps left out), and its ratio to plain's; the mean step
+beside it (a per-step method's rare costly steps, a block's survivors moved, count there).
 
 ``decode``: decode steps at a long context (Quest's pages in vLLM): ``--requests`` prompts of the first of
 ``--lengths`` tokens and ``--new`` new tokens each, plain vLLM and each of ``--specs`` (default
@@ -170,7 +171,7 @@ def steps(args):
     engine = llm(max_model_len=4096, enable_prefix_caching=False, num_gpu_blocks_override=args.requests * 5 + 8,
                  additional_config=ON)
     specs = [None] + (args.specs or "h2o:budget_tokens=256;h2o:budget_tokens=256,decode_every=64").split(";") + [None]
-    medians = {}
+    medians, means = {}, {}
     for r in range(args.repeats):
         for i, spec in enumerate(specs):
             core, times = engine.llm_engine, []
@@ -182,13 +183,17 @@ def steps(args):
                 start = time.perf_counter()
                 core.step()
                 times.append(time.perf_counter() - start)
-            medians.setdefault(spec or "plain", []).append(statistics.median(times[len(times) // 3:]))
-            print(f"repeat {r}: {spec or 'plain':60s} median step {1000 * medians[spec or 'plain'][-1]:7.1f} ms",
-                  flush=True)
-    plain = statistics.median(medians["plain"])
-    print("\nmedians")
+            kept = times[len(times) // 3:]
+            medians.setdefault(spec or "plain", []).append(statistics.median(kept))
+            means.setdefault(spec or "plain", []).append(statistics.mean(kept))
+            print(f"repeat {r}: {spec or 'plain':60s} median step {1000 * medians[spec or 'plain'][-1]:7.1f} ms, mean "
+                  f"{1000 * means[spec or 'plain'][-1]:7.1f} ms", flush=True)
+    plain, plain_mean = statistics.median(medians["plain"]), statistics.median(means["plain"])
+    print("\nmedians over the repeats: of each run's median step, of its mean step")
     for name, values in medians.items():
-        print(f"{name:60s} {1000 * statistics.median(values):7.1f} ms  ({statistics.median(values) / plain:.2f}x plain's)")
+        mean = statistics.median(means[name])
+        print(f"{name:60s} {1000 * statistics.median(values):7.1f} ms ({statistics.median(values) / plain:.2f}x plain's)"
+              f"  mean {1000 * mean:7.1f} ms ({mean / plain_mean:.2f}x)")
 
 
 def decode(args):

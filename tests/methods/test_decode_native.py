@@ -71,7 +71,7 @@ def test_the_kernel_equals_torch(shape, threads, build):
 def test_the_same_bits_wherever_the_entries_lie(layout, size, build):
     """vLLM's blocks read in place (its CPU layout transposes each block's keys: in blocks of 64 slots swept whole),
     a strided tensor, a contiguous copy and a transposed view: one kernel, one arithmetic, the same output, logits and
-    probabilities to the bit."""
+    probabilities to the bit; entries moved where they lie land whole, one kv head's alone."""
     rows, hq, kv, n, d = 3, 8, 2, 150, 32
     q, k, v = randn(rows, hq, 1, d, seed=4), randn(rows, kv, n, d, seed=5), randn(rows, kv, n, d, seed=6)
     (ke, ve), (k_cache, v_cache, tables, slots) = in_blocks(k, v, layout, size)
@@ -87,6 +87,15 @@ def test_the_same_bits_wherever_the_entries_lie(layout, size, build):
     assert all(torch.equal(a, b) for a, b in zip(scoring.attend_with_logits(q, ke, ve, d ** -0.5), want))
     off = scoring.attend_with_logits(q, ke, ve, d ** -0.5, native=False)
     assert all(torch.equal(a, b) for a, b in zip(off, scoring.attend_with_logits(q, k, v, d ** -0.5, native=False)))
+    # entries moved within the cache (a herd's relocation): the moved ones' numbers at their new addresses, every
+    # other entry as it was
+    source, target = ke.offsets[:, :, :20], ke.offsets[:, :, 100:120]
+    ke.move(source[:, :1], target[:, :1])  # one kv head's entries alone
+    moved = k.clone()
+    moved[:, :1, 100:120] = k[:, :1, :20]
+    assert torch.equal(ke.tensor(), moved)
+    ve.move(ve.offsets[:, :, :20], ve.offsets[:, :, 100:120])
+    assert torch.equal(ve.tensor()[:, :, 100:120], v[:, :, :20]) and torch.equal(ve.tensor()[:, :, :100], v[:, :, :100])
 
 
 def test_where_it_runs(monkeypatch):

@@ -362,12 +362,23 @@ def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, shor
     requests stay (a Herd), one request of each method sent one by one every seventh step (its group gives every
     state back first): every request's whole output (100 tokens) is attnkit's own; the stacked call did run, with
     several requests at once for each method, its groups kept over many steps and given back as requests came,
-    left, and stepped alone."""
+    left, and stepped alone, its rows' entries moved as their runs left a block."""
     from attnkit.vllm import stacked
     from attnkit.vllm.stacked import Herd
 
-    together, counts, step, start, dissolve, stackable = {}, {"step": 0, "start": 0, "dissolve": 0}, Herd.step, \
-        Herd.start.__func__, Herd.dissolve, stacked.stackable
+    together, counts, step, start, dissolve, stackable = {}, {"step": 0, "start": 0, "dissolve": 0, "moved": 0}, \
+        Herd.step, Herd.start.__func__, Herd.dissolve, stacked.stackable
+    relocate, relocation, herding = Herd._relocate, stacked.live.relocation, []
+
+    def relocating(herd, *args):  # a herd's rows whose runs left a block: their survivors moved
+        herding.append(herd)
+        relocate(herd, *args)
+        herding.pop()
+
+    def moving(*args):
+        new, moved = relocation(*args)
+        counts["moved"] += int(moved.sum()) if herding else 0
+        return new, moved
 
     def counting(herd, members, *args):
         step(herd, members, *args)
@@ -390,11 +401,13 @@ def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, shor
     monkeypatch.setattr(Herd, "start", classmethod(starting))
     monkeypatch.setattr(Herd, "dissolve", dissolving)
     monkeypatch.setattr(stacked, "stackable", sometimes)
+    monkeypatch.setattr(Herd, "_relocate", relocating)
+    monkeypatch.setattr(stacked.live, "relocation", moving)
     arrivals = [(f"together-{spec}-{i}", p, params(spec, LONG)) for i, p in enumerate(short_prompts)
                 for spec in PER_STEP]
     done = run_steps(engine, arrivals, steps_between=2)
     assert len(together) == len(PER_STEP) and min(together.values()) >= 3, together
-    assert counts["step"] > 3 * counts["start"] and counts["dissolve"] > 0, counts
+    assert counts["step"] > 3 * counts["start"] and counts["dissolve"] > 0 and counts["moved"] > 0, counts
     for spec in PER_STEP:
         ids = [a[0] for a in arrivals if a[0].startswith(f"together-{spec}-")]
         assert_same_tokens([done[i] for i in ids], model, short_prompts, spec, max_tokens=LONG, engine=engine)

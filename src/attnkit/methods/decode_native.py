@@ -89,11 +89,23 @@ class Entries:
 
     def tensor(self) -> torch.Tensor:
         """A copy ``[b, kv, n, dim]``, for torch's operations."""
+        return self._flat().take(self._numbers(self.offsets))
+
+    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the entries that start at element offsets `source` over those at `target` (pairwise, any shape),
+        within the storage: the sets must not overlap."""
+        flat = self._flat()
+        flat[self._numbers(target).flatten()] = flat.take(self._numbers(source)).flatten()
+
+    def _flat(self) -> torch.Tensor:
+        """The storage from its first element on, one dimension."""
         store = self.storage
-        flat = store.as_strided((store.untyped_storage().nbytes() // store.element_size() - store.storage_offset(),),
+        return store.as_strided((store.untyped_storage().nbytes() // store.element_size() - store.storage_offset(),),
                                 (1,))
-        numbers = self.offsets.unsqueeze(-1) + torch.arange(self.dim, device=self.offsets.device) * self.step
-        return flat.take(numbers.to(flat.device))
+
+    def _numbers(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Where every number of the entries at `offsets` lies: ``offsets.shape + (dim,)``."""
+        return (offsets.unsqueeze(-1) + torch.arange(self.dim, device=offsets.device) * self.step).to(self.device)
 
 
 def tensor(t: torch.Tensor | Entries) -> torch.Tensor:

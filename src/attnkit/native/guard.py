@@ -31,7 +31,7 @@ REPEATS = 3  # timed runs of each path in a comparison, after one untimed run of
 FILE = "choices.json"
 
 _lock = threading.Lock()
-_memo: dict[str, Choice] = {}
+_memo: dict[str | tuple, Choice] = {}  # by the file's key, and by (build, shape, switch) for repeat calls
 _consulted: dict[tuple[str, bool, str], tuple[int, Choice]] = {}  # (kernel, on, isa) -> (tick, its last choice)
 _tick = [0]
 
@@ -114,12 +114,17 @@ def choose(kernel: str, lib, shape: str, measure: Callable[[], tuple[Sequence[fl
     """The choice for `kernel` (a name for the report) built as `lib` (a loaded library, or None where none is built)
     on operands of shape class `shape` (a short text: what the comparison depends on). `measure` runs the
     comparison, returning the kernel's times and the torch path's; it is called only where no choice is known."""
+    switch = native.switch()
     if lib is None:
-        why = "ATTNKIT_NATIVE=0" if native.switch() == "0" else "not built (see the warning)"
+        why = "ATTNKIT_NATIVE=0" if switch == "0" else "not built (see the warning)"
         return _note(kernel, Choice(False, "-", why))
+    known = _memo.get((lib.build, shape, switch))  # a per-step caller consults on every layer and step
+    if known is not None:
+        return _note(kernel, known)
     isa = native.built_isa(lib)
-    if native.switch() == "1":
-        return _note(kernel, Choice(True, isa, "ATTNKIT_NATIVE=1"))
+    if switch == "1":
+        found = _memo[(lib.build, shape, switch)] = Choice(True, isa, "ATTNKIT_NATIVE=1")
+        return _note(kernel, found)
     key = f"{native.cpu_model()} | {lib.build} | {shape}"
     found = _memo.get(key)
     if found is None:
@@ -132,6 +137,7 @@ def choose(kernel: str, lib, shape: str, measure: Callable[[], tuple[Sequence[fl
                     entry = {"on": on, "why": why}
                     _write(key, entry)
                 found = _memo[key] = Choice(entry["on"], isa, str(entry.get("why", "")))
+        _memo[(lib.build, shape, switch)] = found
     return _note(kernel, found)
 
 

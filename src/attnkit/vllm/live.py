@@ -106,6 +106,7 @@ class LiveRequests:
         self.forward = 0
         # groups of requests stepping together, by (layer, their method and budget) (attnkit.vllm.stacked.Herd)
         self.herds: dict = {}
+        self.entered: tuple | None = None  # (forward, its stackable rows, what every layer needs of them: stacked)
 
     def begin_forward(self, known) -> None:
         """A new forward pass; forget requests the model runner no longer holds (finished or aborted)."""
@@ -239,18 +240,9 @@ def relocate(kv: LayerKV, slots: torch.Tensor, end: int, write, floor: int) -> t
     every step."""
     heads, held = slots.shape
     lo = end - held
-    moved = slots < floor
-    if not bool(moved.any()):
+    if not bool((slots < floor).any()):
         return slots
-    taken = torch.zeros(heads, held + 1, dtype=torch.bool, device=slots.device)
-    # an entry outside the run marks the spare last column
-    taken.scatter_(1, torch.where(slots < lo, held, slots - lo), True)
-    taken = taken[:, :held]
-    # the free offsets of each head's run, in order; the r-th moved entry of a head takes its r-th free offset (there
-    # are as many free offsets as entries outside the run, moved or not)
-    free = torch.where(taken, held, torch.arange(held, device=slots.device).expand(heads, held)).sort(-1).values
-    rank = (moved.cumsum(dim=-1) - 1).clamp(min=0)
-    new = torch.where(moved, lo + free.gather(-1, rank), slots)
+    new, moved = relocation(slots, lo, floor)
     # a touched slot's whole content (every head's entry) comes from the layer's own entries: the entry each head
     # holds there (`holder`; entries outside the run go to the spare last column), or for a head with no entry there
     # its first entry (that head reads nothing from the slot); a slot two heads moved into is written twice alike
@@ -260,6 +252,24 @@ def relocate(kv: LayerKV, slots: torch.Tensor, end: int, write, floor: int) -> t
     index = holder[:, touched - lo][None, :, :, None].expand(1, -1, -1, kv.keys.shape[-1])
     write(touched, kv.keys[:, :, :held].gather(2, index), kv.values[:, :, :held].gather(2, index))
     return new
+
+
+def relocation(slots: torch.Tensor, lo, floor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where :func:`relocate` moves entries: ``(every entry's slot, which moved)`` for `slots` ``[..., held]`` (a
+    kv head's entries per row), each row's run starting at slot `lo` and its entries before `floor` moved (ints, or
+    tensors that broadcast to ``[..., 1]``: many requests' heads at once)."""
+    held = slots.shape[-1]
+    moved = slots < floor
+    flat = slots.reshape(-1, held)
+    start = torch.as_tensor(lo, device=slots.device).expand(slots.shape[:-1] + (1,)).reshape(-1, 1)
+    taken = torch.zeros(flat.shape[0], held + 1, dtype=torch.bool, device=slots.device)
+    # an entry outside the run marks the spare last column
+    taken.scatter_(1, torch.where(flat < start, held, flat - start), True)
+    # the free offsets of each head's run, in order; the r-th moved entry of a head takes its r-th free offset (there
+    # are as many free offsets as entries outside the run, moved or not)
+    free = torch.where(taken[:, :held], held, torch.arange(held, device=slots.device)).sort(-1).values
+    rank = (moved.reshape(-1, held).cumsum(dim=-1) - 1).clamp(min=0)
+    return torch.where(moved, (start + free.gather(-1, rank)).view_as(slots), slots), moved
 
 
 def catch_up(entry: LiveRequest, call, start: int, end: int, gather, module=None) -> None:

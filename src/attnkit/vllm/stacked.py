@@ -17,7 +17,8 @@ this token) and run the same method step together, per layer, as a :class:`Herd`
   (:meth:`~attnkit.methods.base.Method.stack_states`): the same operations as one request's step, on more rows;
 - the new token took its victim's place in each row and kv head; its slot is its position's (vLLM wrote it there),
   every other entry stays in its slot. A request whose run of slots has just left a block moves that block's
-  survivors into the run (:func:`attnkit.vllm.live.relocate`, once per block of steps, as one by one).
+  survivors into the run (:func:`attnkit.vllm.live.relocation`, once per block of steps, to the slots one by one
+  gives them): the rows of a step that leave a block, all in one copy.
 
 A herd lasts while the same requests step together in the same order (a serving batch changes when a request joins,
 finishes or is preempted, not at every step): its stacked states, entries' slots and addresses are kept from step to
@@ -84,16 +85,11 @@ def attention(rows: list, call: host.LayerCall, query, key, value, cache, output
     requests, layer = call.state.live, call.layer
     groups: dict = {}
     rest = []
-    for first, row, block_row in rows:
-        entry = requests.enter(row, host.session_method, call)
-        held = _full(entry, entry.layers[layer], row)
+    for first, row, block_row, entry, planned in _entered(requests, rows, call):
+        held = _full(entry, entry.layers[layer], row, planned)
         if held is None:
             rest.append((first, first + 1, row, block_row))
-        else:
-            # one group per method as the session runs it (its whole parameters: a composed method's parts are not
-            # hashable) and budget
-            if entry.method_key is None:
-                entry.method_key = repr(entry.session.method)
+        else:  # one group per method as the session runs it and budget
             groups.setdefault((entry.method_key, held), []).append((first, row, block_row, entry))
     for herd in [h for (at, _), h in requests.herds.items() if at == layer]:
         if not herd.continues(groups.get(herd.key, ())):
@@ -109,16 +105,33 @@ def attention(rows: list, call: host.LayerCall, query, key, value, cache, output
     return rest
 
 
-def _full(entry: live.LiveRequest, old, row: Row) -> int | None:
+def _entered(requests: live.LiveRequests, rows: list, call: host.LayerCall) -> list:
+    """``(token, Row, block table row, LiveRequest, the plan's count after this token)`` of each of a forward's
+    stackable `rows`: the same for every layer of the forward, found on its first. A request's method key is its
+    method as its session runs it, by its whole parameters (a composed method's parts are not hashable)."""
+    known = requests.entered
+    if known is not None and known[0] == requests.forward and known[1] is rows:
+        return known[2]
+    found = []
+    for first, row, block_row in rows:
+        entry = requests.enter(row, host.session_method, call)
+        if entry.method_key is None:
+            entry.method_key = repr(entry.session.method)
+        found.append((first, row, block_row, entry, row.plan.held(row.start + 1)))
+    requests.entered = (requests.forward, rows, found)
+    return found
+
+
+def _full(entry: live.LiveRequest, old, row: Row, planned: int) -> int | None:
     """The entries per kv head the request's layer holds (`old`, as it was left) where it may step with others: its
-    state caught up to this token and its budget full (the plan's count after this token); else None."""
+    state caught up to this token and its budget full (`planned`, the plan's count after this token); else None."""
     if old is None or entry.pending or old.end != row.start:
         return None
-    if isinstance(old, live.Herded):
+    if type(old) is live.Herded:
         held = old.herd.held
     else:
         held = old.kv.length if old.kv.length == old.kv.capacity else -1
-    return held if held == row.plan.held(row.start + 1) else None
+    return held if held == planned else None
 
 
 @dataclass(eq=False)
@@ -206,7 +219,9 @@ class Herd:
         firsts, rows, block_rows, _ = zip(*members)
         key_cache, value_cache, layout, store = cache
         count, held, layer = len(members), self.held, self.layer
-        index = torch.tensor(firsts, device=query.device)
+        # a decode batch's rows are usually consecutive tokens: views then, not gathers
+        index = (slice(firsts[0], firsts[0] + count) if firsts == tuple(range(firsts[0], firsts[0] + count))
+                 else torch.tensor(firsts, device=query.device))
         starts = [r.start for r in rows]
         at = torch.tensor(starts, device=key_cache.device).view(-1, 1, 1)
         kv = self.session.cache.layers[layer]
@@ -234,14 +249,15 @@ class Herd:
                 raise RuntimeError(f"attnkit: a stacked step of layer {layer} did not take each new token once per kv "
                                    f"head")
             self.slots = torch.where(fresh, at, self.slots)
-        size = key_cache.shape[2]
+        size, due = key_cache.shape[2], []
         for r, row in enumerate(rows):
             end = self.ends[r] = row.start + 1
             floor = end - held - (end - held) % size  # a per-step run's entries may wait in its first block
             if floor != self.floors[r]:
                 self.floors[r] = floor
-                if bool((self.slots[r] < floor).any()):
-                    self._relocate(kv, r, cache, block_rows[r], end, floor)
+                due.append(r)
+        if due:
+            self._relocate(kv, due, cache, block_rows)
         if not self.in_place:  # the copies go: the next step gathers its entries again
             kv.keys = kv.values = torch.empty((count,) + self.shape[1:], dtype=kv.keys.dtype, device=live.META)
         # every step of a per-step method compresses: one layer's compression per request
@@ -262,16 +278,31 @@ class Herd:
         self.last = (starts, fresh)
         return fresh
 
-    def _relocate(self, kv: LayerKV, r: int, cache, block_row: torch.Tensor, end: int, floor: int) -> None:
-        """Row `r`'s entries lying before `floor` moved into its run's free slots (:func:`attnkit.vllm.live.
-        relocate`), and their addresses with them."""
+    def _relocate(self, kv: LayerKV, due: list, cache, block_rows: tuple) -> None:
+        """The entries of rows `due` that lie before their floors moved into their runs' free slots (:func:`attnkit.
+        vllm.live.relocation`), and their addresses with them: read in place, every row's moved entries in one copy
+        within vLLM's cache, each kv head's own (the other heads' entries in a slot stay); else row by row
+        (:func:`attnkit.vllm.live.relocate`, through vLLM's store op)."""
         key_cache, value_cache, layout, store = cache
-        write = paged.request_slots(key_cache, value_cache, layout, block_row, key_cache.shape[2], store)[1]
-        own = LayerKV(tensor(kv.keys[r:r + 1]), tensor(kv.values[r:r + 1]), kv.positions[r:r + 1], self.held)
-        self.slots[r] = live.relocate(own, self.slots[r], end, write, floor)
-        if self.in_place:
-            keys, values = paged.entries(key_cache, value_cache, layout, block_row[None], self.slots[r:r + 1])
-            kv.keys.offsets[r], kv.values.offsets[r] = keys.offsets[0], values.offsets[0]
+        size, held = key_cache.shape[2], self.held
+        if not self.in_place:
+            for r in due:
+                write = paged.request_slots(key_cache, value_cache, layout, block_rows[r], size, store)[1]
+                own = LayerKV(tensor(kv.keys[r:r + 1]), tensor(kv.values[r:r + 1]), kv.positions[r:r + 1], held)
+                self.slots[r] = live.relocate(own, self.slots[r], self.ends[r], write, self.floors[r])
+            return
+        index = torch.tensor(due, device=self.slots.device)
+        bounds = torch.tensor([[self.ends[r] - held, self.floors[r]] for r in due], device=self.slots.device)
+        slots = self.slots[index]
+        new, moved = live.relocation(slots, bounds[:, :1, None], bounds[:, 1:, None])
+        if not bool(moved.any()):
+            return
+        targets = paged.entries(key_cache, value_cache, layout, torch.stack([block_rows[r] for r in due]), new)
+        for entries, target in zip((kv.keys, kv.values), targets):
+            offsets = entries.offsets[index]
+            entries.move(offsets[moved], target.offsets[moved])
+            entries.offsets[index] = torch.where(moved, target.offsets, offsets)
+        self.slots[index] = new
 
     def dissolve(self) -> None:
         """Every member's own state and layer back (:class:`attnkit.vllm.live.LiveLayer`: the meta keys and values
