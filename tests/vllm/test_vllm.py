@@ -355,16 +355,25 @@ def test_methods_acting_while_decoding_give_attnkit_tokens(engine, model, short_
 PER_STEP = ["h2o:budget_tokens=256", "keyformer:budget_tokens=256", "tova:budget_tokens=256"]
 
 
-def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, short_prompts, monkeypatch):
+@pytest.mark.parametrize("path", ["in place", "copies"])
+def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, short_prompts, monkeypatch, path):
     """Requests of a per-step method (one entry out per generated token) decoding in the same step run as one call
     per layer (attnkit.vllm.stacked: their entries read together, the method's hooks on rows at their own
     positions), arriving a few steps apart so their positions differ, the group kept from step to step while its
     requests stay (a Herd), one request of each method sent one by one every seventh step (its group gives every
     state back first): every request's whole output (100 tokens) is attnkit's own; the stacked call did run, with
     several requests at once for each method, its groups kept over many steps and given back as requests came,
-    left, and stepped alone, its rows' entries moved as their runs left a block."""
+    left, and stepped alone, its rows' entries moved as their runs left a block. `copies`: the group's entries copied
+    from their blocks at each step and moved row by row through vLLM's store op (where no kernel reads them in place:
+    a GPU, ``ATTNKIT_NATIVE=0``), for Keyformer alone."""
+    from attnkit.methods import decode_native
     from attnkit.vllm import stacked
     from attnkit.vllm.stacked import Herd
+
+    methods = PER_STEP
+    if path == "copies":
+        methods = ["keyformer:budget_tokens=256"]
+        monkeypatch.setattr(decode_native, "reads_in_place", lambda *args: False)
 
     together, counts, step, start, dissolve, stackable = {}, {"step": 0, "start": 0, "dissolve": 0, "moved": 0}, \
         Herd.step, Herd.start.__func__, Herd.dissolve, stacked.stackable
@@ -403,13 +412,13 @@ def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, shor
     monkeypatch.setattr(stacked, "stackable", sometimes)
     monkeypatch.setattr(Herd, "_relocate", relocating)
     monkeypatch.setattr(stacked.live, "relocation", moving)
-    arrivals = [(f"together-{spec}-{i}", p, params(spec, LONG)) for i, p in enumerate(short_prompts)
-                for spec in PER_STEP]
+    arrivals = [(f"together-{path}-{spec}-{i}", p, params(spec, LONG)) for i, p in enumerate(short_prompts)
+                for spec in methods]
     done = run_steps(engine, arrivals, steps_between=2)
-    assert len(together) == len(PER_STEP) and min(together.values()) >= 3, together
+    assert len(together) == len(methods) and min(together.values()) >= 3, together
     assert counts["step"] > 3 * counts["start"] and counts["dissolve"] > 0 and counts["moved"] > 0, counts
-    for spec in PER_STEP:
-        ids = [a[0] for a in arrivals if a[0].startswith(f"together-{spec}-")]
+    for spec in methods:
+        ids = [a[0] for a in arrivals if a[0].startswith(f"together-{path}-{spec}-")]
         assert_same_tokens([done[i] for i in ids], model, short_prompts, spec, max_tokens=LONG, engine=engine)
 
 
