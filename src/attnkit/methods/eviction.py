@@ -390,6 +390,9 @@ class RecentWindowEviction(EvictionMethod):
     def check_layer(self, ctx: LayerContext, budget: int) -> None:
         recent_window(self.recent, self.recent_tokens, self.default_recent, budget, ctx.index)
 
+    def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor | None:
+        return self.recent_mask(ctx, self.recent_tokens_for(ctx), next_pos)  # the recent window is never evicted
+
     def recent_tokens_for(self, ctx: LayerContext) -> int:
         """This layer's recent window in tokens, from the subclass's ``recent`` (a fraction of the budget,
         default ``default_recent``) or ``recent_tokens`` (resolved once per generation)."""

@@ -51,9 +51,6 @@ class H2O(BufferedEviction, RecentWindowEviction):
     def rank(self, ctx: LayerContext) -> torch.Tensor:
         return self.score_buffer(ctx)[:, :, :ctx.kv.length]
 
-    def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor | None:
-        return self.recent_mask(ctx, self.recent_tokens_for(ctx), next_pos)
-
     def prefill_scorer(self, ctx: LayerContext):
         return self.gqa_reduce, None  # the attention probabilities
 

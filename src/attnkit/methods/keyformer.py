@@ -256,9 +256,6 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         score = self._shared(ctx).score
         return score.gather(1, positions.reshape(b, -1).to(score.device)).view(positions.shape).to(positions.device)
 
-    def protect(self, ctx: LayerContext, next_pos) -> torch.Tensor | None:
-        return self.recent_mask(ctx, self.recent_tokens_for(ctx), next_pos)
-
     def evicts(self, ctx: LayerContext) -> bool:
         if self.score == "shared" and ctx.state.evicts is None:
             # every layer adds to the shared score as soon as any layer can evict
