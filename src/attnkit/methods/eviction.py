@@ -358,16 +358,14 @@ class EvictionMethod(Method):
         """Entries among the `recent` tokens right before `next_pos` (the recent window)."""
         if recent <= 0:
             return None
-        kv = ctx.kv
-        return kv.positions[:, :, :kv.length] >= (next_pos - recent)
+        return ctx.kv.positions[:, :, :ctx.kv.length] >= (next_pos - recent)
 
     @staticmethod
     def window_visibility(ctx: LayerContext) -> torch.Tensor | None:
         """For a model with its own sliding window: which held keys the decode query may see."""
         if ctx.native_window is None:
             return None
-        positions = ctx.kv.view()[2]
-        return visible(ctx.q_pos, positions, ctx.native_window)
+        return visible(ctx.q_pos, ctx.kv.view()[2], ctx.native_window)
 
 
 @dataclass(frozen=True)
