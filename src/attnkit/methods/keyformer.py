@@ -50,7 +50,6 @@ to the first decode step, goes to ``B`` entries before that step's token is appe
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,22 +73,14 @@ from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import choice, number, whole
 
-_HORIZONS: dict = {}  # id of T [rows] -> (a weak reference to T, T in float64 at least 1, whether all T > 0)
-
 
 def keyformer_tau(t, T, tau_init: float = 1.0, tau_end: float = 2.0):
     """Temperature at decode iteration `t` of a generation of `T` tokens (eq. 10); `t` = 0 is the prompt. `t` and `T`
     may be tensors ``[rows]`` (a stacked decode step's rows, :attr:`attnkit.session.Step.per_row`): the same
     operations per row, in float64."""
     if isinstance(T, torch.Tensor):
-        # a session's T, fixed for its life: converted once, not on every layer and step
-        horizon = _HORIZONS.get(id(T))
-        if horizon is None or horizon[0]() is not T:
-            if len(_HORIZONS) > 256:
-                _HORIZONS.clear()
-            horizon = _HORIZONS[id(T)] = (weakref.ref(T), T.double().clamp(min=1), bool((T > 0).all()))
-        tau = tau_init + t.double() * (tau_end - tau_init) / horizon[1]
-        return tau if horizon[2] else torch.where(T > 0, tau, tau_init)
+        t, T = t.double(), T.double()
+        return torch.where(T > 0, tau_init + t * (tau_end - tau_init) / T.clamp(min=1), tau_init)
     if T <= 0:
         return tau_init
     return tau_init + t * (tau_end - tau_init) / T

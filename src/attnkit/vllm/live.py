@@ -254,6 +254,13 @@ def relocate(kv: LayerKV, slots: torch.Tensor, end: int, write, floor: int) -> t
     return new
 
 
+def block_floor(end: int, held: int, block_size: int) -> int:
+    """The first slot of the block that holds the first slot of the run ``[end - held, end)``: a per-step method's
+    floor (:func:`relocate`)."""
+    lo = end - held
+    return lo - lo % block_size
+
+
 def relocation(slots: torch.Tensor, lo, floor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where :func:`relocate` moves entries: ``(every entry's slot, which moved)`` for `slots` ``[..., held]`` (a
     kv head's entries per row), each row's run starting at slot `lo` and its entries before `floor` moved (ints, or
@@ -325,9 +332,8 @@ def attention(row: Row, make_method, call, q, k, v, paged, inputs=None) -> torch
                                f"{0 if kv is None else kv.length} entries per kv head after position {end}, its plan "
                                f"{expected}")
         first = row.start if old is None else old.end  # the call's tokens, and those it caught up with
-        floor = end - expected
-        if row.plan.every == 1:  # a per-step method: entries may wait in the run's first block (see relocate)
-            floor -= floor % paged.block_size
+        # a per-step method's entries may wait in the run's first block (see relocate)
+        floor = block_floor(end, expected, paged.block_size) if row.plan.every == 1 else end - expected
         slots = relocate(kv, slots_after(kv, old, first), end, paged.write, floor)
         entry.layers[index] = LiveLayer(kv, kv.positions[0, :, :kv.length].clone(), slots, end,
                                         int(slots.min()) if expected else end)

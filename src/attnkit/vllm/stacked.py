@@ -196,7 +196,7 @@ class Herd:
         session.cache.layers[layer] = kv
         ends = [o.end for o in olds]
         herd = cls(call.state.live, layer, key, entries, (), method, stacked, session, slots, ends,
-                   [e - held - (e - held) % size for e in ends], found is not None, shape, held)
+                   [live.block_floor(e, held, size) for e in ends], found is not None, shape, held)
         if found is not None:  # a block's first two slots, through the first request's table
             pair = paged.entries(key_cache, value_cache, layout, block_rows[0][None],
                                  torch.tensor([0, 1]).expand(1, shape[1], 2))
@@ -252,7 +252,7 @@ class Herd:
         size, due = key_cache.shape[2], []
         for r, row in enumerate(rows):
             end = self.ends[r] = row.start + 1
-            floor = end - held - (end - held) % size  # a per-step run's entries may wait in its first block
+            floor = live.block_floor(end, held, size)  # a per-step run's entries may wait in its first block
             if floor != self.floors[r]:
                 self.floors[r] = floor
                 due.append(r)
