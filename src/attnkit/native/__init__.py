@@ -53,6 +53,7 @@ WIDTHS = {16: "avx512", 8: "avx2", 4: "128-bit"}  # a build's vector width in fl
 _lock = threading.Lock()
 _libraries: dict[tuple[str, str], ctypes.CDLL] = {}
 _failures: dict[tuple[str, str], str] = {}
+_resolved: dict[tuple, str] = {}  # (the ISA asked for, $ATTNKIT_NATIVE, $ATTNKIT_NATIVE_ISA) -> the ISA, "": off
 
 
 def compiler() -> str | None:
@@ -162,9 +163,16 @@ def load(name: str, signature: tuple[str, list, type] | None = None, target_isa:
     """The kernel ``<name>.cpp`` compiled for `target_isa` (None: :func:`isa`) and loaded (built on the first
     call), or None where it cannot be (``ATTNKIT_NATIVE=0``, no compiler, a failed build: one warning says which).
     `signature`: the entry point's name, argument types and result type, set once when the library is loaded."""
-    if switch() == "0":
+    asked = (target_isa, os.environ.get(ENV_SWITCH), os.environ.get(ENV_ISA))
+    resolved = _resolved.get(asked)  # a per-step caller asks on every layer and step: the variables checked once
+    if resolved is None:
+        resolved = _resolved[asked] = "" if switch() == "0" else isa(target_isa)
+    if not resolved:
         return None
-    target_isa = isa(target_isa)
+    target_isa = resolved
+    lib = _libraries.get((name, target_isa))
+    if lib is not None and (signature is None or getattr(lib, signature[0]).argtypes is not None):
+        return lib
     with _lock:
         key = (name, target_isa)
         if key in _failures:

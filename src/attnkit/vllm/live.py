@@ -106,7 +106,8 @@ class LiveRequests:
         self.forward = 0
         # groups of requests stepping together, by (layer, their method and budget) (attnkit.vllm.stacked.Herd)
         self.herds: dict = {}
-        self.entered: tuple | None = None  # (forward, its stackable rows, what every layer needs of them: stacked)
+        # (forward, its stackable rows, what every layer needs of them, their groups: attnkit.vllm.stacked._entered)
+        self.entered: tuple | None = None
 
     def begin_forward(self, known) -> None:
         """A new forward pass; forget requests the model runner no longer holds (finished or aborted)."""

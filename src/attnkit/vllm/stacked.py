@@ -59,8 +59,8 @@ class InPlace(LayerKV):
     def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         if self.taken is not None:
             self.taken.append(slots)
-        self.keys, self.values = (e.with_offsets(e.offsets.scatter(2, slots, f.offsets))
-                                  for e, f in zip((self.keys, self.values), self.fresh))
+        for e, f in zip((self.keys, self.values), self.fresh):  # the herd's own addresses, rewritten in place
+            e.offsets.scatter_(2, slots, f.offsets)
         self.positions.scatter_(2, slots, pos.expand_as(slots))
         for stat in self.extras.values():
             stat.scatter_(2, slots, 0)
@@ -83,9 +83,17 @@ def attention(rows: list, call: host.LayerCall, query, key, value, cache, output
     one-by-one path. `cache`: ``(key cache, value cache, layout, store)`` of the layer (the backend's
     ``cache_layout``)."""
     requests, layer = call.state.live, call.layer
+    entered, candidates = _entered(requests, rows, call)
+    herds = [requests.herds.get((layer, group)) for group in candidates]
+    if (all(h is not None and h.steady(members, layer) for h, members in zip(herds, candidates.values()))
+            and sum(at == layer for at, _ in requests.herds) == len(herds)):
+        # the usual step: every row in its layer's herd, as in the last step (what the loop below would find)
+        for herd, members in zip(herds, candidates.values()):
+            herd.step(members, call, query, key, value, cache, output)
+        return []
     groups: dict = {}
     rest = []
-    for first, row, block_row, entry, planned in _entered(requests, rows, call):
+    for first, row, block_row, entry, planned in entered:
         held = _full(entry, entry.layers[layer], row, planned)
         if held is None:
             rest.append((first, first + 1, row, block_row))
@@ -105,21 +113,25 @@ def attention(rows: list, call: host.LayerCall, query, key, value, cache, output
     return rest
 
 
-def _entered(requests: live.LiveRequests, rows: list, call: host.LayerCall) -> list:
+def _entered(requests: live.LiveRequests, rows: list, call: host.LayerCall) -> tuple[list, dict]:
     """``(token, Row, block table row, LiveRequest, the plan's count after this token)`` of each of a forward's
-    stackable `rows`: the same for every layer of the forward, found on its first. A request's method key is its
-    method as its session runs it, by its whole parameters (a composed method's parts are not hashable)."""
+    stackable `rows`, and the groups they would step in where every layer is caught up and full (by method and the
+    plan's count: ``(token, Row, block table row, LiveRequest)``, in order): the same for every layer of the forward,
+    found on its first. A request's method key is its method as its session runs it, by its whole parameters (a
+    composed method's parts are not hashable)."""
     known = requests.entered
     if known is not None and known[0] == requests.forward and known[1] is rows:
-        return known[2]
-    found = []
+        return known[2], known[3]
+    found, candidates = [], {}
     for first, row, block_row in rows:
         entry = requests.enter(row, host.session_method, call)
         if entry.method_key is None:
             entry.method_key = repr(entry.session.method)
-        found.append((first, row, block_row, entry, row.plan.held(row.start + 1)))
-    requests.entered = (requests.forward, rows, found)
-    return found
+        planned = row.plan.held(row.start + 1)
+        found.append((first, row, block_row, entry, planned))
+        candidates.setdefault((entry.method_key, planned), []).append((first, row, block_row, entry))
+    requests.entered = (requests.forward, rows, found, candidates)
+    return found, candidates
 
 
 def _full(entry: live.LiveRequest, old, row: Row, planned: int) -> int | None:
@@ -207,6 +219,14 @@ class Herd:
         herd.requests.herds[(layer, key)] = herd
         return herd
 
+    def steady(self, members, layer: int) -> bool:
+        """Whether `members` (``(token, Row, block table row, LiveRequest)``) are the herd's requests in its order,
+        each still in it and caught up to this step: where :func:`_full` finds every one of them full at the herd's
+        count."""
+        return len(members) == len(self.members) and all(
+            m[3] is e and e.layers[layer] is mark and not e.pending and end == m[1].start
+            for m, e, mark, end in zip(members, self.members, self.marks, self.ends))
+
     def continues(self, members) -> bool:
         """Whether `members` (this layer's group of the herd's method and budget in this step) are the herd's
         requests, in its order."""
@@ -249,13 +269,15 @@ class Herd:
                 raise RuntimeError(f"attnkit: a stacked step of layer {layer} did not take each new token once per kv "
                                    f"head")
             self.slots = torch.where(fresh, at, self.slots)
-        size, due = key_cache.shape[2], []
-        for r, row in enumerate(rows):
-            end = self.ends[r] = row.start + 1
-            floor = live.block_floor(end, held, size)  # a per-step run's entries may wait in its first block
-            if floor != self.floors[r]:
-                self.floors[r] = floor
-                due.append(r)
+        # each row's run moved on by one slot (its end was its start: steady, _full): its floor moves where the run's
+        # first slot enters a new block (a per-step run's entries may wait in its first block)
+        size = key_cache.shape[2]
+        if self.ends != starts:
+            raise RuntimeError(f"attnkit: a stacked step of layer {layer} found rows that do not continue their runs")
+        self.ends = [s + 1 for s in starts]
+        due = [r for r, s in enumerate(starts) if (s + 1 - held) % size == 0]
+        for r in due:
+            self.floors[r] = live.block_floor(self.ends[r], held, size)
         if due:
             self._relocate(kv, due, cache, block_rows)
         if not self.in_place:  # the copies go: the next step gathers its entries again
