@@ -192,7 +192,7 @@ def main(argv=None) -> int:
                 flags.append(f"kv{h} " + ("same" if a == b else f"differs ({len(a - b)} of {len(a)})"))
             if rnd == 0:
                 center, abs_mean = stats.layer(r["layer"], "cpu")
-                ours = trig_scores(rope.rotate(keys.float(), -pos), pos, center, abs_mean, rope.inv_freq, r["t0"],
+                ours = trig_scores(keys.float(), center, abs_mean, rope.inv_freq, r["t0"],
                                    method._offsets).reshape(stats.n_heads, -1)
                 for i, dtype in enumerate((torch.float32, torch.float64)):
                     ref = hf_path_scores(pu, model, keys, pos, stats, r["layer"], r["t0"], method.offset_max_length,

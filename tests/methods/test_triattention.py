@@ -188,14 +188,15 @@ def plain_score(c: complex, m: float, k_pre: list[float], omega: list[float], di
 
 @pytest.mark.parametrize("how", ["mean", "max"])
 def test_the_score_is_the_series_over_future_distances(how):
-    """Rows and kv heads holding different positions; the cached keys are rotated back before scoring."""
+    """Rows and kv heads holding different positions: the score of the cached keys (after RoPE) is the series of the
+    keys before RoPE at their distances."""
     center, abs_mean = stats_from_dict(stats_dict(n_heads=6, n_kv_heads=3)).layer(0, "cpu")  # [3, 2, 4] each
     k_pre = randn(2, 3, 10, 8, seed=4) * 2
     pos = torch.stack([torch.randperm(400, generator=torch.Generator().manual_seed(s))[:10] for s in range(6)])
     pos = pos.reshape(2, 3, 10)
     cached = ROPE.rotate(k_pre, pos)  # what the cache holds: keys after RoPE at their positions
     offsets = geometric_offsets(1000)
-    got = trig_scores(ROPE.rotate(cached, -pos), pos, center, abs_mean, ROPE.inv_freq, 450, offsets, how)
+    got = trig_scores(cached, center, abs_mean, ROPE.inv_freq, 450, offsets, how)
     omega = ROPE.inv_freq.double().tolist()
     for b in range(2):
         for g in range(3):
@@ -205,7 +206,7 @@ def test_the_score_is_the_series_over_future_distances(how):
                     want = plain_score(c, m, k_pre[b, g, i].double().tolist(), omega, 450 - int(pos[b, g, i]),
                                        offsets, how)
                     assert abs(float(got[b, g, h, i]) - want) < 1e-4 * (1 + abs(want))
-    blocks = trig_scores(ROPE.rotate(cached, -pos), pos, center, abs_mean, ROPE.inv_freq, 450, offsets, how,
+    blocks = trig_scores(cached, center, abs_mean, ROPE.inv_freq, 450, offsets, how,
                          block_elements=2 * 3 * 4 * 3)  # three keys per block: the same numbers
     assert torch.allclose(blocks, got, rtol=1e-6, atol=1e-6)
     assert geometric_offsets(65536)[-1] == 65536 and len(geometric_offsets(65536)) == 17

@@ -363,9 +363,10 @@ def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, shor
     requests stay (a Herd), one request of each method sent one by one every seventh step (its group gives every
     state back first): every request's whole output (100 tokens) is attnkit's own; the stacked call did run, with
     several requests at once for each method, its groups kept over many steps and given back as requests came,
-    left, and stepped alone, its rows' entries moved as their runs left a block. `copies`: the group's entries copied
-    from their blocks at each step and moved row by row through vLLM's store op (where no kernel reads them in place:
-    a GPU, ``ATTNKIT_NATIVE=0``), for Keyformer alone."""
+    left, and stepped alone, its rows' entries moved as their runs left a block, its layers' groups found both by
+    testing each row and, once steady, without. `copies`: the group's entries copied from their blocks at each step
+    and moved row by row through vLLM's store op (where no kernel reads them in place: a GPU, ``ATTNKIT_NATIVE=0``),
+    for Keyformer alone."""
     from attnkit.methods import decode_native
     from attnkit.vllm import stacked
     from attnkit.vllm.stacked import Herd
@@ -375,9 +376,21 @@ def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, shor
         methods = ["keyformer:budget_tokens=256"]
         monkeypatch.setattr(decode_native, "reads_in_place", lambda *args: False)
 
-    together, counts, step, start, dissolve, stackable = {}, {"step": 0, "start": 0, "dissolve": 0, "moved": 0}, \
+    together, counts, step, start, dissolve, stackable = {}, {"step": 0, "start": 0, "dissolve": 0, "moved": 0,
+                                                              "full": 0, "steady": 0}, \
         Herd.step, Herd.start.__func__, Herd.dissolve, stacked.stackable
     relocate, relocation, herding = Herd._relocate, stacked.live.relocation, []
+    full, attention = stacked._full, stacked.attention
+
+    def testing(*args):  # a row tested on its own (the path that groups rows anew)
+        counts["full"] += 1
+        return full(*args)
+
+    def attending(*args):  # a layer whose rows all stepped in their herds without a row tested on its own
+        before = counts["full"]
+        rest = attention(*args)
+        counts["steady"] += counts["full"] == before and not rest
+        return rest
 
     def relocating(herd, *args):  # a herd's rows whose runs left a block: their survivors moved
         herding.append(herd)
@@ -412,11 +425,14 @@ def test_per_step_requests_step_together_with_attnkit_tokens(engine, model, shor
     monkeypatch.setattr(stacked, "stackable", sometimes)
     monkeypatch.setattr(Herd, "_relocate", relocating)
     monkeypatch.setattr(stacked.live, "relocation", moving)
+    monkeypatch.setattr(stacked, "_full", testing)
+    monkeypatch.setattr(stacked, "attention", attending)
     arrivals = [(f"together-{path}-{spec}-{i}", p, params(spec, LONG)) for i, p in enumerate(short_prompts)
                 for spec in methods]
     done = run_steps(engine, arrivals, steps_between=2)
     assert len(together) == len(methods) and min(together.values()) >= 3, together
     assert counts["step"] > 3 * counts["start"] and counts["dissolve"] > 0 and counts["moved"] > 0, counts
+    assert counts["steady"] > 0 and counts["full"] > 0, counts  # both ways of finding a layer's groups ran
     for spec in methods:
         ids = [a[0] for a in arrivals if a[0].startswith(f"together-{path}-{spec}-")]
         assert_same_tokens([done[i] for i in ids], model, short_prompts, spec, max_tokens=LONG, engine=engine)

@@ -144,12 +144,11 @@ class TriAttention(PromptScorer):
 
     def head_scores(self, ctx: LayerContext, round_start: int) -> torch.Tensor:
         """``S_h`` ``[b, kv, g, L]`` of every held entry for each query head, standardised with ``normalize``."""
-        keys, _, positions = ctx.kv.view()
+        keys = ctx.kv.view()[0]
         self._check(ctx, None, keys.shape[1], keys.shape[-1])
-        before_rope = ctx.session.rope.rotate(keys.float(), -positions)
         center, abs_mean = self._stats.layer(ctx.index, keys.device, ctx.session.held_heads(keys.shape[1], kv=True))
-        scores = trig_scores(before_rope, positions, center, abs_mean, ctx.session.rope.inv_freq, round_start,
-                             self._offsets, self.aggregation)
+        scores = trig_scores(keys, center, abs_mean, ctx.session.rope.inv_freq, round_start, self._offsets,
+                             self.aggregation)
         return standardize(scores) if self.normalize else scores
 
     def rank(self, ctx: LayerContext) -> torch.Tensor:

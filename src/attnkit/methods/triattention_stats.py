@@ -25,11 +25,13 @@ query sits at ``t0`` (the "round start"):
 The first term is the series at the future distances ``t0 + o - p`` for the offsets ``O = 1, 2, 4, ..., 2^m <=
 offset_max_length`` (the authors' geometric offsets), aggregated by their mean (or maximum); the second, position-
 free term credits the part of the queries' norm the centre does not capture (the authors' "MLR" term: what the
-spread of the queries adds to the expected logit of a long key). The key enters before RoPE: the cached (rotated)
-key is rotated back by its position (:meth:`attnkit.rope.Rope.rotate` by ``-p``). The model's ``attention_scaling``
-(yarn's magnitude factor) stays inside cached keys and recorded queries alike, so it is the authors'
-``freq_scale_sq`` factor per band. Phases are computed in float64 (``omega_f (t0 + o - p)`` reaches tens of
-thousands of radians at the largest offsets), the sums in float32.
+spread of the queries adds to the expected logit of a long key). The key enters before RoPE, but it need not be
+rotated back: RoPE turns band ``f`` of the key at ``p`` by ``e^{i omega_f p}``, so for the cached key ``k~``,
+``conj(k_f) e^{i omega_f (t0 + o - p)} = conj(k~_f) e^{i omega_f (t0 + o)}``, and ``|k_f| = |k~_f|``: one phase per
+offset and band serves every key, whatever its position. The model's ``attention_scaling`` (yarn's magnitude factor)
+stays inside cached keys and recorded queries alike, so it is the authors' ``freq_scale_sq`` factor per band. Phases
+are computed in float64 (``omega_f (t0 + o)`` reaches tens of thousands of radians at the largest offsets), the sums
+in float32.
 
 **File.** JSON, one line per layer (:func:`dumps_stats`): the model, its geometry (layers, query and kv heads, head
 dimension), the RoPE frequencies ``omega``, the calibration settings and date, and per layer ``center_real``,
@@ -72,32 +74,30 @@ def bands(x: torch.Tensor) -> torch.Tensor:
     return torch.complex(x[..., :half], x[..., half:])
 
 
-def trig_scores(keys: torch.Tensor, k_pos: torch.Tensor, center: torch.Tensor, abs_mean: torch.Tensor,
-                inv_freq: torch.Tensor, round_start: int, offsets: list[int], aggregation: str = "mean",
+def trig_scores(keys: torch.Tensor, center: torch.Tensor, abs_mean: torch.Tensor, inv_freq: torch.Tensor,
+                round_start: int, offsets: list[int], aggregation: str = "mean",
                 block_elements: int | None = None) -> torch.Tensor:
-    """``S_h`` (see the module docstring) ``[b, kv, g, L]`` (float32) of pre-RoPE `keys` ``[b, kv, L, d]`` held at
-    positions `k_pos` (``[b, kv, L]`` or ``[L]``), for the ``g`` query heads of each kv head: `center` (complex) and
+    """``S_h`` (see the module docstring) ``[b, kv, g, L]`` (float32) of the cached keys `keys` ``[b, kv, L, d]``
+    (after RoPE, each at its own position), for the ``g`` query heads of each kv head: `center` (complex) and
     `abs_mean` ``[kv, g, d/2]``, RoPE frequencies `inv_freq` ``[d/2]``, the next query at `round_start`. Keys are
     taken in blocks of at most `block_elements` band values (:data:`~attnkit.methods.scoring.SCORE_BLOCK_ELEMENTS`
-    by device type), so the phase tables stay small on a long prompt."""
+    by device type), so the band tables stay small on a long prompt."""
     b, kv, length, d = keys.shape
     omega = inv_freq.to(device=keys.device, dtype=torch.float64)
     center = center.to(keys.device, torch.complex64)
     spread = abs_mean.to(keys.device).float() - center.abs()  # E|q_f| - |E[q_f]|
-    steps = torch.tensor(offsets, device=keys.device, dtype=torch.float64)[:, None] * omega  # [O, F]
-    turns = torch.polar(torch.ones_like(steps), steps).to(torch.complex64)  # e^{i omega o}
+    # e^{i omega (t0 + o)} per offset and band: conj(cached k_f) times it is conj(k_f) e^{i omega (t0 + o - p)}
+    angles = (round_start + torch.tensor(offsets, device=keys.device, dtype=torch.float64))[:, None] * omega  # [O, F]
+    turns = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
     if aggregation == "mean":  # the series is linear in e^{i omega o}: average the turns once
         turns = turns.mean(dim=0, keepdim=True)
-    k_pos = k_pos.to(keys.device, torch.float64).expand(b, kv, length)
     out = torch.empty(b, kv, center.shape[1], length, dtype=torch.float32, device=keys.device)
     rows = max(1, (block_elements or block_elements_for(keys.device)) // max(1, b * kv * (d // 2)))
     for s in range(0, length, rows):
-        k = bands(keys[:, :, s:s + rows])  # [b, kv, l, F]
-        dist = (round_start - k_pos[:, :, s:s + rows])[..., None] * omega  # omega_f (t0 - p)
-        base = k.conj() * torch.polar(torch.ones_like(dist), dist).to(torch.complex64)  # conj(k_f) e^{i omega (t0-p)}
+        k = bands(keys[:, :, s:s + rows]).conj()  # [b, kv, l, F]
         trig = None
-        for turn in turns:  # Re( sum_f E[q_f] conj(k_f) e^{i omega (t0 - p)} e^{i omega o} )
-            u = base * turn
+        for turn in turns:  # Re( sum_f E[q_f] conj(k_f) e^{i omega (t0 + o - p)} )
+            u = k * turn
             series = (torch.einsum("kgf,bklf->bkgl", center.real, u.real)
                       - torch.einsum("kgf,bklf->bkgl", center.imag, u.imag))
             trig = series if trig is None else torch.maximum(trig, series)
