@@ -27,11 +27,11 @@ offset_max_length`` (the authors' geometric offsets), aggregated by their mean (
 free term credits the part of the queries' norm the centre does not capture (the authors' "MLR" term: what the
 spread of the queries adds to the expected logit of a long key). The key enters before RoPE, but it need not be
 rotated back: RoPE turns band ``f`` of the key at ``p`` by ``e^{i omega_f p}``, so for the cached key ``k~``,
-``conj(k_f) e^{i omega_f (t0 + o - p)} = conj(k~_f) e^{i omega_f (t0 + o)}``, and ``|k_f| = |k~_f|``: one phase per
-offset and band serves every key, whatever its position. The model's ``attention_scaling`` (yarn's magnitude factor)
-stays inside cached keys and recorded queries alike, so it is the authors' ``freq_scale_sq`` factor per band. Phases
-are computed in float64 (``omega_f (t0 + o)`` reaches tens of thousands of radians at the largest offsets), the sums
-in float32.
+``conj(k_f) e^{i omega_f (t0 + o - p)} = conj(k~_f) e^{i omega_f (t0 + o)}``, and ``|k_f| = |k~_f|``. The series
+term is then a dot product of the cached key with one real vector per query head and offset, whatever the key's
+position (:func:`trig_scores`). The model's ``attention_scaling`` (yarn's magnitude factor) stays inside cached keys
+and recorded queries alike, so it is the authors' ``freq_scale_sq`` factor per band. Those vectors are computed in
+float64 (``omega_f (t0 + o)`` reaches tens of thousands of radians at the largest offsets), the products in float32.
 
 **File.** JSON, one line per layer (:func:`dumps_stats`): the model, its geometry (layers, query and kv heads, head
 dimension), the RoPE frequencies ``omega``, the calibration settings and date, and per layer ``center_real``,
@@ -79,29 +79,32 @@ def trig_scores(keys: torch.Tensor, center: torch.Tensor, abs_mean: torch.Tensor
                 block_elements: int | None = None) -> torch.Tensor:
     """``S_h`` (see the module docstring) ``[b, kv, g, L]`` (float32) of the cached keys `keys` ``[b, kv, L, d]``
     (after RoPE, each at its own position), for the ``g`` query heads of each kv head: `center` (complex) and
-    `abs_mean` ``[kv, g, d/2]``, RoPE frequencies `inv_freq` ``[d/2]``, the next query at `round_start`. Keys are
-    taken in blocks of at most `block_elements` band values (:data:`~attnkit.methods.scoring.SCORE_BLOCK_ELEMENTS`
-    by device type), so the band tables stay small on a long prompt."""
+    `abs_mean` ``[kv, g, d/2]``, RoPE frequencies `inv_freq` ``[d/2]``, the next query at `round_start`.
+
+    With ``w_f = E[q_f] e^{i omega_f (t0 + o)}``, the series term ``Re(sum_f w_f conj(k~_f))`` is ``sum_f Re(w_f)
+    k~_f + Im(w_f) k~_{f + d/2}``: a product of the cached key with one real vector per query head and offset (their
+    mean, for ``aggregation="mean"``: the series is linear in them), computed in float64 once per call. Keys are
+    taken in blocks of at most `block_elements` (key x query head x offset) values
+    (:data:`~attnkit.methods.scoring.SCORE_BLOCK_ELEMENTS` by device type)."""
     b, kv, length, d = keys.shape
+    half = d // 2
     omega = inv_freq.to(device=keys.device, dtype=torch.float64)
-    center = center.to(keys.device, torch.complex64)
-    spread = abs_mean.to(keys.device).float() - center.abs()  # E|q_f| - |E[q_f]|
-    # e^{i omega (t0 + o)} per offset and band: conj(cached k_f) times it is conj(k_f) e^{i omega (t0 + o - p)}
     angles = (round_start + torch.tensor(offsets, device=keys.device, dtype=torch.float64))[:, None] * omega  # [O, F]
-    turns = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-    if aggregation == "mean":  # the series is linear in e^{i omega o}: average the turns once
+    turns = torch.polar(torch.ones_like(angles), angles)  # e^{i omega (t0 + o)}
+    if aggregation == "mean":
         turns = turns.mean(dim=0, keepdim=True)
-    out = torch.empty(b, kv, center.shape[1], length, dtype=torch.float32, device=keys.device)
-    rows = max(1, (block_elements or block_elements_for(keys.device)) // max(1, b * kv * (d // 2)))
+    w = center.to(keys.device, torch.complex128)[:, :, None, :] * turns  # [kv, g, O, F]
+    weights = torch.cat([w.real, w.imag], dim=-1).float()  # [kv, g, O, d]: the cached key's halves, band by band
+    spread = abs_mean.to(keys.device).float() - center.to(keys.device).abs().float()  # E|q_f| - |E[q_f]|
+    g, turns_n = weights.shape[1], weights.shape[2]
+    out = torch.empty(b, kv, g, length, dtype=torch.float32, device=keys.device)
+    rows = max(1, (block_elements or block_elements_for(keys.device)) // max(1, b * kv * g * turns_n))
     for s in range(0, length, rows):
-        k = bands(keys[:, :, s:s + rows]).conj()  # [b, kv, l, F]
-        trig = None
-        for turn in turns:  # Re( sum_f E[q_f] conj(k_f) e^{i omega (t0 + o - p)} )
-            u = k * turn
-            series = (torch.einsum("kgf,bklf->bkgl", center.real, u.real)
-                      - torch.einsum("kgf,bklf->bkgl", center.imag, u.imag))
-            trig = series if trig is None else torch.maximum(trig, series)
-        out[..., s:s + rows] = trig + torch.einsum("kgf,bklf->bkgl", spread, k.abs())
+        k = keys[:, :, s:s + rows].float()  # [b, kv, l, d]
+        series = torch.einsum("kgod,bkld->bkgol", weights, k)
+        trig = series[:, :, :, 0] if turns_n == 1 else series.amax(dim=3)
+        norms = torch.hypot(k[..., :half], k[..., half:])  # |k_f|, RoPE keeps it
+        out[..., s:s + rows] = trig + torch.einsum("kgf,bklf->bkgl", spread, norms)
     return out
 
 
