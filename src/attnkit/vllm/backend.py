@@ -346,11 +346,11 @@ class AttnkitImplMixin:
             firsts, entries = part.decode
             out = self.gathered_decode(query[firsts], entries, key_cache, value_cache, layout)
             output[firsts] = out.reshape(output[firsts].shape).to(output.dtype)
-        hidden = module = None
-        if part.inputs:
-            hidden, module = part.state.inputs.of(self.layer_index, query.shape[0])
-        for first, request_id, position, kept, reads in part.skipped:
-            q = query[first].reshape(-1, key_cache.shape[-1]).clone() if kept else None
+        hidden, module = part.state.inputs.of(self.layer_index, query.shape[0]) if part.inputs else (None, None)
+        if part.skipped:  # the skipped rows' queries in one gather: each keeps its own view of it until it catches up
+            noted = query[[s[0] for s in part.skipped]].reshape(len(part.skipped), -1, key_cache.shape[-1])
+        for i, (first, request_id, position, kept, reads) in enumerate(part.skipped):
+            q = noted[i] if kept else None
             part.state.live.skipped(request_id, self.layer_index, position, q, hidden[first].clone() if reads else None)
         rest = []
         if part.stacked:
