@@ -150,9 +150,9 @@ def _full(entry: live.LiveRequest, old, row: Row, planned: int) -> int | None:
 class Herd:
     """One layer's requests of one method and budget (`key`) stepping together, kept from step to step (see the
     module's docstring): `members` (their :class:`attnkit.vllm.live.LiveRequest`, row by row), the method's
-    states stacked (`stacked`) in a session of their rows, each entry's slot ``[rows, kv, held]``, each request's
-    end of its run (the position after its last step) and the first slot of that run's first block (its floor:
-    :func:`attnkit.vllm.live.relocate`)."""
+    states stacked (`stacked`) in a session of their rows, each entry's slot ``[rows, kv, held]`` and each request's
+    end of its run (the position after its last step; its run's first block holds the entries not yet moved into it:
+    :func:`attnkit.vllm.live.block_floor`)."""
 
     requests: live.LiveRequests
     layer: int
@@ -164,7 +164,6 @@ class Herd:
     session: Session
     slots: torch.Tensor
     ends: list
-    floors: list
     in_place: bool  # the entries read where they lie (InPlace); else gathered at each step
     shape: tuple  # one request's keys ``[1, kv, held, d]``
     held: int
@@ -188,7 +187,7 @@ class Herd:
                 stacked = (stacked[0], other.stacked[1])
                 break
         key_cache, value_cache, layout, _ = cache
-        held, size = olds[0].kv.length, key_cache.shape[2]
+        held = olds[0].kv.length
         slots = torch.stack([o.slots for o in olds])  # [rows, kv, held]: each entry's slot, in its LayerKV's order
         held_at = torch.cat([o.kv.positions for o in olds]).to(key_cache.device)
         extras = {name: torch.cat([o.kv.extras[name] for o in olds]) for name in olds[0].kv.extras}
@@ -207,8 +206,8 @@ class Herd:
         session.layer_state[layer], session.state = stacked
         session.cache.layers[layer] = kv
         ends = [o.end for o in olds]
-        herd = cls(call.state.live, layer, key, entries, (), method, stacked, session, slots, ends,
-                   [live.block_floor(e, held, size) for e in ends], found is not None, shape, held)
+        herd = cls(call.state.live, layer, key, entries, (), method, stacked, session, slots, ends, found is not None,
+                   shape, held)
         if found is not None:  # a block's first two slots, through the first request's table
             pair = paged.entries(key_cache, value_cache, layout, block_rows[0][None],
                                  torch.tensor([0, 1]).expand(1, shape[1], 2))
@@ -223,9 +222,8 @@ class Herd:
         """Whether `members` (``(token, Row, block table row, LiveRequest)``) are the herd's requests in its order,
         each still in it and caught up to this step: where :func:`_full` finds every one of them full at the herd's
         count."""
-        return len(members) == len(self.members) and all(
-            m[3] is e and e.layers[layer] is mark and not e.pending and end == m[1].start
-            for m, e, mark, end in zip(members, self.members, self.marks, self.ends))
+        return self.continues(members) and all(e.layers[layer] is mark and not e.pending and end == m[1].start
+                                               for m, e, mark, end in zip(members, self.members, self.marks, self.ends))
 
     def continues(self, members) -> bool:
         """Whether `members` (this layer's group of the herd's method and budget in this step) are the herd's
@@ -269,15 +267,13 @@ class Herd:
                 raise RuntimeError(f"attnkit: a stacked step of layer {layer} did not take each new token once per kv "
                                    f"head")
             self.slots = torch.where(fresh, at, self.slots)
-        # each row's run moved on by one slot (its end was its start: steady, _full): its floor moves where the run's
-        # first slot enters a new block (a per-step run's entries may wait in its first block)
+        # each row's run moved on by one slot (its end was its start: steady, _full); a per-step run's entries wait in
+        # its first block, so those left before it move when the run's first slot is the first of a new block
         size = key_cache.shape[2]
         if self.ends != starts:
             raise RuntimeError(f"attnkit: a stacked step of layer {layer} found rows that do not continue their runs")
         self.ends = [s + 1 for s in starts]
-        due = [r for r, s in enumerate(starts) if (s + 1 - held) % size == 0]
-        for r in due:
-            self.floors[r] = live.block_floor(self.ends[r], held, size)
+        due = [r for r, end in enumerate(self.ends) if live.block_floor(end, held, size) == end - held]
         if due:
             self._relocate(kv, due, cache, block_rows)
         if not self.in_place:  # the copies go: the next step gathers its entries again
@@ -301,22 +297,22 @@ class Herd:
         return fresh
 
     def _relocate(self, kv: LayerKV, due: list, cache, block_rows: tuple) -> None:
-        """The entries of rows `due` that lie before their floors moved into their runs' free slots (:func:`attnkit.
-        vllm.live.relocation`), and their addresses with them: read in place, every row's moved entries in one copy
-        within vLLM's cache, each kv head's own (the other heads' entries in a slot stay); else row by row
-        (:func:`attnkit.vllm.live.relocate`, through vLLM's store op)."""
+        """The entries of rows `due` (whose runs start a block: :meth:`step`) that lie before their runs moved into the
+        runs' free slots (:func:`attnkit.vllm.live.relocation`), and their addresses with them: read in place, every
+        row's moved entries in one copy within vLLM's cache, each kv head's own (the other heads' entries in a slot
+        stay); else row by row (:func:`attnkit.vllm.live.relocate`, through vLLM's store op)."""
         key_cache, value_cache, layout, store = cache
         size, held = key_cache.shape[2], self.held
         if not self.in_place:
             for r in due:
                 write = paged.request_slots(key_cache, value_cache, layout, block_rows[r], size, store)[1]
                 own = LayerKV(tensor(kv.keys[r:r + 1]), tensor(kv.values[r:r + 1]), kv.positions[r:r + 1], held)
-                self.slots[r] = live.relocate(own, self.slots[r], self.ends[r], write, self.floors[r])
+                self.slots[r] = live.relocate(own, self.slots[r], self.ends[r], write, self.ends[r] - held)
             return
         index = torch.tensor(due, device=self.slots.device)
-        bounds = torch.tensor([[self.ends[r] - held, self.floors[r]] for r in due], device=self.slots.device)
+        lo = torch.tensor([self.ends[r] - held for r in due], device=self.slots.device).view(-1, 1, 1)
         slots = self.slots[index]
-        new, moved = live.relocation(slots, bounds[:, :1, None], bounds[:, 1:, None])
+        new, moved = live.relocation(slots, lo, lo)
         if not bool(moved.any()):
             return
         targets = paged.entries(key_cache, value_cache, layout, torch.stack([block_rows[r] for r in due]), new)
