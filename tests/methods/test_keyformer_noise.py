@@ -9,7 +9,7 @@ import attnkit
 from attnkit.cache import KVCache
 from attnkit.methods import eviction, scoring
 from attnkit.methods import keyformer_noise as keyformer_noise_module
-from attnkit.methods.keyformer_noise import DecodeNoise, gumbel_factor, keyformer_noise
+from attnkit.methods.keyformer_noise import DecodeNoise, GumbelFactorWeights, gumbel_factor, keyformer_noise
 from attnkit.session import LayerContext, Session, Step
 from helpers import drive, drive_shards, qkv
 
@@ -90,10 +90,16 @@ def test_the_table_counters_give_its_uniforms_bit_for_bit():
     assert torch.allclose(-(-u.log()).log(), table[t], rtol=1e-6, atol=1e-7)
 
 
-def test_gumbel_factor_is_exp_of_the_gumbel_draws():
+def test_gumbel_factor_is_exp_of_the_gumbel_draws_as_bfloat16():
     pos = torch.arange(300)
     zeta = keyformer_noise("gumbel", 4, 2, 2, 3, pos, pos)
-    assert torch.allclose(gumbel_factor(4, 2, 2, 3, pos, pos), zeta.exp(), rtol=1e-5)
+    factor = gumbel_factor(4, 2, 2, 3, pos, pos)
+    assert torch.equal(factor.to(torch.bfloat16).float(), factor)  # bfloat16 values, held exactly in either dtype
+    assert torch.allclose(factor, zeta.exp(), rtol=2.0 ** -8, atol=0)  # rounded to the nearest
+    assert not torch.allclose(factor, zeta.exp(), rtol=1e-5, atol=0)
+    table, _ = GumbelFactorWeights(4, 2, 2).table_and_offsets(3, pos, 299, torch.bfloat16)
+    assert table.dtype == torch.bfloat16
+    assert torch.equal(table.float(), GumbelFactorWeights(4, 2, 2).table_and_offsets(3, pos, 299)[0][:table.shape[0]])
 
 
 @pytest.mark.parametrize("spec", ["keyformer:seed=3", "keyformer:noise=gaussian,tau_init=1.5", "h2o:gqa_reduce=max",
@@ -160,7 +166,7 @@ def test_noise_of_a_block_does_not_depend_on_chunks_rows_or_the_copy_path():
     got = keyformer_noise("gumbel", 2, 1, 2, 3, pos[7:8], scattered)
     assert torch.equal(got[0, 0, :, 0], whole[0, 0, :, 7][:, [5, 9, 200]])
     assert torch.equal(got[0, 1, :, 0], whole[0, 1, :, 7][:, [0, 1, 299]])
-    assert torch.allclose(gumbel_factor(2, 1, 2, 3, pos[130:147], pos[100:147]), part.exp(), rtol=1e-5)
+    assert torch.allclose(gumbel_factor(2, 1, 2, 3, pos[130:147], pos[100:147]), part.exp(), rtol=2.0 ** -8, atol=0)
 
 
 @pytest.mark.parametrize("spec", ["keyformer:budget_tokens=20", "keyformer:budget_tokens=20,noise=gaussian",

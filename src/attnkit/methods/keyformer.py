@@ -38,7 +38,8 @@ The prompt's scores come from the same blocks as its attention output
 (:func:`attnkit.methods.scoring.attention_with_statistics`). At the prompt's temperature 1 with Gumbel
 noise, eq. 9 is computed from the attention probabilities ``p`` the output needs:
 ``softmax(x + zeta) = p * exp(zeta) / sum(p * exp(zeta))`` with ``exp(zeta) = 1 / -log(u)``
-(:func:`attnkit.methods.keyformer_noise.gumbel_factor`, the same draws), so no second softmax.
+(:func:`attnkit.methods.keyformer_noise.gumbel_factor`, the same draws, each ``exp(zeta)`` rounded to bfloat16: zeta
+moves by at most 0.004), so no second softmax.
 
 ``decode_every=N >= 1`` is the buffered form (:mod:`attnkit.methods.buffered`): generated tokens are appended and
 attended with everything held, f still accumulating at every step with its temperature schedule, and after every

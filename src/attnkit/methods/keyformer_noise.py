@@ -19,6 +19,13 @@ generator's state, the noise a (query, key) pair of a head gets does not depend 
 the batch, on the slot the key occupies, on the device or on the order of computation, so a chunked or
 per-head evicting run equals the dense reference draw for draw. :class:`DecodeNoise` computes the same
 draws for decode steps.
+
+The prompt's draws at temperature 1 are read as factors ``exp(zeta) = 1 / -log(u)`` (:func:`gumbel_factor`), and
+those are rounded to bfloat16 in their table: a prompt's sweep reads one per query-key pair, each query row from its
+own stretch of a table far larger than a CPU's caches, so the reads are what Keyformer's sweep adds to H2O's, and
+two bytes a draw halve them (:mod:`attnkit.methods.scoring_native` reads the table as bfloat16). A draw zeta moves by
+at most 0.004 (``exp(zeta)`` by at most 2^-8 of itself, half of bfloat16's step), against its spread of 1.28; every
+host reads the same rounded entries.
 """
 
 from __future__ import annotations
@@ -127,7 +134,7 @@ def counter_uniforms(seed: int, stream: int, heads: torch.Tensor, q_pos: torch.T
 # Draws are read from a table of TABLE_SIZE (+ the largest key position) independent draws: row (seed, layer,
 # head, query position) starts at a hashed offset and key position j reads entry offset + j.
 TABLE_SIZE = 1 << 22
-_TABLES: dict[tuple[str, str], torch.Tensor] = {}
+_TABLES: dict[tuple[str, str, torch.dtype], torch.Tensor] = {}
 _TABLE_CHUNK = {"cpu": 1 << 16}  # entries built at once, by device type (others: the whole table at once)
 _TABLE_STREAM = 0x7AB1E  # the counter stream of the table's entries
 
@@ -144,12 +151,14 @@ def table_counters() -> tuple[int, int, int, int]:
     return row, _KEY_SALT, _M1 & _MASK32, _M2 & _MASK32
 
 
-def _table(kind: str, device: torch.device, length: int) -> torch.Tensor:
+def _table(kind: str, device: torch.device, length: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The first `length` (or more) entries of the draw table of `kind` (gumbel, gaussian or factor: exp
-    of the Gumbel draws) on `device`. Entry t comes from the uniforms hashed from t alone, so the table is
-    the same on every device and however far it has grown."""
-    key = (kind, str(device))
+    of the Gumbel draws, rounded to bfloat16) on `device`, as `dtype` (bfloat16: the factors, exactly). Entry t comes
+    from the uniforms hashed from t alone, so the table is the same on every device and however far it has grown."""
+    key = (kind, str(device), dtype)
     table = _TABLES.get(key)
+    if dtype != torch.float32 and (table is None or table.shape[0] < length):
+        table = _TABLES[key] = _table(kind, device, length).to(dtype)
     if table is None or table.shape[0] < length:
         size = TABLE_SIZE + (1 << max(16, (max(1, length - TABLE_SIZE) - 1).bit_length()))
         table = torch.empty(size, dtype=torch.float32, device=device)
@@ -169,8 +178,8 @@ def _table_entries(kind: str, t: torch.Tensor) -> torch.Tensor:
     u = counter_uniforms(0, _TABLE_STREAM, heads, heads, t)
     if kind == "gumbel":
         return gumbel_from_uniforms(u)
-    if kind == "factor":
-        return u.log_().neg_().reciprocal_()  # exp(-log(-log u)) = 1 / -log(u)
+    if kind == "factor":  # exp(-log(-log u)) = 1 / -log(u), a bfloat16 value (the module's docstring)
+        return u.log_().neg_().reciprocal_().to(torch.bfloat16).float()
     return gaussian_from_uniforms(u, counter_uniforms(0, _TABLE_STREAM, heads, heads, t, second=True))
 
 
@@ -238,12 +247,13 @@ class GumbelFactorWeights:
         probs *= gumbel_factor(self.seed, self.layer, self.kv_heads, logits.shape[2], q_pos, k_pos, self.first_head)
         return probs.div_(probs.sum(dim=-1, keepdim=True))
 
-    def table_and_offsets(self, groups: int, q_pos: torch.Tensor, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The factor table (1-D float32, covering key positions up to `largest`) and each (query head, query) row's
-        offset into it, ``[kv_heads x groups, queries]`` int64: the draw of key position j is
-        ``table[offset + j]``."""
+    def table_and_offsets(self, groups: int, q_pos: torch.Tensor, largest: int,
+                          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The factor table (1-D, as `dtype`: float32, or bfloat16, which holds its entries exactly; covering key
+        positions up to `largest`) and each (query head, query) row's offset into it, ``[kv_heads x groups, queries]``
+        int64: the draw of key position j is ``table[offset + j]``."""
         offsets = row_offsets(self.seed, self.layer, self.kv_heads, groups, q_pos, self.first_head)
-        table = _table("factor", q_pos.device, TABLE_SIZE + largest + 1)
+        table = _table("factor", q_pos.device, TABLE_SIZE + largest + 1, dtype)
         return table, offsets.reshape(self.kv_heads * groups, -1)
 
 

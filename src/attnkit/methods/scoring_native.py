@@ -166,7 +166,7 @@ def _sweep(q, keys, values, scaling, reduce, rows, weights, threads, statistic=T
     rows_per_block = max(g, min(ROWS_PER_BLOCK, BLOCK_FLOATS // padded))
     table = offsets = None
     if weights is not None:
-        table, offsets = weights.table_and_offsets(g, torch.arange(n - m, n), padded - 1)
+        table, offsets = weights.table_and_offsets(g, torch.arange(n - m, n), padded - 1, torch.bfloat16)
         offsets = offsets.contiguous()
     out = dv = None
     if values is not None:

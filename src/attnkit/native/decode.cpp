@@ -61,7 +61,6 @@ struct Scratch {
     std::vector<uint32_t> kp;                       // its keys' positions as 32-bit counters
 };
 
-typedef uint32_t vu __attribute__((vector_size(4 * VW)));
 typedef uint32_t vuu __attribute__((vector_size(4 * VW), aligned(4)));  // the same, at any counter's address
 
 // Entries t of the Gumbel draw table, computed: -log(-log(u)), u from t's counter hash, the arithmetic of

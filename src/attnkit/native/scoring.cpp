@@ -17,7 +17,9 @@
 // The statistic of key j, per kv head: w_ij = p_ij (the attention probability), or, given the factor table,
 // p_ij f_ij / sum_j' p_ij' f_ij' with f_ij = table[offsets[h, i] + j] (Keyformer's exp(zeta)); reduced over the
 // query heads of the group by their mean (group_max = 0) or maximum, then over the queries by their sum
-// (rows_max = 0) or maximum.
+// (rows_max = 0) or maximum. The table is read as bfloat16 (its entries are bfloat16 values in every host:
+// attnkit/methods/keyformer_noise.py): each query row reads its own stretch of a table far larger than the caches, so
+// the sweep waits on those reads, and half the bytes halve the wait.
 //
 // Given a mask of scored keys (KVzip's reconstruction, arXiv 2505.23416: its score's softmax runs over some keys
 // while its output attends to all), p_ij is normalised over the scored keys only, exp(l_ij) / sum_{j' scored}
@@ -43,7 +45,8 @@ constexpr float UNDERFLOW = 1e-25f;  // the least sum of the scored keys' expone
 constexpr int SV = std::min(TV, 4);   // vectors of a tile's statistic reduced at once (their accumulators: 8)
 
 struct Problem {
-    const float *q, *v, *table, *kt;  // kt: the keys transposed, [B, KV, NKP / BK, D, BK], zero past NK
+    const float *q, *v, *kt;  // kt: the keys transposed, [B, KV, NKP / BK, D, BK], zero past NK
+    const uint16_t* table;    // Keyformer's factors, bfloat16 (null: none)
     const float* scored;              // [NKP]: 1 for a scored key, 0 otherwise (null: every key is scored)
     const uint8_t* tile_kind;         // per key tile: 0 no scored key, 1 all scored, 2 some
     const int64_t* offsets;
@@ -109,13 +112,13 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
             pv_rows<PAD>(Pt + r * BK, BK, V + j0 * a.vs[2], a.vs[2], keys, O + r * DV, DV, AL + r);
         if (a.table) {  // Keyformer: the exponentials times exp(zeta), and their running sum
             for (int64_t row = 0; row < R; ++row) {
-                const float* f = a.table + a.offsets[(kh * G + row / nq) * a.NQ + i0 + row % nq] + j0;
+                const uint16_t* f = a.table + a.offsets[(kh * G + row / nq) * a.NQ + i0 + row % nq] + j0;
                 float* pr = Pt + row * BK;
                 if (t + 2 < T)  // each row reads its own stretch of the table: too many streams for the prefetcher
-                    for (int c = 0; c < BK; c += 16) __builtin_prefetch(f + 2 * BK + c);
+                    for (int c = 0; c < BK; c += 32) __builtin_prefetch(f + 2 * BK + c);
                 vf sum = splat(0.0f);
                 for (int c = 0; c < TV; ++c) {
-                    const vf w = ld(pr + VW * c) * ld(f + VW * c);
+                    const vf w = ld(pr + VW * c) * ld_bf16(f + VW * c);
                     sum += w;
                     st(pr + VW * c, w);
                 }
@@ -194,7 +197,7 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
 extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, const float* k, const int64_t* ks,
                                          const float* v, const int64_t* vs, int64_t B, int64_t HQ, int64_t KV,
                                          int64_t NQ, int64_t NK, int64_t D, int64_t DV, float scale,
-                                         const float* table, int64_t table_len, const int64_t* offsets, int group_max,
+                                         const uint16_t* table, int64_t table_len, const int64_t* offsets, int group_max,
                                          int rows_max, int64_t block_queries, const uint8_t* scored, int64_t stat_lo,
                                          int64_t stat_hi, float* out, float* stats, int threads) {
     if (B < 1 || KV < 1 || HQ % KV || NQ < 1 || NQ > NK || D < 1 || block_queries < 1) return 1;

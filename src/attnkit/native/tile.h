@@ -42,6 +42,12 @@ typedef float vfu __attribute__((vector_size(4 * ATTNKIT_VW), aligned(4)));  // 
 typedef float v4 __attribute__((vector_size(16)));
 
 inline vf ld(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+// VW bfloat16 values (float32's upper halves, as uint16) widened to floats: the 16 bits moved up, exactly
+typedef uint16_t vhu __attribute__((vector_size(2 * ATTNKIT_VW), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(4 * ATTNKIT_VW)));
+inline vf ld_bf16(const uint16_t* p) {
+    return (vf)(__builtin_convertvector(*reinterpret_cast<const vhu*>(p), vu) << 16);
+}
 inline void st(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
 // x in every lane: x - 0 is x for every float (a broadcast), where x + 0 is not for x = -0.0 (compilers keep that add)
 // and lane-by-lane stores become masked moves
