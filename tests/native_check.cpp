@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #if defined(KERNEL_SCORING)
@@ -83,6 +84,34 @@ int main() {
         }
     for (int64_t j = 0; j < KV * NK; ++j)
         expect(std::fabs(stats[j] - want[j]) <= 1e-5 * want[j] + 1e-6, "statistic", stats[j], want[j]);
+    // Keyformer's: each row's probabilities times the bfloat16 factors read from its offset on, renormalised
+    const int64_t TLEN = 1000, NKP = (NK + 63) / 64 * 64;
+    std::vector<uint16_t> table(TLEN);
+    std::vector<int64_t> offsets(HQ * NQ);
+    auto widen = [](uint16_t h) { uint32_t bits = static_cast<uint32_t>(h) << 16; float f; std::memcpy(&f, &bits, 4); return f; };
+    for (uint16_t& t : table) {
+        const float f = 0.1f + 3.0f * std::fabs(uniform());
+        uint32_t bits;
+        std::memcpy(&bits, &f, 4);
+        t = static_cast<uint16_t>(bits >> 16);
+    }
+    for (int64_t& o : offsets) o = static_cast<int64_t>((uniform() + 1.0f) * 0.5f * static_cast<float>(TLEN - NKP));
+    code |= attnkit_prompt_statistics(q.data(), qs, k.data(), ks, v.data(), vs, 1, HQ, KV, NQ, NK, D, DV, scale,
+                                      table.data(), TLEN, offsets.data(), 0, 0, 16, nullptr, 0, NK, out.data(),
+                                      stats.data(), 2);
+    want.assign(KV * NK, 0.0);
+    for (int64_t h = 0; h < HQ; ++h)
+        for (int64_t i = 0; i < NQ; ++i) {
+            std::vector<int64_t> seen;
+            for (int64_t j = 0; j <= NK - NQ + i; ++j) seen.push_back(j);
+            attend(&q[(h * NQ + i) * D], &k[h / G * NK * D], &v[h / G * NK * DV], D, DV, seen, scale, ref, p);
+            double z = 0.0;
+            for (size_t s = 0; s < seen.size(); ++s) z += p[s] * widen(table[offsets[h * NQ + i] + seen[s]]);
+            for (size_t s = 0; s < seen.size(); ++s)
+                want[h / G * NK + seen[s]] += p[s] * widen(table[offsets[h * NQ + i] + seen[s]]) / z / G;
+        }
+    for (int64_t j = 0; j < KV * NK; ++j)
+        expect(std::fabs(stats[j] - want[j]) <= 1e-5 * want[j] + 1e-6, "Keyformer's statistic", stats[j], want[j]);
 #elif defined(KERNEL_SPARSE)
     // every causal tile of 32 (those below the diagonal unmasked): the layout of dense causal attention
     const int64_t NQ = 150, NK = 150, B = 32, T = (NK + B - 1) / B;
