@@ -55,6 +55,24 @@ def test_attention_statistics_blocks_equal_dense_and_stay_small():
     assert len(sizes) > 50 and max(sizes) <= limit  # never the whole n x n matrix
 
 
+@pytest.mark.parametrize("block_elements", [None, 300])
+def test_attention_statistics_per_head_positions_in_any_order_mask_only_later_keys(block_elements):
+    """Per-head key positions, shuffled, some after the first queries (a decode-time layer: entries kept in any
+    order, the recent ones last or not): each key is hidden from exactly the queries before it, and the keys wholly
+    before the queries are seen by all of them."""
+    hq, kv, n_q, n_k = 6, 2, 9, 40
+    gen = torch.Generator().manual_seed(7)
+    q, k = randn(1, hq, n_q, D, seed=71), randn(1, kv, n_k, D, seed=72)
+    k_pos = torch.stack([torch.randperm(50, generator=gen)[:n_k] for _ in range(kv)])[None]
+    q_pos = torch.arange(41, 50)
+    x = (q.view(1, kv, 3, n_q, D) @ k[:, :, None].transpose(-1, -2)) * 0.3
+    x = x.masked_fill(k_pos[:, :, None, None, :] > q_pos[:, None], float("-inf"))
+    dense = torch.softmax(x, -1).mean(2).sum(2)
+    got = scoring.attention_statistics(q, k, 0.3, q_pos, k_pos, block_elements=block_elements)
+    assert bool((k_pos > q_pos[0]).any()) and bool((k_pos < q_pos[0]).any())
+    assert torch.allclose(got, dense, atol=1e-5)
+
+
 # ---- one pass: the prompt's attention output and the statistic from the same blocks ---------------
 def sdpa_reference(q, k, v, scaling, window=None):
     n = q.shape[2]

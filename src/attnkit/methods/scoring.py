@@ -104,8 +104,10 @@ def attention_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_
             if lim == 0:
                 continue
             kp = k_pos[:lim]
-        else:
-            first_hidden, lim, kp = 0, n_keys, k_pos
+        else:  # per kv head: keys from the first that lies after the block's earliest query on (any head's) may hide
+            lim, kp = n_keys, k_pos
+            later = (k_pos > qp.min()).reshape(-1, n_keys).any(dim=0)
+            first_hidden = int(later.int().argmax()) if bool(later.any()) else n_keys
         qb = grouped[:, :, :, s:e].reshape(b, kv, g * (e - s), d)
         logits = torch.matmul(qb, keys[:, :, :lim].transpose(-1, -2)).float().mul_(scaling)
         logits = logits.view(b, kv, g, e - s, lim)
