@@ -139,7 +139,8 @@ class DictStore:
         self.k, self.v = torch.zeros(1, kv, size, d), torch.zeros(1, kv, size, d)
 
     def request(self, block_size=1):
-        return host.PagedRequest(lambda s: (self.k[:, :, list(s)], self.v[:, :, list(s)]), self.write, block_size)
+        return host.PagedRequest(lambda s: (self.k[:, :, list(s)], self.v[:, :, list(s)]), self.write,
+                                 block_size=block_size)
 
     def write(self, slots, keys, values):
         self.k[:, :, slots], self.v[:, :, slots] = keys, values
@@ -224,8 +225,7 @@ def flash_request(kv_cache, block_row, monkeypatch):
     impl = SimpleNamespace(kv_cache_dtype="auto")
     layer = SimpleNamespace(_k_scale=1.0, _v_scale=1.0)
     key_cache, value_cache, layout, store = AttnkitFlashImpl.cache_layout(impl, layer, kv_cache)
-    read, write = paged.request_slots(key_cache, value_cache, layout, block_row, kv_cache.shape[2], store)
-    return host.PagedRequest(read, write)
+    return host.PagedRequest(*paged.request_slots(key_cache, value_cache, layout, block_row, kv_cache.shape[2], store))
 
 
 def test_flashattention_layout_reads_back_what_vllm_writes(monkeypatch):

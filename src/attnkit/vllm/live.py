@@ -90,8 +90,8 @@ class LiveRequest:
     next: int = 0
     forward: int = -1
     steps: list = field(default_factory=list)
-    # steps run as plain attention since the last call through the hooks: position -> {layer: (queries or None,
-    # the layer's input hidden state or None)}
+    # steps run as plain attention since each layer's last call through the hooks: layer -> [(position, queries or
+    # None, the layer's input hidden state or None)], consecutive positions in order
     pending: dict = field(default_factory=dict)
     # what requests share to step together (attnkit.vllm.stacked): the method as its session runs it, by its whole
     # parameters (kept, not rebuilt per layer)
@@ -145,7 +145,11 @@ class LiveRequests:
             raise RuntimeError(f"attnkit: request {request_id} skipped position {position} with no state to catch up")
         if entry.forward != self.forward:
             entry.forward, entry.next, entry.steps = self.forward, position + 1, []
-        entry.pending.setdefault(position, {})[layer] = (q, hidden)
+        noted = entry.pending.setdefault(layer, [])
+        if noted and noted[-1][0] + 1 != position:
+            raise RuntimeError(f"attnkit: request {request_id} skipped position {position} of layer {layer} after "
+                               f"{noted[-1][0]}")
+        noted.append((position, q, hidden))
 
 
 def new_session(method, call, prompt_len, max_tokens, rows: int = 1) -> Session:
@@ -189,16 +193,20 @@ def appending(step: Step, layer: int, scaling: float, q, k, v) -> torch.Tensor:
     return out
 
 
-def hydrate(layer: LiveLayer, gather) -> LayerKV:
-    """The layer's LayerKV with its keys and values read back from their slots (``[layer.first, layer.end)``)."""
+def hydrate(layer: LiveLayer, paged) -> LayerKV:
+    """The layer's LayerKV with its keys and values read back from their slots (``[layer.first, layer.end)``), through
+    `paged` (a :class:`attnkit.vllm.host.PagedRequest`): each kv head's entries where they lie, or the run read whole
+    and the entries picked from it."""
     kv, held, start = layer.kv, layer.kv.length, layer.end
     shape, dtype = kv.keys.shape, kv.keys.dtype
     device = kv.positions.device
     keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-    if held:
+    if held and paged.heads is not None:
+        keys[:, :, :held], values[:, :, :held] = paged.heads(layer.slots)
+    elif held:
         lo = layer.first
         order = (layer.slots - lo).to(device)  # [kv, held]: each entry's offset from the first slot read
-        run_keys, run_values = gather(range(lo, start))
+        run_keys, run_values = paged.gather(range(lo, start))
         index = order[None, :, :, None].expand(1, -1, -1, shape[-1])
         keys[:, :, :held] = run_keys.gather(2, index)
         values[:, :, :held] = run_values.gather(2, index)
@@ -284,21 +292,16 @@ def catch_up(entry: LiveRequest, call, start: int, end: int, gather, module=None
     """Bring a layer's state past the steps ``[start, end)`` that ran as plain attention (:meth:`LiveRequests.
     skipped`): their entries (vLLM wrote them at their positions' slots), noted queries and layer inputs (`module`:
     the layer's key projection, handed over with them), through the method."""
-    positions = torch.arange(start, end)
-    if sorted(p for p in entry.pending if start <= p < end) != positions.tolist():
+    noted = entry.pending.pop(call.layer, [])
+    if len(noted) != end - start or noted[0][0] != start:  # consecutive by LiveRequests.skipped
         raise RuntimeError(f"attnkit: a live request's layer {call.layer} misses steps between {start} and {end}")
-    noted = [entry.pending[p].get(call.layer, (None, None)) for p in range(start, end)]
     keys, values = gather(range(start, end))
-    q = None if noted[0][0] is None else torch.stack([n[0] for n in noted], dim=1)[None].to(keys.device)
-    step = Step(entry.session, "decode", positions.to(keys.device))
-    if noted[0][1] is not None:  # [1, steps, hidden]
-        step.note_layer_input(call.layer, torch.stack([n[1] for n in noted])[None].to(keys.device), module)
-    entry.session.method.skip_appends(LayerContext(step, call.layer, call.scaling, None, device=keys.device), keys, values, q,
-                        step.q_pos)
-    for p in range(start, end):
-        entry.pending[p].pop(call.layer, None)
-        if not entry.pending[p]:
-            del entry.pending[p]
+    q = None if noted[0][1] is None else torch.stack([n[1] for n in noted], dim=1)[None].to(keys.device)
+    step = Step(entry.session, "decode", torch.arange(start, end, device=keys.device))
+    if noted[0][2] is not None:  # [1, steps, hidden]
+        step.note_layer_input(call.layer, torch.stack([n[2] for n in noted])[None].to(keys.device), module)
+    entry.session.method.skip_appends(LayerContext(step, call.layer, call.scaling, None, device=keys.device), keys,
+                                      values, q, step.q_pos)
 
 
 def attention(row: Row, make_method, call, q, k, v, paged, inputs=None) -> torch.Tensor:
@@ -313,7 +316,7 @@ def attention(row: Row, make_method, call, q, k, v, paged, inputs=None) -> torch
     if isinstance(old, Herded):  # its state lies in a group stepping together: its own first
         old.herd.dissolve()
         old = entry.layers[index]
-    session.cache.layers[index] = None if old is None else hydrate(old, paged.gather)
+    session.cache.layers[index] = None if old is None else hydrate(old, paged)
     module = None if inputs is None else inputs[1]
     if inputs is not None:
         for step, a, b in entry.steps:

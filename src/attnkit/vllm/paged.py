@@ -297,15 +297,19 @@ class PaddedEntries:
 
 
 def request_slots(key_cache, value_cache, layout: Layout, block_row: torch.Tensor, block_size: int, store):
-    """``(gather(slots), write(slots, keys, values))`` of one request's slots, keys and values ``[1, kv, L, d]``
-    (:class:`attnkit.vllm.host.PagedRequest`), writing through ``store`` (vLLM's op, see :func:`learn_layout`)."""
+    """``(gather(slots), write(slots, keys, values), heads(slots))`` of one request's slots, keys and values ``[1, kv,
+    L, d]`` (:class:`attnkit.vllm.host.PagedRequest`), writing through ``store`` (vLLM's op, see :func:`learn_layout`);
+    ``heads`` reads each kv head's entries at its own slots ``[kv, L]`` (:func:`gather_heads`)."""
 
     def read(slots):
         return gather(key_cache, value_cache, layout, block_row, slots)
+
+    def heads(slots):
+        return gather_heads(key_cache, value_cache, layout, block_row[None], slots[None])
 
     def write(slots, keys, values):
         blocks, offsets = physical_slots(block_row, slots, block_size)
         store(keys[0].transpose(0, 1).contiguous(), values[0].transpose(0, 1).contiguous(), key_cache, value_cache,
               blocks * block_size + offsets)
 
-    return read, write
+    return read, write, heads
