@@ -31,8 +31,9 @@ outputs (2,000-3,500 new tokens, ``ignore_eos``; lengths drawn with seed 0), all
 ``--blocks`` blocks of 128 tokens (100: about four whole requests), prefix caching off. Plain vLLM, then each of
 ``--specs`` (``;``-separated, ``{b}`` replaced by each of ``--budgets``) on the attnkit engine: wall time to the last
 token, vLLM's running requests (peak, and mean over engine steps: vLLM admits requests while their prompts fit and
-preempts later, so the peak alone flatters an engine short of KV space), preemptions, and the ratios to plain.
-``--new-min/--new-max`` shorten the outputs for a quick run.
+preempts later, so the peak alone flatters an engine short of KV space), preemptions, the ratios to plain, and
+attnkit's compressions of one request's layer in each run: how many, their mean time in the worker, their sum (its
+``attnkit_compaction_seconds`` metric). ``--new-min/--new-max`` shorten the outputs for a quick run.
 
 ``steps``: the cost of a decode step with attnkit's methods acting while decoding: ``--requests`` requests of 300
 tokens and 200 new ones, room for all, each spec (``;``-separated) in turn, then plain again: the median time of an
@@ -68,6 +69,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import attnkit  # noqa: E402
 from attnkit.eval.data.task_registry import get_task  # noqa: E402
 from attnkit.methods.base import resolve_method  # noqa: E402
+from attnkit.vllm import metrics  # noqa: E402
 from attnkit.vllm.stats import SchedulerWatch  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(attnkit.__file__), "assets", "tiny")
@@ -80,9 +82,17 @@ def llm(model=TINY, **kwargs):
     return LLM(model=model, dtype="float32", enforce_eager=True, seed=0, disable_log_stats=False, **kwargs)
 
 
+def compactions() -> tuple[float, float]:
+    """attnkit's compressions of one request's layer so far in this process, and their seconds (its
+    ``attnkit_compaction_seconds`` metric: the engines run here)."""
+    samples = {s.name: s.value for s in metrics.COMPACTION.collect()[0].samples}
+    return samples["attnkit_compaction_seconds_count"], samples["attnkit_compaction_seconds_sum"]
+
+
 def run_all(engine, watch, prompts, spec, new):
     """All `prompts` at once (`new`: new tokens, one count or one per prompt); wall seconds, peak running requests
-    (vLLM's scheduler's count after every step), preemptions during the run, mean running requests over its steps."""
+    (vLLM's scheduler's count after every step), preemptions during the run, mean running requests over its steps,
+    and the run's compressions of one request's layer and their seconds (:func:`compactions`)."""
     from vllm import SamplingParams
 
     extra = {} if spec is None else {"extra_args": {"attnkit": spec}}
@@ -90,9 +100,13 @@ def run_all(engine, watch, prompts, spec, new):
     sps = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **extra) for n in news]
     before = watch.preemptions
     watch.reset()
+    count, seconds = compactions()
     start = time.perf_counter()
     engine.generate(prompts, sps, use_tqdm=False)
-    return time.perf_counter() - start, watch.peak_running, watch.preemptions - before, watch.mean_running
+    wall = time.perf_counter() - start
+    after = compactions()
+    return (wall, watch.peak_running, watch.preemptions - before, watch.mean_running, after[0] - count,
+            after[1] - seconds)
 
 
 def capacity(args):
@@ -112,7 +126,7 @@ def capacity(args):
         for name in runs:
             engine = plain if name == "plain" else roomy if name.startswith("plain,") else ours
             spec = None if name.startswith("plain") else name
-            wall, peak, preempted, _ = run_all(engine, watches[id(engine)], prompts, spec, args.new)
+            wall, peak, preempted = run_all(engine, watches[id(engine)], prompts, spec, args.new)[:3]
             runs[name].append((wall, peak, preempted))
             print(f"repeat {r}: {name:30s} {wall:7.2f} s  peak running {peak:3.0f}  preemptions {preempted:.0f}",
                   flush=True)
@@ -150,9 +164,10 @@ def reasoning(args):
         for name in names:
             engine = plain if name == "plain" else ours
             runs[name].append(run_all(engine, watches[id(engine)], prompts, None if name == "plain" else name, news))
-            wall, peak, preempted, mean = runs[name][-1]
+            wall, peak, preempted, mean, compressed, compressing = runs[name][-1]
             print(f"repeat {r}: {name:70s} {wall:8.1f} s  running: peak {peak:3.0f} mean {mean:5.1f}  preemptions "
-                  f"{preempted:4.0f}  {sum(news) / wall:6.1f} tok/s", flush=True)
+                  f"{preempted:4.0f}  {sum(news) / wall:6.1f} tok/s  compressions {compressed:6.0f} x "
+                  f"{1e6 * compressing / max(compressed, 1):6.0f} us = {compressing:5.1f} s", flush=True)
     print("\nmedians (ratios to plain, paired by repeat)")
     for name, rows in runs.items():
         sooner = statistics.median(p[0] / m[0] for p, m in zip(runs["plain"], rows))
