@@ -35,13 +35,12 @@ from attnkit.vllm.requests import Row
 @dataclass
 class PagedRequest:
     """One request's slots in one layer's paged cache: ``gather(slots) -> (keys, values)`` ``[1, kv, L, d]``,
-    ``write(slots, keys, values)`` with keys and values ``[1, kv, L, d]``, ``heads(slots)``: the entries at each kv
-    head's own slots ``[kv, L]`` (None: read through ``gather``), and the slots per block (the unit the scheduler
-    frees)."""
+    ``write(slots, keys, values)`` with keys and values ``[1, kv, L, d]``, ``heads(slots)``: the entries ``[1, kv, L,
+    d]`` at each kv head's own slots ``[kv, L]``, and the slots per block (the unit the scheduler frees)."""
 
     gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-    heads: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    heads: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     block_size: int = 1
 
 

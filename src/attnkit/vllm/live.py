@@ -63,7 +63,6 @@ class LiveLayer:
     positions: torch.Tensor
     slots: torch.Tensor
     end: int  # the position after the layer's last call through the hooks (its run ends there)
-    first: int  # the lowest slot an entry lies in (the run's first, or earlier in a block the plan keeps)
 
 
 @dataclass(eq=False)
@@ -194,22 +193,14 @@ def appending(step: Step, layer: int, scaling: float, q, k, v) -> torch.Tensor:
 
 
 def hydrate(layer: LiveLayer, paged) -> LayerKV:
-    """The layer's LayerKV with its keys and values read back from their slots (``[layer.first, layer.end)``), through
-    `paged` (a :class:`attnkit.vllm.host.PagedRequest`): each kv head's entries where they lie, or the run read whole
-    and the entries picked from it."""
-    kv, held, start = layer.kv, layer.kv.length, layer.end
+    """The layer's LayerKV with its keys and values read back from their slots, each kv head's where they lie
+    (``paged.heads``: `paged` is the request's :class:`attnkit.vllm.host.PagedRequest`)."""
+    kv, held = layer.kv, layer.kv.length
     shape, dtype = kv.keys.shape, kv.keys.dtype
     device = kv.positions.device
     keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-    if held and paged.heads is not None:
+    if held:
         keys[:, :, :held], values[:, :, :held] = paged.heads(layer.slots)
-    elif held:
-        lo = layer.first
-        order = (layer.slots - lo).to(device)  # [kv, held]: each entry's offset from the first slot read
-        run_keys, run_values = paged.gather(range(lo, start))
-        index = order[None, :, :, None].expand(1, -1, -1, shape[-1])
-        keys[:, :, :held] = run_keys.gather(2, index)
-        values[:, :, :held] = run_values.gather(2, index)
     kv.keys, kv.values = keys, values
     return kv
 
@@ -339,8 +330,7 @@ def attention(row: Row, make_method, call, q, k, v, paged, inputs=None) -> torch
         # a per-step method's entries may wait in the run's first block (see relocate)
         floor = block_floor(end, expected, paged.block_size) if row.plan.every == 1 else end - expected
         slots = relocate(kv, slots_after(kv, old, first), end, paged.write, floor)
-        entry.layers[index] = LiveLayer(kv, kv.positions[0, :, :kv.length].clone(), slots, end,
-                                        int(slots.min()) if expected else end)
+        entry.layers[index] = LiveLayer(kv, kv.positions[0, :, :kv.length].clone(), slots, end)
         dehydrate(kv)
     finally:
         session.cache.layers[index] = None

@@ -332,9 +332,8 @@ class Herd:
         kv = self.session.cache.layers[layer]
         meta = torch.empty(self.shape, dtype=kv.keys.dtype, device=live.META)
         held_positions = kv.positions[:, :, :self.held].clone()
-        lowest = self.slots.flatten(1).min(dim=1).values.tolist()
         for r, (entry, mark) in enumerate(zip(self.members, self.marks)):
             if entry.layers[layer] is mark:
                 own = LayerKV(meta, meta, kv.positions[r:r + 1], self.held,
                               extras={name: stat[r:r + 1] for name, stat in kv.extras.items()})
-                entry.layers[layer] = live.LiveLayer(own, held_positions[r], self.slots[r], self.ends[r], lowest[r])
+                entry.layers[layer] = live.LiveLayer(own, held_positions[r], self.slots[r], self.ends[r])
