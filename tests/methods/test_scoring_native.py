@@ -108,22 +108,63 @@ def test_generations_keep_the_tokens_of_the_torch_path(arch_models, monkeypatch,
         assert max((x - y).abs().max().item() for x, y in zip(b.logits, c.logits)) < 1e-4
 
 
-@pytest.mark.parametrize("spec", ["full+h2o:budget=0.3", "full+keyformer:budget=0.3,gqa_reduce=max"])
-def test_a_statistic_beside_another_methods_output(arch_models, monkeypatch, spec):
-    """``compose``: the prompt's output from another method, the statistic alone from the kernel (no values)."""
+@pytest.mark.parametrize("spec", ["full+h2o:budget=0.3", "full+keyformer:budget=0.3,gqa_reduce=max",
+                                  "snapkv:budget_tokens=40,decode_every=8", "h2o:budget_tokens=40,decode_every=8"])
+def test_a_statistic_alone_from_the_kernel(arch_models, monkeypatch, spec):
+    """The statistic alone from the kernel (no values), beside another method's prompt output (``compose``) and for
+    re-compressions while decoding (SnapKV's window votes, buffered H2O's steps): the tokens and logits (within 1e-4)
+    of the torch path."""
     model = arch_models["llama"]
     prompts = [random_ids(n, seed=70 + n) for n in (90, 61)]
-    run = lambda: attnkit.generate(model, prompts, parse_method_spec(spec), max_new_tokens=8,  # noqa: E731
+    decoding = "decode_every" in spec
+    run = lambda: attnkit.generate(model, prompts, parse_method_spec(spec), max_new_tokens=30 if decoding else 8,  # noqa: E731
                                    stop_at_eos=False, keep_logits=True)
     calls = []
     statistic = scoring_native.prompt_statistics
     monkeypatch.setattr(scoring_native, "prompt_statistics", lambda *a, **kw: calls.append(1) or statistic(*a, **kw))
     native = run()
-    assert len(calls) == model.geometry.n_layers * len(prompts)
-    monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
+    if decoding:  # three compressions of every layer at least
+        assert len(calls) >= 3 * model.geometry.n_layers
+    else:
+        assert len(calls) == model.geometry.n_layers * len(prompts)
+    monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a, **kw: False)
     for a, b in zip(native, run()):
         assert a.token_ids == b.token_ids
         assert max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits)) < 1e-4
+
+
+def held_with_window(kv, held, m, seed):
+    """Per-kv-head positions of `held` entries in a decoding method's order: earlier positions in any order (a
+    compression's survivors), then the last `m` steps' own, appended in order; and those steps' positions."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = torch.arange(500, 500 + m)
+    earlier = torch.stack([torch.randperm(500, generator=gen)[:held - m] for _ in range(kv)])
+    return torch.cat([earlier, steps.expand(kv, m)], dim=1)[None], steps
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+@pytest.mark.parametrize("m", [1, 8, 40])
+def test_the_statistic_of_queries_whose_keys_end_the_held_entries(reduce, m, build, monkeypatch):
+    """A decoding method's window queries over what it holds (SnapKV's votes, H2O's buffered steps): the kernel's
+    statistic where the held entries end with the queries' own, the torch path's within float32 rounding; where
+    they do not (an entry after the first query, queries out of order, a window), the torch path itself."""
+    calls = []
+    statistic = scoring_native.prompt_statistics
+    monkeypatch.setattr(scoring_native, "prompt_statistics", lambda *a, **kw: calls.append(1) or statistic(*a, **kw))
+    q, k, _ = operands(1, 8, 2, m, 70, 32, 32, seed=m)
+    k_pos, q_pos = held_with_window(2, 70, m, seed=m)
+    got = scoring_native.attention_statistics(q, k, 0.2, q_pos, k_pos, reduce=reduce)
+    ref = scoring.attention_statistics(q, k, 0.2, q_pos, k_pos, reduce=reduce)
+    assert calls == [1] and torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+    later = k_pos.clone()
+    later[0, 1, 0] = q_pos[-1] + 1  # an entry no query sees yet
+    shuffled = torch.cat([k_pos[..., :70 - m], k_pos[..., 70 - m:].flip(-1)], -1)
+    cases = [(later, q_pos, None), (k_pos, q_pos, 16)] + ([(shuffled, q_pos.flip(0), None)] if m > 1 else [])
+    for k_p, q_p, window in cases:
+        got = scoring_native.attention_statistics(q, k, 0.2, q_p, k_p, reduce=reduce, window=window)
+        assert torch.equal(got, scoring.attention_statistics(q, k, 0.2, q_p, k_p, reduce=reduce, window=window))
+    assert calls == [1]
+    assert scoring_native.ends_with_queries(q_pos, k_pos[0, 0]) and not scoring_native.ends_with_queries(q_pos, later)
 
 
 @pytest.mark.parametrize("start,end,sink", [(0, 60, 0), (50, 90, 4), (100, 140, 4)])

@@ -115,10 +115,11 @@ class BufferedEviction(EvictionMethod):
 
     def skip_appends(self, ctx: LayerContext, k, v, q, positions: torch.Tensor) -> None:
         """The layer's state after ``len(positions)`` such steps: their entries appended in order, their queries
-        queued (:meth:`queue_queries`), the steps counted."""
+        queued (:meth:`queue_queries`), the steps counted. `q`: the queries of the last of those steps, at least as
+        many as :meth:`decode_queries_kept` says wait, or all of them."""
         ctx.kv.append(k, v, positions)
         if self.between == "queries":
-            self.queue_queries(ctx, q, positions)
+            self.queue_queries(ctx, q, positions[positions.shape[0] - q.shape[2]:])
         if self.decode_every:  # the per-step form counts no steps (its states then stack: attnkit.vllm.stacked)
             ctx.state.decoded += positions.shape[0]
 

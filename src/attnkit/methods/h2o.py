@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from attnkit.methods import scoring_native
 from attnkit.methods.buffered import BufferedEviction, BufferedState
 from attnkit.methods.eviction import RecentWindowEviction
-from attnkit.methods.scoring import attend_with_logits, attention_statistics, reduce_heads
+from attnkit.methods.scoring import attend_with_logits, reduce_heads
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 
@@ -74,6 +75,6 @@ class H2O(BufferedEviction, RecentWindowEviction):
         query over the entries held at its step (those at its position or before), in one pass."""
         st = ctx.state
         keys, _, positions = ctx.kv.view()
-        self.score_buffer(ctx)[:, :, :ctx.kv.length] += attention_statistics(
+        self.score_buffer(ctx)[:, :, :ctx.kv.length] += scoring_native.attention_statistics(
             st.queued_q, keys, ctx.scaling, st.queued_pos, positions, reduce=self.gqa_reduce, window=ctx.native_window)
         st.queued_q = st.queued_pos = None

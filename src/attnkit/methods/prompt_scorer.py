@@ -218,11 +218,12 @@ class PromptScorer(EvictionMethod):
     def skip_appends(self, ctx: LayerContext, k, v, q, positions: torch.Tensor) -> None:
         """The layer's state after ``len(positions)`` decode steps that only appended (see
         :meth:`decode_queries_kept`; none of them a compression step): the entries appended in order, the last
-        queries remembered, the steps counted."""
+        queries remembered, the steps counted. `q`: the queries of the last of those steps, at least as many as the
+        method keeps, or all of them."""
         ctx.kv.append(k, v, positions)
         kept = self.decode_queries_kept()
         if kept:
-            keep_last_queries(ctx.state, q, positions, kept)
+            keep_last_queries(ctx.state, q, positions[positions.shape[0] - q.shape[2]:], kept)
         ctx.state.decoded += positions.shape[0]
 
     def budget_of_layer(self, layer: int, n_layers: int, prompt_len: int) -> int:

@@ -11,8 +11,10 @@ softmax (Dao et al., 2022, arXiv 2205.14135, Algorithm 1), and the statistic fro
 query block keeps until its rows' log-sum-exps are known and then rescales into probabilities (or Keyformer's
 weights, ``p_ij exp(zeta_ij) / sum_j p_ij exp(zeta_ij)`` with the draws of :mod:`attnkit.methods.keyformer_noise`).
 KVzip (Kim et al., 2025, arXiv 2505.23416) uses the same sweep for its reconstruction's output and, over the keys
-its score's softmax runs over, for its score (the maximum over the queries and the group's heads). It is written by
-hand because no library computes column statistics of attention (the GPU has the Triton kernels of
+its score's softmax runs over, for its score (the maximum over the queries and the group's heads). A decoding method
+that scores its last steps' queries over what it holds (SnapKV's observation window when it re-compresses, H2O's
+buffered steps) takes the same statistic where those queries' keys end the held entries (:func:`attention_statistics`).
+It is written by hand because no library computes column statistics of attention (the GPU has the Triton kernels of
 :mod:`attnkit.methods.scoring_triton`).
 
 The kernel is ``attnkit/native/scoring.cpp``, built on first use (:mod:`attnkit.native`) for the instruction set
@@ -46,27 +48,30 @@ def library() -> ctypes.CDLL | None:
     return native.load("scoring", SIGNATURE)
 
 
-def kernel_pays(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> bool:
+def kernel_pays(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None,
+                threads: int | None = None) -> bool:
     """Whether the kernel runs for these operands: float32 on a CPU, value heads (when given) a multiple of 16 wide,
     the kernel built (:func:`library`), and faster than the torch path here (:func:`choice`)."""
     operands = (q, keys) if values is None else (q, keys, values)
     if not (q.device.type == "cpu" and all(t.dtype == torch.float32 for t in operands)
             and (values is None or values.shape[-1] % 16 == 0)):
         return False
-    return choice(q, keys, values).on
+    return choice(q, keys, values, threads).on
 
 
-def choice(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> guard.Choice:
+def choice(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None,
+           threads: int | None = None) -> guard.Choice:
     """:func:`attnkit.native.guard.choose` for these operands' shape class: the sweep with the output (`values`
     given) or the statistic alone, the heads and their sizes, the length class of the keys, the threads. The
     comparison: the kernel against :func:`attnkit.methods.scoring.attention_with_statistics` (with the output) or
     :func:`~attnkit.methods.scoring.attention_statistics` (the statistic alone), on random operands of the class,
-    the last queries of the prompt (at most :data:`GUARD_QUERIES`) over at most :data:`GUARD_KEYS` keys."""
+    the last queries of the prompt (at most :data:`GUARD_QUERIES`) over at most :data:`GUARD_KEYS` keys, the kernel
+    with `threads` workers (None: ``torch.get_num_threads()``)."""
     b, hq, m, d = q.shape
     kv, n = keys.shape[1], keys.shape[2]
     dv = None if values is None else values.shape[-1]
     top = guard.bucket(n)
-    threads = torch.get_num_threads()
+    threads = threads or torch.get_num_threads()
     shape = (f"{'sweep' if values is not None else 'statistic'} heads={hq}/{kv} d={d} dv={dv} keys<={top} "
              f"threads={threads}")
 
@@ -93,6 +98,36 @@ def is_prompt_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     n, m = k_pos.shape[-1], q_pos.shape[-1]
     span = torch.arange(n, device=k_pos.device, dtype=k_pos.dtype)
     return k_pos.dim() == 1 and m <= n and torch.equal(k_pos, span) and torch.equal(q_pos, span[n - m:])
+
+
+def ends_with_queries(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Whether the keys, in their order, end with the queries' own (strictly ascending positions) and every key before
+    those lies before the first query: then query ``i`` sees every key up to its own index, as in a prompt's tail
+    (:func:`is_prompt_tail`), whatever the earlier keys' positions. `k_pos` is ``[keys]`` or per kv head ``[b, kv,
+    keys]``: a decoding method's held entries, the steps since it last scored appended last."""
+    n, m = k_pos.shape[-1], q_pos.shape[-1]
+    if not 0 < m <= n or q_pos.dim() != 1:
+        return False
+    q_pos = q_pos.to(k_pos.device)
+    fits = (k_pos[..., n - m:] == q_pos).all()
+    if n > m:
+        fits &= k_pos[..., :n - m].amax() < q_pos[0]
+    if m > 1:
+        fits &= (q_pos.diff() > 0).all()
+    return bool(fits)
+
+
+def attention_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_pos: torch.Tensor,
+                         k_pos: torch.Tensor, *, reduce: str = "mean", window: int | None = None) -> torch.Tensor:
+    """:func:`attnkit.methods.scoring.attention_statistics` of the attention probabilities: by the kernel's statistic
+    alone (:func:`prompt_statistics`) where the keys end with the queries' own (:func:`ends_with_queries`), no window
+    hides any, and the kernel pays (:func:`kernel_pays`); by the torch path otherwise. A decoding method that scores
+    the queries of its last steps over what it holds (SnapKV's observation window, H2O's buffered steps) takes one
+    sweep in the caches where torch writes every logit and its softmax; one worker, since a few queries' sweep is
+    shorter than starting a thread, which would also compete with a serving engine's own threads."""
+    if window is None and ends_with_queries(q_pos, k_pos) and kernel_pays(q, keys, threads=1):
+        return prompt_statistics(q, keys, scaling, reduce=reduce, threads=1)
+    return scoring.attention_statistics(q, keys, scaling, q_pos, k_pos, reduce=reduce, window=window)
 
 
 def prompt_attention_with_statistics(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, *,

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.errors import AttnkitError
+from attnkit.methods import scoring_native
 from attnkit.methods.budget import smallest_tokens
 from attnkit.methods.prompt_scorer import PromptScorer, PromptScorerState, keep_last_queries
-from attnkit.methods.scoring import GQA_REDUCTIONS, attention_statistics, avg_or_max_pool
+from attnkit.methods.scoring import GQA_REDUCTIONS, avg_or_max_pool
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
 from attnkit.validate import choice, whole
@@ -147,8 +148,8 @@ class SnapKV(PromptScorer):
         # the prompt: every head holds positions 0..n-1 (one shared, ascending axis); later (or past a prompt block,
         # block_size), each its own
         k_pos = positions[0, 0] if ctx.step.phase == "prefill" and not st.evicting else positions
-        votes = attention_statistics(st.window_q, keys, ctx.scaling, st.window_pos, k_pos,
-                                     reduce=self.gqa_reduce, window=ctx.native_window)
+        votes = scoring_native.attention_statistics(st.window_q, keys, ctx.scaling, st.window_pos, k_pos,
+                                                    reduce=self.gqa_reduce, window=ctx.native_window)
         prefix = keys.shape[2] - st.window_q.shape[2]
         if prefix > 0:
             votes[:, :, :prefix] = avg_or_max_pool(votes[:, :, :prefix], self.kernel_size, self.pooling)

@@ -268,7 +268,8 @@ def relocation(slots: torch.Tensor, lo, floor) -> tuple[torch.Tensor, torch.Tens
     held = slots.shape[-1]
     moved = slots < floor
     flat = slots.reshape(-1, held)
-    start = torch.as_tensor(lo, device=slots.device).expand(slots.shape[:-1] + (1,)).reshape(-1, 1)
+    start = lo if isinstance(lo, int) else (
+        torch.as_tensor(lo, device=slots.device).expand(slots.shape[:-1] + (1,)).reshape(-1, 1))
     taken = torch.zeros(flat.shape[0], held + 1, dtype=torch.bool, device=slots.device)
     # an entry outside the run marks the spare last column
     taken.scatter_(1, torch.where(flat < start, held, flat - start), True)
@@ -287,7 +288,9 @@ def catch_up(entry: LiveRequest, call, start: int, end: int, gather, module=None
     if len(noted) != end - start or noted[0][0] != start:  # consecutive by LiveRequests.skipped
         raise RuntimeError(f"attnkit: a live request's layer {call.layer} misses steps between {start} and {end}")
     keys, values = gather(range(start, end))
-    q = None if noted[0][1] is None else torch.stack([n[1] for n in noted], dim=1)[None].to(keys.device)
+    # the method remembers its last `kept` queries at most (decode_queries_kept): only those are handed over
+    kept = entry.session.method.decode_queries_kept() or len(noted)
+    q = None if noted[0][1] is None else torch.stack([n[1] for n in noted[-kept:]], dim=1)[None].to(keys.device)
     step = Step(entry.session, "decode", torch.arange(start, end, device=keys.device))
     if noted[0][2] is not None:  # [1, steps, hidden]
         step.note_layer_input(call.layer, torch.stack([n[2] for n in noted])[None].to(keys.device), module)
