@@ -123,8 +123,7 @@ def attention_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_
     alone (:func:`prompt_statistics`) where the keys end with the queries' own (:func:`ends_with_queries`), no window
     hides any, and the kernel pays (:func:`kernel_pays`); by the torch path otherwise. A decoding method that scores
     the queries of its last steps over what it holds (SnapKV's observation window, H2O's buffered steps) takes one
-    sweep in the caches where torch writes every logit and its softmax; one worker, since a few queries' sweep is
-    shorter than starting a thread, which would also compete with a serving engine's own threads."""
+    sweep in the caches where torch writes every logit and its softmax, on one worker: a window's sweep is short."""
     if window is None and ends_with_queries(q_pos, k_pos) and kernel_pays(q, keys, threads=1):
         return prompt_statistics(q, keys, scaling, reduce=reduce, threads=1)
     return scoring.attention_statistics(q, keys, scaling, q_pos, k_pos, reduce=reduce, window=window)

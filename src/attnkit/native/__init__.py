@@ -41,9 +41,9 @@ ENV_SWITCH = "ATTNKIT_NATIVE"  # 0: never build or use the kernels; 1: always wh
 ENV_ISA = "ATTNKIT_NATIVE_ISA"
 ENV_CACHE = "ATTNKIT_CACHE_DIR"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
-# a kernel's own flags, dropped where the compiler refuses them: the decode kernel runs on OpenMP's threads (torch's
-# pool where torch links the same runtime), serially without
-OWN_FLAGS = {"decode": ("-fopenmp",)}
+# a kernel's own flags, dropped where the compiler refuses them: the kernels run on OpenMP's threads (torch's pool
+# where torch links the same runtime); without, decode serially and the others on threads of their own (run_workers)
+OWN_FLAGS = {name: ("-fopenmp",) for name in ("decode", "scoring", "sparse", "paged")}
 # the compiler's target per instruction set; `native` is dropped when the compiler refuses it
 ISAS = {"native": ("-march=native",), "avx2": ("-mavx2", "-mfma"),
         "avx512": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma")}

@@ -296,10 +296,17 @@ inline void transpose_keys(const float* k, const int64_t* ks, int64_t B, int64_t
         }
 }
 
-// run(w) for w in 0 .. workers - 1, on that many threads (this one included); where no more threads can be had,
-// this one runs the rest
+// run(w) for w in 0 .. workers - 1, on that many threads (this one included). A kernel built with OpenMP runs them on
+// OpenMP's pool, torch's own where torch links the same runtime: threads that wait between calls, where threads
+// started per call cost more than a short sweep and, in a serving engine whose threads are bound to the cores,
+// compete with them. Without OpenMP, threads started here; where no more can be had, this one runs the rest.
 template <typename Run>
 void run_workers(int workers, Run run) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(workers) schedule(static, 1)
+    for (int w = 0; w < workers; ++w) run(w);
+    return;
+#endif
     std::vector<std::thread> pool;
     int started = 1;
     try {
