@@ -305,8 +305,7 @@ void run_workers(int workers, Run run) {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(workers) schedule(static, 1)
     for (int w = 0; w < workers; ++w) run(w);
-    return;
-#endif
+#else
     std::vector<std::thread> pool;
     int started = 1;
     try {
@@ -316,6 +315,7 @@ void run_workers(int workers, Run run) {
     run(0);
     for (int w = started; w < workers; ++w) run(w);
     for (auto& th : pool) th.join();
+#endif
 }
 
 }  // namespace attnkit
