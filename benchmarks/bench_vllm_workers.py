@@ -1,5 +1,5 @@
-"""The C++ scoring kernel's prompt compressions inside vLLM's CPU worker on the torch thread count (2 here) against
-one worker, alternating, by attnkit's compaction metric: whether the kernel's second worker helps beside the engine's
+"""The C++ scoring kernel's prompt compressions inside vLLM's CPU worker on the torch thread count against one
+worker, alternating, by attnkit's compaction metric: whether the kernel's second worker helps beside the engine's
 own threads, which vLLM binds to the cores.
 
     python benchmarks/bench_vllm_workers.py --spec h2o:budget=0.2 --length 3900 --repeats 3
