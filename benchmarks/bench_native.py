@@ -8,6 +8,10 @@ Random operands in the layer geometry of `--model` (by default `tiny`'s: 8 query
 - ``scoring`` (``scoring.cpp``, :mod:`attnkit.methods.scoring_native`): a `--length`-token prompt's causal attention
   with H2O's statistic, and with Keyformer's; the torch path is the blocked pass of
   :func:`attnkit.methods.scoring.attention_with_statistics`; SDPA (the output alone, what ``full`` runs) beside it.
+- ``kvzip`` (``scoring.cpp`` again): one of KVzip's reconstruction chunks (2,048 prompt tokens repeated after 12 of
+  a short prompt: 2,060 queries over the `--length`-token prompt and their own keys) in a layer that scores
+  and passes its output on, :func:`attnkit.methods.kvzip.reconstruction_attention`; the torch path is SDPA for the
+  output and a pass over the scored keys for the score.
 - ``sparse`` (``sparse.cpp``, :mod:`attnkit.sparse.kernels`): a MInference layout of the prompt (vertical-slash,
   A-shape and block-sparse heads, tiles of 64); the path it replaces is FlexAttention compiled (``--flex``: its
   compilation takes minutes on a small CPU), SDPA over every causal pair beside it.
@@ -36,7 +40,7 @@ import torch.nn.functional as F
 
 from attnkit import native
 from attnkit import sparse as sa
-from attnkit.methods import decode_native, quest_native, quest_pages, scoring, scoring_native
+from attnkit.methods import decode_native, kvzip, quest_native, quest_pages, scoring, scoring_native
 from attnkit.methods.keyformer_noise import GumbelFactorWeights
 from attnkit.model import load_model
 from attnkit.sparse.patterns import HeadPattern
@@ -64,6 +68,15 @@ def groups(args) -> dict[str, dict[str, tuple]]:
             q, k, v, scale, threads=args.threads), isa)
         out["scoring"][f"scoring, Keyformer [{isa}]"] = (lambda: scoring_native.prompt_attention_with_statistics(
             q, k, v, scale, weights=weights, threads=args.threads), isa)
+    chunk = min(2048, n)
+    m = chunk + 12  # a reconstruction input: a short prompt, then a chunk of the prompt repeated
+    rq = torch.randn(1, hq, m, d, generator=gen)
+    rk, rv = (torch.cat([t, torch.randn(1, kv, m, d, generator=gen)], 2) for t in (k, v))
+    out["kvzip"] = {"torch (SDPA, then the scored keys)": (lambda: kvzip.reconstruction_attention(
+        rq, rk, rv, scale, n - chunk, n, 4, native=False, one_pass=False), None)}
+    for isa in args.isas:
+        out["kvzip"][f"scoring, KVzip chunk [{isa}]"] = (lambda: kvzip.reconstruction_attention(
+            rq, rk, rv, scale, n - chunk, n, 4, native=True), isa)
     layout = sa.layout_for_patterns((PATTERNS * hq)[:hq], q, k, scale, block=64, last_q=64)
 
     def flexattention():

@@ -120,7 +120,7 @@ extern "C" int attnkit_paged_decode(const float* q, const int64_t* qs, const flo
                                     int64_t length, int64_t lo, float scale, float* out, int threads) {
     if (KV <= 0 || HQ % KV || page_size <= 0 || (C != 1 && C != HQ / KV)) return 1;
     Problem a{q, k, v, pages, {qs[0], qs[1]}, {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]}, HQ, KV, HQ / KV, C, P,
-              D, DV, page_size, length, lo, scale, out};
+              D, DV, page_size, length, lo, scale * LOG2E, out};  // logits in base 2 (softmax_vecs)
     const int64_t units = B * KV * C, rows = HQ / KV / C;
     const int64_t work = B * HQ * P * page_size * (D + DV);
     // a thread costs tens of microseconds to start: only a step of several million multiply-adds is split

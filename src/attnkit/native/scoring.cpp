@@ -153,7 +153,7 @@ void run_block(const Problem& a, Scratch& s, int64_t b, int64_t kh, int64_t i0) 
         if (a.scored && Z[row] < UNDERFLOW) a.lost->store(true, std::memory_order_relaxed);
         const float denom = (a.table || a.scored ? Z[row] : L[row]) * (a.group_max ? 1.0f : static_cast<float>(G));
         for (int64_t t = a.t_lo; t < std::min(T, a.t_hi); ++t)  // the tiles the statistic reads
-            C[row * T + t] = std::exp(TM[row * T + t] - M[row]) / denom;
+            C[row * T + t] = std::exp2(TM[row * T + t] - M[row]) / denom;
     }
     if (!a.stats) return;
     float* stats = s.stats.data() + (b * a.KV + kh) * a.NKP;
@@ -211,7 +211,7 @@ extern "C" int attnkit_prompt_statistics(const float* q, const int64_t* qs, cons
     for (int i = 0; i < 3; ++i) a.qs[i] = qs[i], a.vs[i] = vs[i];
     a.B = B, a.HQ = HQ, a.KV = KV, a.G = HQ / KV, a.NQ = NQ, a.NK = NK, a.D = D, a.DV = DV, a.BQ = block_queries;
     a.NKP = (NK + BK - 1) / BK * BK;
-    a.scale = scale;
+    a.scale = scale * LOG2E;  // logits in base 2 (softmax_vecs)
     a.group_max = group_max != 0, a.rows_max = rows_max != 0;
     a.out = out, a.stats = stats;
     a.t_lo = stat_lo / BK, a.t_hi = (stat_hi + BK - 1) / BK;

@@ -147,7 +147,8 @@ extern "C" int attnkit_sparse_attention(const float* q, const int64_t* qs, const
     a.q = q, a.k = k, a.v = v;
     for (int i = 0; i < 3; ++i) a.qs[i] = qs[i], a.ks[i] = ks[i], a.vs[i] = vs[i];
     a.HQ = HQ, a.G = HQ / KV, a.NQ = NQ, a.NK = NK, a.D = D, a.DV = DV, a.block = block;
-    a.first_row = first_row, a.rows = rows, a.tiles = tiles, a.width = columns ? width : 0, a.scale = scale;
+    a.first_row = first_row, a.rows = rows, a.tiles = tiles, a.width = columns ? width : 0;
+    a.scale = scale * LOG2E;  // logits in base 2 (softmax_vecs)
     a.main = main, a.main_full = main_full, a.vert = vert, a.vert_full = vert_full;
     a.init = init, a.local = local, a.columns = columns, a.out = out;
     a.key_tiles = (NK + block - 1) / block;

@@ -94,25 +94,45 @@ inline float hsum(vf x) {
     return (c[0] + c[1]) + (c[2] + c[3]);
 }
 
-// exp of every lane, for arguments <= 0 (logits minus their running maximum): Cephes' expf (a reduction by ln 2 and
-// a degree-5 polynomial, about 1 ulp), 0 below -87.3 where float32 turns subnormal, so a masked -inf gives 0.
+// exp of every lane, for arguments <= 0 (logits minus their running maximum): a reduction by ln 2 (Cody and Waite's
+// two-part constant) and a degree-6 polynomial fitted for the least relative error on [-ln 2 / 2, ln 2 / 2] (about
+// 1 ulp, as Cephes' expf). The bias 127 rides in the rounding constant, so n + 127 lands in the low bits of t and
+// one shift makes 2^n; from about -87.7 down n + 127 is 0, and so is 2^n's bit pattern: the result is 0 (a masked
+// logit's -inf included) where float32 would turn subnormal.
 inline vf vexp(vf x) {
-    const vi dead = x < -87.3f;
-    x = dead ? splat(-87.3f) : x;
-    const vf t = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: the rounded multiple of ln 2 in the low bits
-    const vf n = t - 12582912.0f;
-    const vi ni = (vi)t - 0x4B400000;  // a vector cast keeps the bits
+    x = x < -88.0f ? splat(-88.0f) : x;  // one max instruction; a NaN stays NaN
+    const vf t = x * 1.44269504088896341f + 12583039.0f;  // 1.5 * 2^23 + 127
+    const vf n = t - 12583039.0f;
     const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vi scale = (ni + 127) << 23;  // 2^n
-    const vf y = (p * r * r + r + 1.0f) * (vf)scale;
-    return dead ? splat(0.0f) : y;
+    vf p = splat(1.3843653723597527e-3f);
+    p = p * r + 8.37415549904108e-3f;
+    p = p * r + 4.166800156235695e-2f;
+    p = p * r + 1.6666431725025177e-1f;
+    p = p * r + 4.999999403953552e-1f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (vf)((vi)t << 23);  // the 1.5 * 2^23 part of t's bits falls off the top
 }
+
+// 2^x of every lane, for arguments <= 0: the prompt kernels' online softmax works in base 2, its logits scaled by
+// log2(e) with the queries (LOG2E), so the reduction is x minus its rounded integer, exact, where e^x needs a
+// product by log2(e) and a two-part product by ln 2 (three operations on the FMA units less per lane). A degree-6
+// polynomial fitted for the least relative error on [-1/2, 1/2] (about 1 ulp); from about -126.5 down, 0 (as vexp).
+inline vf vexp2(vf x) {
+    x = x < -127.0f ? splat(-127.0f) : x;
+    const vf t = x + 12583039.0f;  // 1.5 * 2^23 + 127
+    const vf n = t - 12583039.0f;
+    const vf r = x - n;
+    vf p = splat(1.5353361959569156e-4f);
+    p = p * r + 1.3398875016719103e-3f;
+    p = p * r + 9.61843691766262e-3f;
+    p = p * r + 5.5503323674201965e-2f;
+    p = p * r + 2.4022647738456726e-1f;
+    p = p * r + 6.931471824645996e-1f;
+    p = p * r + 1.0f;
+    return p * (vf)((vi)t << 23);
+}
+constexpr float LOG2E = 1.44269504088896341f;  // the prompt kernels scale their queries by it (softmax_vecs)
 
 // natural log of every lane, for positive normal arguments: Cephes' logf (the mantissa reduced to [sqrt(1/2), sqrt(2)),
 // a degree-9 polynomial of it minus 1, about 1 ulp)
@@ -228,10 +248,10 @@ inline void qk_tile(const float* Q, int64_t D, const float* Kt, int64_t ldk, flo
 #endif
 }
 
-// one row's online softmax over NV vectors of logits s, the lanes from `visible` on hidden (as are lanes already
-// -inf): the running maximum M and sum L, the exponentials (relative to the new maximum) written to p; returns the
-// factor alpha that rescales what came before. A row that has seen no key yet stays at M = -inf, L = 0 with zeros
-// written.
+// one row's online softmax over NV vectors of logits s, in base 2 (the queries were scaled by LOG2E: 2^s is e^logit),
+// the lanes from `visible` on hidden (as are lanes already -inf): the running maximum M and sum L, the exponentials
+// (relative to the new maximum) written to p; returns the factor alpha that rescales what came before. A row that
+// has seen no key yet stays at M = -inf, L = 0 with zeros written.
 template <int NV>
 inline float softmax_vecs(const float* s, int64_t visible, float& M, float& L, float* p) {
     vf x[NV];
@@ -248,11 +268,11 @@ inline float softmax_vecs(const float* s, int64_t visible, float& M, float& L, f
         for (int c = 0; c < NV; ++c) st(p + VW * c, splat(0.0f));
         return 1.0f;
     }
-    const float alpha = m == M ? 1.0f : std::exp(M - m);  // once the row's maximum settles, no exponential
+    const float alpha = m == M ? 1.0f : std::exp2(M - m);  // once the row's maximum settles, no exponential
     M = m;
     vf sum = splat(0.0f);
     for (int c = 0; c < NV; ++c) {
-        const vf e = vexp(x[c] - m);
+        const vf e = vexp2(x[c] - m);
         sum += e;
         st(p + VW * c, e);
     }
