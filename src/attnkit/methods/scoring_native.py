@@ -48,30 +48,27 @@ def library() -> ctypes.CDLL | None:
     return native.load("scoring", SIGNATURE)
 
 
-def kernel_pays(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None,
-                threads: int | None = None) -> bool:
+def kernel_pays(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> bool:
     """Whether the kernel runs for these operands: float32 on a CPU, value heads (when given) a multiple of 16 wide,
     the kernel built (:func:`library`), and faster than the torch path here (:func:`choice`)."""
     operands = (q, keys) if values is None else (q, keys, values)
     if not (q.device.type == "cpu" and all(t.dtype == torch.float32 for t in operands)
             and (values is None or values.shape[-1] % 16 == 0)):
         return False
-    return choice(q, keys, values, threads).on
+    return choice(q, keys, values).on
 
 
-def choice(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None,
-           threads: int | None = None) -> guard.Choice:
+def choice(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> guard.Choice:
     """:func:`attnkit.native.guard.choose` for these operands' shape class: the sweep with the output (`values`
     given) or the statistic alone, the heads and their sizes, the length class of the keys, the threads. The
     comparison: the kernel against :func:`attnkit.methods.scoring.attention_with_statistics` (with the output) or
     :func:`~attnkit.methods.scoring.attention_statistics` (the statistic alone), on random operands of the class,
-    the last queries of the prompt (at most :data:`GUARD_QUERIES`) over at most :data:`GUARD_KEYS` keys, the kernel
-    with `threads` workers (None: ``torch.get_num_threads()``)."""
+    the last queries of the prompt (at most :data:`GUARD_QUERIES`) over at most :data:`GUARD_KEYS` keys."""
     b, hq, m, d = q.shape
     kv, n = keys.shape[1], keys.shape[2]
     dv = None if values is None else values.shape[-1]
     top = guard.bucket(n)
-    threads = threads or torch.get_num_threads()
+    threads = torch.get_num_threads()
     shape = (f"{'sweep' if values is not None else 'statistic'} heads={hq}/{kv} d={d} dv={dv} keys<={top} "
              f"threads={threads}")
 
@@ -123,9 +120,9 @@ def attention_statistics(q: torch.Tensor, keys: torch.Tensor, scaling: float, q_
     alone (:func:`prompt_statistics`) where the keys end with the queries' own (:func:`ends_with_queries`), no window
     hides any, and the kernel pays (:func:`kernel_pays`); by the torch path otherwise. A decoding method that scores
     the queries of its last steps over what it holds (SnapKV's observation window, H2O's buffered steps) takes one
-    sweep in the caches where torch writes every logit and its softmax, on one worker: a window's sweep is short."""
-    if window is None and ends_with_queries(q_pos, k_pos) and kernel_pays(q, keys, threads=1):
-        return prompt_statistics(q, keys, scaling, reduce=reduce, threads=1)
+    sweep in the caches where torch writes every logit and its softmax."""
+    if window is None and ends_with_queries(q_pos, k_pos) and kernel_pays(q, keys):
+        return prompt_statistics(q, keys, scaling, reduce=reduce)
     return scoring.attention_statistics(q, keys, scaling, q_pos, k_pos, reduce=reduce, window=window)
 
 
