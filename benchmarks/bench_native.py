@@ -13,7 +13,8 @@ Random operands in the layer geometry of `--model` (by default `tiny`'s: 8 query
   and passes its output on, :func:`attnkit.methods.kvzip.reconstruction_attention`; the torch path is SDPA for the
   output and a pass over the scored keys for the score.
 - ``sparse`` (``sparse.cpp``, :mod:`attnkit.sparse.kernels`): a MInference layout of the prompt (vertical-slash,
-  A-shape and block-sparse heads, tiles of 64); the path it replaces is FlexAttention compiled (``--flex``: its
+  A-shape and block-sparse heads, tiles of 64), and the same kernel over every causal tile (how ``minference`` runs
+  the heads it sends to dense attention); the path it replaces is FlexAttention compiled (``--flex``: its
   compilation takes minutes on a small CPU), SDPA over every causal pair beside it.
 - ``paged`` (``paged.cpp``, :mod:`attnkit.methods.quest_native`): Quest's decoding step over a `--context`-token
   cache reading a sixteenth (the page choice and the attention); the torch path bounds, chooses, gathers and attends;
@@ -91,8 +92,11 @@ def groups(args) -> dict[str, dict[str, tuple]]:
         q, k, v, is_causal=True, scale=scale, enable_gqa=True), None)}
     if args.flex:
         out["sparse"] = {"torch (FlexAttention, compiled)": (flexattention, None), **out["sparse"]}
+    every = layout.with_dense_heads(torch.ones(hq, dtype=torch.bool))  # how minference's dense heads run
     for isa in args.isas:
         out["sparse"][f"sparse [{isa}]"] = (lambda: sa.kernels.native_sparse_attention(q, k, v, layout, scale), isa)
+        out["sparse"][f"sparse, every causal tile [{isa}]"] = (
+            lambda: sa.kernels.native_sparse_attention(q, k, v, every, scale), isa)
     c, page = args.context, 16
     keys, values = (torch.randn(1, kv, c, d, generator=gen) for _ in range(2))
     low, high = (f(keys.view(1, kv, c // page, page, d), dim=3) for f in (torch.amin, torch.amax))

@@ -71,6 +71,29 @@ def test_heads_without_tiles_are_zero(calls):
     torch.testing.assert_close(out[:, ~drop], ref[:, ~drop], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("n,nq", [(150, 150), (203, 70)])
+def test_dense_heads_in_the_same_call(calls, monkeypatch, build, n, nq):
+    """Heads the method sends to dense attention, given every causal tile (``with_dense_heads``): the kernel gives
+    them dense causal attention (SDPA's, within float32 rounding) and the other heads their layout's, in one call;
+    every head dense is the whole layer's dense attention."""
+    import torch.nn.functional as F
+
+    monkeypatch.setenv(native.ENV_ISA, build)
+    q, k, v = operands(n, nq, 4, 2, 16, seed=n)
+    layout = sa.layout_for_patterns(MIXED, q, k, 0.25, block=16, last_q=16)
+    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=0.25,
+                                           attn_mask=torch.ones(nq, n, dtype=torch.bool).tril(n - nq))
+    ref = sa.reference_attention(q, k, v, layout, 0.25)
+    for heads in ([False, True, False, True], [True] * 4):
+        heads = torch.tensor(heads)
+        merged = layout.with_dense_heads(heads)
+        assert bool((merged.density[heads] >= 1).all())  # every causal tile (the diagonal ones whole)
+        out = sa.sparse_attention(q, k, v, merged, 0.25)
+        torch.testing.assert_close(out, torch.where(heads[None, :, None, None], dense, ref), atol=1e-5, rtol=1e-5)
+    assert calls == [1, 1]
+
+
 @pytest.mark.parametrize("spec", ["minference:k_v=8,k_s=24,block_size=16,dense_above=1",
                                   "minference:pattern=block_sparse,k_b=3,block_size=16",
                                   "a_shape:n_init=16,n_local=48,block_size=16,dense_above=1"])

@@ -25,9 +25,11 @@ block-sparse heads use indices estimated ONCE, on the first calibration prompt, 
 prompt longer than the calibration prompt reuses the last stored block row for its extra rows.
 
 A head whose layout computes more than ``dense_above`` of its causal pairs (default 0.5) runs dense attention
-instead: with the CPU kernel that is faster (:data:`DENSE_ABOVE`), and dense attention computes every pair the
-pattern keeps and more, so the output only moves towards ``full``. ``dense_above=1`` keeps every head on its
-pattern (for studying a pattern's own accuracy).
+instead: with FlexAttention that is faster (:data:`DENSE_ABOVE`), and dense attention computes every pair the
+pattern keeps and more, so the output only moves towards ``full``. Where the CPU's C++ sparse kernel runs, it
+computes those heads' dense causal attention too, in the same call (it spends less per pair than SDPA's kernel,
+which a layer of only dense heads would otherwise run). ``dense_above=1`` keeps every head on its pattern (for
+studying a pattern's own accuracy).
 
 The output equals ``full`` exactly whenever a layer's pattern keeps every causal pair (e.g. any prompt
 no longer than ``k_s``): that layer then runs the very same dense path. Layers of a model's own sliding
@@ -48,7 +50,7 @@ from attnkit.errors import AttnkitError
 from attnkit.methods.base import Method
 from attnkit.methods.spec import register
 from attnkit.session import LayerContext
-from attnkit.sparse.kernels import sparse_attention
+from attnkit.sparse.kernels import native_pays, sparse_attention
 from attnkit.sparse.layout import layout_for_patterns
 from attnkit.sparse.patterns import DEFAULT_BLOCK, DEFAULT_LAST_Q, PATTERN_PARAMS, HeadPattern, check_block
 from attnkit.sparse.profile import record_call, timed
@@ -167,10 +169,12 @@ class SparsePrefill(Method):
         limit = self.dense_above
         dense = layout.density > limit if limit < 1 else torch.zeros(q.shape[1], dtype=torch.bool, device=q.device)
         record_call(layout, dense)
-        if bool(dense.all()):
-            return super().prefill_output(ctx, q, keys, values, positions)
         if not bool(dense.any()):
             return sparse_attention(q, keys, values, layout, ctx.scaling, compiled=self.compile).to(q.dtype)
+        if self.compile and native_pays(q, keys, values, layout):  # the CPU kernel: dense heads too, in the same call
+            return sparse_attention(q, keys, values, layout.with_dense_heads(dense), ctx.scaling).to(q.dtype)
+        if bool(dense.all()):
+            return super().prefill_output(ctx, q, keys, values, positions)
         # the dense heads keep their place in the kernel's call (the same shapes: no new compiled graph) with
         # no tiles, so it computes nothing for them; their output is dense attention over the same keys
         out = sparse_attention(q, keys, values, layout.without_heads(dense), ctx.scaling,

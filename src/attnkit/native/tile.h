@@ -97,8 +97,8 @@ inline float hsum(vf x) {
 // exp of every lane, for arguments <= 0 (logits minus their running maximum): a reduction by ln 2 (Cody and Waite's
 // two-part constant) and a degree-6 polynomial fitted for the least relative error on [-ln 2 / 2, ln 2 / 2] (about
 // 1 ulp, as Cephes' expf). The bias 127 rides in the rounding constant, so n + 127 lands in the low bits of t and
-// one shift makes 2^n; from about -87.7 down n + 127 is 0, and so is 2^n's bit pattern: the result is 0 (a masked
-// logit's -inf included) where float32 would turn subnormal.
+// one shift makes 2^n. From about -87.7 down n + 127 is 0, and so is 2^n's bit pattern: the result is 0, a masked
+// logit's -inf included (just above, e^x is subnormal, and so is the result).
 inline vf vexp(vf x) {
     x = x < -88.0f ? splat(-88.0f) : x;  // one max instruction; a NaN stays NaN
     const vf t = x * 1.44269504088896341f + 12583039.0f;  // 1.5 * 2^23 + 127
@@ -117,7 +117,7 @@ inline vf vexp(vf x) {
 // 2^x of every lane, for arguments <= 0: the prompt kernels' online softmax works in base 2, its logits scaled by
 // log2(e) with the queries (LOG2E), so the reduction is x minus its rounded integer, exact, where e^x needs a
 // product by log2(e) and a two-part product by ln 2 (three operations on the FMA units less per lane). A degree-6
-// polynomial fitted for the least relative error on [-1/2, 1/2] (about 1 ulp); from about -126.5 down, 0 (as vexp).
+// polynomial fitted for the least relative error on [-1/2, 1/2] (about 1 ulp); from -126.5 down, 0 (as vexp).
 inline vf vexp2(vf x) {
     x = x < -127.0f ? splat(-127.0f) : x;
     const vf t = x + 12583039.0f;  // 1.5 * 2^23 + 127

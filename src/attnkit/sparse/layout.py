@@ -98,6 +98,18 @@ class SparseLayout:
                if getattr(self, name) is not None}
         return replace(self, **cut, _dense=False)
 
+    def with_dense_heads(self, heads: torch.Tensor) -> SparseLayout:
+        """The same layout with every causal tile for `heads` (bool ``[h]``), no token rule and no gathered columns: a
+        kernel over it computes their dense causal attention, and the other heads' pairs as before."""
+        h = heads.to(self.main.device)
+        i, j = self.grid()
+        cut = {"main": torch.where(h[:, None, None], j <= i, self.main),
+               "main_full": torch.where(h[:, None, None], j < i, self.main_full),
+               "init": torch.where(h, NEVER, self.init), "local": torch.where(h, 0, self.local)}
+        if self.vert is not None:
+            cut.update(vert=self.vert & ~h[:, None, None], vert_full=self.vert_full & ~h[:, None, None])
+        return replace(self, **cut, _dense=None)
+
     @property
     def dense(self) -> bool:
         """True when every head keeps every causal pair (the output equals dense attention)."""
