@@ -195,3 +195,37 @@ def test_a_layout_the_kernel_cannot_address_is_gathered():
     tables = torch.tensor([[2, 0]])
     assert paged.entries(k_cache, v_cache, paged.Layout(order, None), tables, slots) is None
     assert paged.entries(k_cache, v_cache, paged.Layout(None, None), tables, slots) is not None
+
+
+def test_the_victims_loop_picks_torchs_argmin(build):
+    """scoring.lowest on a CPU runs the kernel's loop (decode_native.lowest): per row and kv head the same index as
+    torch's argmin over the rank with protected entries at +inf, through ties (the first least), -0.0 beside 0.0, a
+    NaN (the first), every entry protected or +inf (0), ranks and masks at any strides (a slice of a longer buffer,
+    kv heads apart, a mask broadcast), vector-sized rows and rows with a tail."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        rows, kv, n = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen)), \
+            int(torch.randint(1, 70, (1,), generator=gen))
+        buffer = torch.randint(-2, 3, (rows, kv, n + 5), generator=gen).float()  # few values: ties everywhere
+        rank = buffer[:, :, 2:n + 2] if trial % 3 else buffer.transpose(0, 1).contiguous().transpose(0, 1)[..., :n]
+        if trial % 4 == 1:
+            rank[..., ::2] = -0.0
+        if trial % 5 == 0:
+            rank[-1, -1, n // 2] = float("nan")
+        if trial % 7 == 0:
+            rank.fill_(float("inf"))
+        protect = torch.rand(rows, kv, n, generator=gen) < (trial % 4) / 3 if trial % 6 else None
+        if protect is not None and trial % 11 == 0:
+            protect = protect[:1, :1].expand(rows, kv, n)
+        expected = (rank if protect is None else rank.masked_fill(protect, float("inf"))).argmin(-1, keepdim=True)
+        got = decode_native.lowest(rank, protect)
+        assert got is not None and torch.equal(got, expected), (trial, got, expected)
+        assert torch.equal(scoring.lowest(rank, protect), expected)
+    assert decode_native.lowest(rank.double(), None) is None  # not float32: torch's argmin decides
+
+
+def test_the_victims_loop_off_without_the_kernel(monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    rank = torch.tensor([[[3.0, 1.0, 1.0, 2.0]]])
+    assert decode_native.lowest(rank, None) is None
+    assert scoring.lowest(rank, torch.tensor([[[False, True, False, False]]])).tolist() == [[[2]]]

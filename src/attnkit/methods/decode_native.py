@@ -41,6 +41,7 @@ _P, _I64, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_i
 SIGNATURE = ("attnkit_decode_attention",
              [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P,
               _F, _I32, _P, _I32], _I32)
+LOWEST = ("attnkit_lowest", [_P, _P, _P, _P, _I64, _I64, _I64, _P], None)
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,27 @@ def attend(q: torch.Tensor, keys: torch.Tensor | Entries, values: torch.Tensor |
         raise ValueError(f"the CPU decode kernel refused q {tuple(q.shape)}, values {tuple(values.shape)} "
                          f"(code {code}): it takes value heads a multiple of 16 wide")
     return (out, logits, probs) if score is None else (out, logits, probs, weights)
+
+
+def lowest(rank: torch.Tensor, protect: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`attnkit.methods.scoring.lowest` by the kernel's loop (``attnkit_lowest``): the slot ``[b, kv, 1]`` of the
+    lowest-ranked unprotected entry per kv head, the same index as torch's argmin over the rank with the protected
+    entries at +inf (a per-step method's victim: a few thousand numbers a layer and step, where torch's three
+    operations cost more than their arithmetic). None where the loop does not run: not a float32 rank on a CPU, a mask
+    of another shape, or the kernel not built (``ATTNKIT_NATIVE=0``)."""
+    if rank.device.type != "cpu" or rank.dtype != torch.float32 or rank.dim() != 3 or (
+            protect is not None and (protect.dtype != torch.bool or protect.device != rank.device)):
+        return None
+    lib = native.load("decode", LOWEST)
+    if lib is None:
+        return None
+    b, kv, n = rank.shape
+    if protect is not None:
+        protect = protect.expand(b, kv, n)
+    out = torch.empty(b, kv, 1, dtype=torch.int64)
+    lib.attnkit_lowest(rank.data_ptr(), _int64s(rank.stride()), _pointer(protect),
+                       _int64s(protect.stride()) if protect is not None else None, b, kv, n, out.data_ptr())
+    return out
 
 
 def _int64s(values) -> ctypes.Array:

@@ -106,9 +106,11 @@ class KeyformerRun:
     score: torch.Tensor | None = None
     pending: torch.Tensor | None = None
     step: Any = None  # the step whose scores `pending` collects
+    rows_tau: tuple | None = None  # a stacked step's temperatures: ((rows' iterations, lengths), float64, float32)
 
-    # a function of the seed, the geometry and the heads held alone: every generation of the method draws alike
-    shared = ("noise",)
+    # a function of the seed, the geometry and the heads held alone: every generation of the method draws alike; the
+    # temperatures are looked up by what they are a function of
+    shared = ("noise", "rows_tau")
 
 
 @register
@@ -294,12 +296,11 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         if self.positions == "new":
             keys = self._at_new_positions(ctx, keys, positions)
         visible = self.window_visibility(ctx)
-        t = ctx.state.t  # one per row in a stacked step
-        tau = self.tau(t.clamp(min=1) if ctx.step.per_row else max(t, 1), ctx.session.max_new_tokens)
+        tau, tau32 = self._step_tau(ctx)
         ctx.state.tau = tau
         if decode_native.runs(q, keys, values, visible):  # the step's attention and its score in one kernel call
             out, _, _, score = decode_native.attend(q, keys, values, ctx.scaling, score=self._step_score(
-                ctx, tau, positions, q.shape[1] // keys.shape[1]), logits=False, probabilities=False)
+                ctx, tau32, positions, q.shape[1] // keys.shape[1]), logits=False, probabilities=False)
             self._accumulate(ctx, score)
             return out
         out, logits, _ = attend_with_logits(q, keys, values, ctx.scaling, visible, native=False)
@@ -307,11 +308,25 @@ class Keyformer(BufferedEviction, RecentWindowEviction):
         self._accumulate(ctx, reduce_heads(f, self.gqa_reduce)[:, :, 0])  # the step's one query
         return out
 
-    def _step_score(self, ctx: LayerContext, tau, positions: torch.Tensor, groups: int) -> KeyformerScore:
+    def _step_tau(self, ctx: LayerContext) -> tuple:
+        """eq. 10 at this decode step, and as float32 ``[rows]`` (what the kernel divides by). A stacked step's rows
+        (:attr:`attnkit.session.Step.per_row`) are at the same iterations in every layer: their temperatures are
+        computed on the first and looked up by the iterations and the generations' lengths on the others."""
+        t, lengths = ctx.state.t, ctx.session.max_new_tokens
+        if not ctx.step.per_row:
+            tau = self.tau(max(t, 1), lengths)
+            return tau, torch.as_tensor(tau, dtype=torch.float32).reshape(-1)
+        run, key = ctx.session_state, (t.tolist(), lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)
+        if run.rows_tau is None or run.rows_tau[0] != key:
+            tau = self.tau(t.clamp(min=1), lengths)
+            run.rows_tau = (key, tau, tau.to(torch.float32))
+        return run.rows_tau[1], run.rows_tau[2]
+
+    def _step_score(self, ctx: LayerContext, tau: torch.Tensor, positions: torch.Tensor, groups: int
+                    ) -> KeyformerScore:
         """eq. 9 of this decode step for the kernel (:class:`~attnkit.methods.decode_native.KeyformerScore`): the
-        draws :meth:`_weights` adds, at the temperature it divides by."""
+        draws :meth:`_weights` adds, at the temperature `tau` (float32, one or one per row) it divides by."""
         rows, kv_heads = positions.shape[:2]
-        tau = torch.as_tensor(tau, dtype=torch.float32).reshape(-1)
         if self.noise in ("gumbel", "gaussian"):
             noise = self._decode_noise(ctx, kv_heads * groups)
             offsets = noise.row_offsets(ctx, kv_heads, positions.device).reshape(-1, kv_heads * groups).expand(rows, -1)

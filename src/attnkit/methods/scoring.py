@@ -302,7 +302,11 @@ def adaptive_keep(rank: torch.Tensor, protect: torch.Tensor | None, count: int,
 
 
 def lowest(rank: torch.Tensor, protect: torch.Tensor | None) -> torch.Tensor:
-    """Slot ``[b, kv, 1]`` of the lowest-ranked unprotected entry per kv head (the one to evict)."""
+    """Slot ``[b, kv, 1]`` of the lowest-ranked unprotected entry per kv head (the one to evict): on a CPU the
+    kernel's loop (:func:`attnkit.methods.decode_native.lowest`), elsewhere torch's argmin, the same index."""
+    picked = decode_native.lowest(rank, protect)
+    if picked is not None:
+        return picked
     r = rank.float()
     if protect is not None:
         r = r.masked_fill(protect, float("inf"))

@@ -346,3 +346,47 @@ extern "C" int attnkit_decode_attention(const float* q, const int64_t* qs, int64
     }
     return 0;
 }
+
+// Per row and kv head, the slot of the lowest-ranked entry that is not protected (a per-step method's victim,
+// attnkit/methods/scoring.py lowest): rank [R, KV, N] float32 and protect [R, KV, N] (nonzero: protected; null:
+// none) at any strides in elements, into out [R, KV] (int64). torch's argmin over the rank with protected entries at
+// +inf, where torch's three operations on a few thousand numbers cost more than their arithmetic: the first least
+// value, the first NaN where there is one, and 0 where every value is +inf (every entry protected included). Rows
+// whose numbers are adjacent go a vector at a time, each lane keeping its least value and where it first met it.
+typedef uint8_t vbu __attribute__((vector_size(VW), aligned(1)));
+
+extern "C" void attnkit_lowest(const float* rank, const int64_t* rs, const uint8_t* protect, const int64_t* ps,
+                               int64_t R, int64_t KV, int64_t N, int64_t* out) {
+    const bool adjacent = rs[2] == 1 && (!protect || ps[2] == 1) && N < (int64_t{1} << 30);
+    constexpr int32_t NONE = INT32_MAX;
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t h = 0; h < KV; ++h) {
+            const float* x = rank + r * rs[0] + h * rs[1];
+            const uint8_t* p = protect ? protect + r * ps[0] + h * ps[1] : nullptr;
+            float least = INFINITY;
+            int64_t at = 0, first_nan = -1, j = 0;
+            if (adjacent) {
+                vf lo = splat(INFINITY);
+                vi where = {}, nan = {}, index = {};
+                for (int i = 0; i < VW; ++i) index[i] = i, nan[i] = NONE;
+                for (; j + VW <= N; j += VW, index += VW) {
+                    vf v = ld(x + j);
+                    if (p) v = __builtin_convertvector(*reinterpret_cast<const vbu*>(p + j), vi) != 0 ? splat(INFINITY) : v;
+                    nan = v != v && nan == NONE ? index : nan;
+                    const vi less = v < lo;
+                    lo = less ? v : lo;
+                    where = less ? index : where;
+                }
+                for (int i = 0; i < VW; ++i) {
+                    if (nan[i] != NONE && (first_nan < 0 || nan[i] < first_nan)) first_nan = nan[i];
+                    if (lo[i] < least || (lo[i] == least && where[i] < at)) least = lo[i], at = where[i];
+                }
+            }
+            for (; j < N && first_nan < 0; ++j) {
+                const float v = p && p[j * ps[2]] ? INFINITY : x[j * rs[2]];
+                if (v != v) first_nan = j;
+                if (v < least) least = v, at = j;
+            }
+            out[r * KV + h] = first_nan >= 0 ? first_nan : least == INFINITY ? 0 : at;
+        }
+}
