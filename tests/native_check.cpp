@@ -85,7 +85,7 @@ int main() {
     for (int64_t j = 0; j < KV * NK; ++j)
         expect(std::fabs(stats[j] - want[j]) <= 1e-5 * want[j] + 1e-6, "statistic", stats[j], want[j]);
     // Keyformer's: each row's probabilities times the bfloat16 factors read from its offset on, renormalised
-    const int64_t TLEN = 1000, NKP = (NK + 63) / 64 * 64;
+    const int64_t TLEN = 1000, TILE = attnkit_key_tile(), NKP = (NK + TILE - 1) / TILE * TILE;  // the rows read
     std::vector<uint16_t> table(TLEN);
     std::vector<int64_t> offsets(HQ * NQ);
     auto widen = [](uint16_t h) { uint32_t bits = static_cast<uint32_t>(h) << 16; float f; std::memcpy(&f, &bits, 4); return f; };

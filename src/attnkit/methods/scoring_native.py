@@ -193,7 +193,8 @@ def _sweep(q, keys, values, scaling, reduce, rows, weights, threads, statistic=T
         raise ValueError(f"{hq} query heads are not a multiple of {kv} kv heads")
     q, keys = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys))
     g = hq // kv
-    padded = -(-n // 64) * 64  # the kernel's key tiles: 64 keys
+    tile = lib.attnkit_key_tile()  # the kernel's key tiles: every row reads that many keys (and draws) at once
+    padded = -(-n // tile) * tile
     rows_per_block = max(g, min(ROWS_PER_BLOCK, BLOCK_FLOATS // padded))
     table = offsets = None
     if weights is not None:

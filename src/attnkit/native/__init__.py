@@ -143,7 +143,9 @@ def _build(name: str, target_isa: str) -> Path:
             os.replace(tmp, target)
             return target
         os.unlink(tmp)
-        error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        lines = done.stderr.strip().splitlines()  # the compiler's first error, else its last line
+        error = next((line.strip() for line in lines if "error" in line), lines[-1].strip() if lines else
+                     f"exit {done.returncode}")
     raise RuntimeError(f"{cxx} could not build {source.name} for {target_isa}: {error}")
 
 

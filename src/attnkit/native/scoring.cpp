@@ -35,6 +35,7 @@
 #include <new>
 #include <vector>
 
+#define ATTNKIT_TILE_KEYS 128  // tiles of 128 keys (tile.h): the sweep's per-tile work over twice the keys
 #include "tile.h"
 
 namespace {

@@ -158,7 +158,16 @@ inline vf vlog(vf x) {
     return f + y + fe * 0.693359375f;
 }
 
-constexpr int64_t BK = 64;       // keys per tile
+// keys per tile; a kernel may set ATTNKIT_TILE_KEYS (a multiple of 64) before including this header: the prompt
+// scoring sweep takes 128, whose fixed work per row and tile (the maximum across the row, the rescaling, the
+// statistic's bookkeeping) is then spread over twice the keys
+#ifndef ATTNKIT_TILE_KEYS
+#define ATTNKIT_TILE_KEYS 64
+#endif
+constexpr int64_t BK = ATTNKIT_TILE_KEYS;
+static_assert(BK % 64 == 0, "tiles of a multiple of 64 keys");
+// the keys of the kernel's tiles: a caller that sizes what the kernel reads per tile asks
+extern "C" int attnkit_key_tile() { return static_cast<int>(BK); }
 constexpr int TV = BK / VW;      // vectors per row of a tile
 constexpr int64_t QK_ROWS = 4;   // rows of one logits micro-tile
 constexpr int QK_VECS = std::min(TV, 4);  // its vectors per row with 32 registers (16 accumulators)
@@ -240,9 +249,11 @@ inline void qk_tile(const float* Q, int64_t D, const float* Kt, int64_t ldk, flo
 #if ATTNKIT_REGS >= 32
     for (int c0 = 0; c0 < TV; c0 += QK_VECS) qk_pass<QK_VECS>(Q, D, Kt + c0 * VW, ldk, S + c0 * VW);
 #elif ATTNKIT_VW == 8
-    qk_pass<3>(Q, D, Kt, ldk, S);
-    qk_pass<3>(Q, D, Kt + 3 * VW, ldk, S + 3 * VW);
-    qk_pass<2>(Q, D, Kt + 6 * VW, ldk, S + 6 * VW);
+    for (int c0 = 0; c0 < TV; c0 += 8) {  // each 64 keys
+        qk_pass<3>(Q, D, Kt + c0 * VW, ldk, S + c0 * VW);
+        qk_pass<3>(Q, D, Kt + (c0 + 3) * VW, ldk, S + (c0 + 3) * VW);
+        qk_pass<2>(Q, D, Kt + (c0 + 6) * VW, ldk, S + (c0 + 6) * VW);
+    }
 #else
     for (int c0 = 0; c0 < TV; c0 += 2) qk_pass<2>(Q, D, Kt + c0 * VW, ldk, S + c0 * VW);
 #endif
