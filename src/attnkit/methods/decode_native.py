@@ -235,8 +235,8 @@ def lowest(rank: torch.Tensor, protect: torch.Tensor | None) -> torch.Tensor | N
     """:func:`attnkit.methods.scoring.lowest` by the kernel's loop (``attnkit_lowest``): the slot ``[b, kv, 1]`` of the
     lowest-ranked unprotected entry per kv head, the same index as torch's argmin over the rank with the protected
     entries at +inf (a per-step method's victim: a few thousand numbers a layer and step, where torch's three
-    operations cost more than their arithmetic). None where the loop does not run: not a float32 rank on a CPU, a mask
-    of another shape, or the kernel not built (``ATTNKIT_NATIVE=0``)."""
+    operations cost more than their arithmetic). None where the loop does not run: not a float32 rank ``[b, kv, n]``
+    on a CPU with a boolean mask (broadcast to it) or none, or the kernel not built (``ATTNKIT_NATIVE=0``)."""
     if rank.device.type != "cpu" or rank.dtype != torch.float32 or rank.dim() != 3 or (
             protect is not None and (protect.dtype != torch.bool or protect.device != rank.device)):
         return None

@@ -371,7 +371,8 @@ extern "C" void attnkit_lowest(const float* rank, const int64_t* rs, const uint8
                 for (int i = 0; i < VW; ++i) index[i] = i, nan[i] = NONE;
                 for (; j + VW <= N; j += VW, index += VW) {
                     vf v = ld(x + j);
-                    if (p) v = __builtin_convertvector(*reinterpret_cast<const vbu*>(p + j), vi) != 0 ? splat(INFINITY) : v;
+                    const vi hidden = p ? __builtin_convertvector(*reinterpret_cast<const vbu*>(p + j), vi) : vi{};
+                    v = hidden != 0 ? splat(INFINITY) : v;
                     nan = v != v && nan == NONE ? index : nan;
                     const vi less = v < lo;
                     lo = less ? v : lo;
