@@ -136,6 +136,26 @@ def test_a_slower_kernel_is_left_off(fresh, monkeypatch):
     assert guard.summary(guard.mark()) == "-"
 
 
+def test_the_output_alone_is_compared_with_sdpa_on_a_whole_prompt(fresh, monkeypatch):
+    """The scoring sweep's output alone (kvzip's prompt) is its own shape class, compared with what it replaces there,
+    attnkit's dense attention (SDPA's causal kernel) over a whole causal prompt; the two agree."""
+    monkeypatch.setenv(native.ENV_SWITCH, "auto")
+    outs = {}
+
+    def times(kernel_path, torch_path, repeats=guard.REPEATS):
+        outs["kernel"], outs["torch"] = kernel_path(), torch_path()
+        return [2.0], [1.0]
+
+    monkeypatch.setattr(guard, "time_both", times)
+    q, k = torch.randn(1, 4, 300, 32), torch.randn(1, 2, 300, 32)
+    choice = scoring_native.choice(q, k, k, output_only=True)
+    assert not choice.on and outs["kernel"].shape == outs["torch"].shape == (1, 4, 1024, 32)  # the length class
+    torch.testing.assert_close(outs["kernel"], outs["torch"], rtol=1e-4, atol=1e-5)
+    assert scoring_native.choice(q, k, k) is not choice  # the sweep with its statistic: a class of its own
+    with pytest.raises(ValueError, match="needs values"):
+        scoring_native.choice(q, k, output_only=True)
+
+
 def test_the_sparse_guard_times_both_paths_on_a_sparse_layout(fresh, monkeypatch):
     """The sparse kernel is compared with the path it replaces, FlexAttention, over the same sparse layout: a share
     of the causal tiles, neither all nor only the forced ones (over a dense layout the comparison would miss what

@@ -272,13 +272,15 @@ def test_only_prompt_entries_stay_and_the_bytes_drop(models, arch):
     with torch.inference_mode():
         full_logits = logits_of(model, prefill(model, full_session, ids))
         logits = logits_of(model, prefill(model, session, ids))
-    assert torch.equal(logits, full_logits)  # the prompt's own pass is full attention's
+    # the prompt's own pass is full attention's (through the reconstruction's kernel where it is built: float32 rounding)
+    assert torch.allclose(logits, full_logits, atol=1e-5) and torch.equal(logits.argmax(-1), full_logits.argmax(-1))
     for layer, full_kv in zip(session.cache.layers, full_session.cache.layers):
         keys, values, positions = layer.view()
         assert layer.length == budget and int(positions.max()) < n  # no reconstruction entry stays
         fk, fv, _ = full_kv.view()
         index = positions.unsqueeze(-1).expand_as(keys)
-        assert torch.equal(keys, fk.gather(2, index)) and torch.equal(values, fv.gather(2, index))
+        assert torch.allclose(keys, fk.gather(2, index), atol=1e-5)  # the full prompt's own entries
+        assert torch.allclose(values, fv.gather(2, index), atol=1e-5)
     out = attnkit.generate(model, ids, "kvzip", params={"budget_tokens": budget}, max_new_tokens=NEW,
                            stop_at_eos=False)
     full = attnkit.generate(model, ids, "full", max_new_tokens=NEW, stop_at_eos=False)
@@ -313,7 +315,7 @@ def test_the_reconstruction_stops_at_the_last_layer_that_scores(models, monkeypa
     layer runs its attention alone, which computes its score but no output: the scores, kept positions, tokens and logits of a reconstruction that
     runs every layer in full (with the CPU kernel where it is built, and with torch operations)."""
     if not kernel:
-        monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
+        monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a, **k: False)
     model, n = models["llama"], 130
     layers = model.geometry.n_layers
     ids = random_ids(n, seed=23)

@@ -100,7 +100,7 @@ def test_generations_keep_the_tokens_of_the_torch_path(arch_models, monkeypatch,
                         lambda *a, **kw: calls.append(a[0].shape[2]) or kernel(*a, **kw))
     native, chunked = run(), run(chunk_size=40)
     assert len(calls) == model.geometry.n_layers * (len(prompts) + sum(-(-n // 40) for n in (90, 130, 61)))
-    monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
+    monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a, **k: False)
     torch_path = run()
     for a, b, c in zip(native, chunked, torch_path):
         assert a.token_ids == b.token_ids == c.token_ids
@@ -246,16 +246,17 @@ def test_kvzip_keeps_the_tokens_of_the_torch_path(arch_models, monkeypatch):
     run = lambda: attnkit.generate(model, prompts, parse_method_spec("kvzip:budget=0.3,chunk_size=48"),  # noqa: E731
                                    max_new_tokens=8, stop_at_eos=False, keep_logits=True)
     calls = []
-    for name in ("prompt_statistics", "prompt_attention_with_subset_statistics"):
+    for name in ("prompt_statistics", "prompt_attention_with_subset_statistics", "prompt_attention"):
         function = getattr(scoring_native, name)
         monkeypatch.setattr(scoring_native, name, lambda *a, f=function, name=name, **kw: calls.append(name) or f(
             *a, **kw))
     native = run()
-    # per reconstruction chunk (2 + 3 for the two prompts), one sweep in each layer, the last one's score alone
+    # per reconstruction chunk (2 + 3 for the two prompts), one sweep in each layer, the last one's score alone;
+    # before them, each prompt's own attention in each layer
     chunks, layers = 5, model.geometry.n_layers
     assert sorted(calls) == sorted(["prompt_attention_with_subset_statistics"] * chunks * (layers - 1)
-                                   + ["prompt_statistics"] * chunks)
-    monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a: False)
+                                   + ["prompt_statistics"] * chunks + ["prompt_attention"] * 2 * layers)
+    monkeypatch.setattr(scoring_native, "kernel_pays", lambda *a, **k: False)
     for a, b in zip(native, run()):
         assert a.token_ids == b.token_ids
         assert max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits)) < 1e-4

@@ -27,8 +27,9 @@ context of at most ``chunk_size`` tokens is one chunk, where this is the formula
 
 **What is discarded.** The reconstruction input's own keys and values never enter the cache (they live only
 inside each layer's attention call) and its hidden states are dropped, so the tokens the user gets are computed
-from the prompt's own prefill and the compressed cache: the prompt's logits are exactly full attention's, and
-at a budget that holds the whole prompt no reconstruction runs (exactly ``full``). The prompt's input embeddings
+from the prompt's own prefill and the compressed cache: the prompt's logits are full attention's (on a CPU, where
+the reconstruction's kernel beats SDPA's, the prompt's attention runs through it too, equal within float32
+rounding), and at a budget that holds the whole prompt no reconstruction runs (exactly ``full``). The prompt's input embeddings
 are kept beside the cache until the reconstruction (``rows x n x hidden``), then released.
 
 **How it runs.** The reconstruction needs every layer of the model after the whole prompt, so kvzip is a
@@ -321,6 +322,17 @@ class KVzip(PromptScorer):
                 st.score = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
             st.score[:, :, step.start:step.end] = score
         return out if output else q.new_zeros(q.shape[:3] + v.shape[-1:])
+
+    def prefill_output(self, ctx: LayerContext, q, keys, values, positions) -> torch.Tensor:
+        # the prompt of a layer that will be scored: on a CPU, its causal attention by the kernel that computes the
+        # reconstruction's output, where that beats SDPA's kernels here (an unlimited budget keeps SDPA's path)
+        if (not isinstance(ctx.step, ReconstructionStep) and ctx.native_window is None and self.evicts(ctx)
+                and scoring_native.kernel_pays(q, keys, values, output_only=True)):
+            n = positions.shape[-1]
+            span = torch.arange(n, device=positions.device)
+            if torch.equal(positions, span.expand_as(positions)) and scoring_native.is_prompt_tail(ctx.q_pos, span):
+                return scoring_native.prompt_attention(q, keys, values, ctx.scaling)
+        return super().prefill_output(ctx, q, keys, values, positions)
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
         # the prompt's last chunk: nothing yet (its reconstruction scores it); the reconstruction's last chunk:

@@ -31,6 +31,7 @@ import ctypes
 import torch
 
 from attnkit import native
+from attnkit.attention import attend
 from attnkit.methods import scoring
 from attnkit.native import guard
 
@@ -48,38 +49,49 @@ def library() -> ctypes.CDLL | None:
     return native.load("scoring", SIGNATURE)
 
 
-def kernel_pays(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> bool:
+def kernel_pays(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None, *,
+                output_only: bool = False) -> bool:
     """Whether the kernel runs for these operands: float32 on a CPU, value heads (when given) a multiple of 16 wide,
-    the kernel built (:func:`library`), and faster than the torch path here (:func:`choice`)."""
+    the kernel built (:func:`library`), and faster than the torch path here (:func:`choice`; `output_only`: its
+    sweep for the output alone against SDPA's fused kernel)."""
     operands = (q, keys) if values is None else (q, keys, values)
     if not (q.device.type == "cpu" and all(t.dtype == torch.float32 for t in operands)
             and (values is None or values.shape[-1] % 16 == 0)):
         return False
-    return choice(q, keys, values).on
+    return choice(q, keys, values, output_only=output_only).on
 
 
-def choice(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> guard.Choice:
+def choice(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None, *,
+           output_only: bool = False) -> guard.Choice:
     """:func:`attnkit.native.guard.choose` for these operands' shape class: the sweep with the output (`values`
-    given) or the statistic alone, the heads and their sizes, the length class of the keys, the threads. The
-    comparison: the kernel against :func:`attnkit.methods.scoring.attention_with_statistics` (with the output) or
+    given), the output alone (`output_only`) or the statistic alone, the heads and their sizes, the length class of
+    the keys, the threads. The comparison: the kernel against :func:`attnkit.methods.scoring.attention_with_statistics`
+    (with the output), :func:`attnkit.attention.attend` (the output alone: SDPA's kernels) or
     :func:`~attnkit.methods.scoring.attention_statistics` (the statistic alone), on random operands of the class,
-    the last queries of the prompt (at most :data:`GUARD_QUERIES`) over at most :data:`GUARD_KEYS` keys."""
+    the last queries of the prompt (at most :data:`GUARD_QUERIES`; for the output alone, a whole causal prompt) over
+    at most :data:`GUARD_KEYS` keys."""
     b, hq, m, d = q.shape
     kv, n = keys.shape[1], keys.shape[2]
     dv = None if values is None else values.shape[-1]
+    if output_only and values is None:
+        raise ValueError("the output alone needs values")
     top = guard.bucket(n)
     threads = torch.get_num_threads()
-    shape = (f"{'sweep' if values is not None else 'statistic'} heads={hq}/{kv} d={d} dv={dv} keys<={top} "
-             f"threads={threads}")
+    kind = "output" if output_only else "sweep" if values is not None else "statistic"
+    shape = f"{kind} heads={hq}/{kv} d={d} dv={dv} keys<={top} threads={threads}"
 
     def measure():
         gen = torch.Generator().manual_seed(0)
         keys_n = min(top, GUARD_KEYS)
-        queries = min(m, keys_n, GUARD_QUERIES)
+        # the output alone: a prompt's whole causal attention (SDPA's causal kernel), every other: its last queries
+        queries = keys_n if output_only else min(m, keys_n, GUARD_QUERIES)
         rq = torch.randn(1, hq, queries, d, generator=gen)
         rk = torch.randn(1, kv, keys_n, d, generator=gen)
         rv = None if dv is None else torch.randn(1, kv, keys_n, dv, generator=gen)
         q_pos, k_pos = torch.arange(keys_n - queries, keys_n), torch.arange(keys_n)
+        if output_only:
+            return guard.time_both(lambda: prompt_attention(rq, rk, rv, d ** -0.5, threads=threads),
+                                   lambda: attend(rq, rk, rv, d ** -0.5, q_pos, k_pos))
         if rv is None:
             return guard.time_both(lambda: prompt_statistics(rq, rk, d ** -0.5, threads=threads),
                                    lambda: scoring.attention_statistics(rq, rk, d ** -0.5, q_pos, k_pos))
