@@ -5,7 +5,9 @@ The kernels are tuned for the CPUs they were measured on; on another CPU (anothe
 kernel can lose to torch's own operations, and attnkit must never be slower by its own choice. So the first time a
 process needs a kernel for a shape class (:func:`choose`), its caller times the kernel and the torch path side by
 side on inputs of that class (interleaved, a few repeats) and :func:`decide` keeps the kernel only where it is
-faster by a margin (:data:`MARGIN`: within it, the torch path, the reference, runs). The choice is kept in the
+faster by a margin (:data:`MARGIN`: within it, the torch path, the reference, runs); one found slower is compared once
+more and left off only where it loses again (a burst of other work during one comparison would otherwise keep a
+kernel off for good). The choice is kept in the
 process and in ``choices.json`` beside the builds (:func:`attnkit.native.cache_folder`), keyed by the CPU's model
 and features, the build (the kernel, its instruction set, a digest of its sources and flags) and the shape class,
 so a machine measures each once. ``ATTNKIT_NATIVE=1`` runs the kernel without timing, ``ATTNKIT_NATIVE=0`` never
@@ -134,6 +136,8 @@ def choose(kernel: str, lib, shape: str, measure: Callable[[], tuple[Sequence[fl
                 entry = _read().get(key)
                 if not (isinstance(entry, dict) and isinstance(entry.get("on"), bool)):
                     on, why = decide(*measure())
+                    if not on:  # a moment's load can last a whole comparison: off only if it loses twice
+                        on, why = decide(*measure())
                     entry = {"on": on, "why": why}
                     _write(key, entry)
                 found = _memo[key] = Choice(entry["on"], isa, str(entry.get("why", "")))
