@@ -327,11 +327,9 @@ class KVzip(PromptScorer):
         # the prompt of a layer that will be scored: on a CPU, its causal attention by the kernel that computes the
         # reconstruction's output, where that beats SDPA's kernels here (an unlimited budget keeps SDPA's path)
         if (not isinstance(ctx.step, ReconstructionStep) and ctx.native_window is None and self.evicts(ctx)
+                and scoring_native.ends_with_queries(ctx.q_pos, positions)
                 and scoring_native.kernel_pays(q, keys, values, output_only=True)):
-            n = positions.shape[-1]
-            span = torch.arange(n, device=positions.device)
-            if torch.equal(positions, span.expand_as(positions)) and scoring_native.is_prompt_tail(ctx.q_pos, span):
-                return scoring_native.prompt_attention(q, keys, values, ctx.scaling)
+            return scoring_native.prompt_attention(q, keys, values, ctx.scaling)
         return super().prefill_output(ctx, q, keys, values, positions)
 
     def after_prefill(self, ctx: LayerContext, q, k, v) -> None:
