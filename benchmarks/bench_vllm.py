@@ -38,7 +38,9 @@ attnkit's compressions of one request's layer in each run: how many, their mean 
 ``steps``: the cost of a decode step with attnkit's methods acting while decoding: ``--requests`` requests of 300
 tokens and 200 new ones, room for all, each spec (``;``-separated) in turn, then plain again: the median time of an
 engine step once every request decodes (the first third of the steps left out), and its ratio to plain's; the mean step
-beside it (a per-step method's rare costly steps, a block's survivors moved, count there).
+beside it (a per-step method's rare costly steps, a block's survivors moved, count there). A spec given with and without
+``,decode_every=N`` is also compared with itself: its per-step form's median step over its buffered form's, paired by
+repeat, and their mean steps (the cost per token).
 
 ``decode``: decode steps at a long context (Quest's pages in vLLM): ``--requests`` prompts of the first of
 ``--lengths`` tokens and ``--new`` new tokens each, plain vLLM and each of ``--specs`` (default
@@ -209,6 +211,14 @@ def steps(args):
         mean = statistics.median(means[name])
         print(f"{name:60s} {1000 * statistics.median(values):7.1f} ms ({statistics.median(values) / plain:.2f}x plain's)"
               f"  mean {1000 * mean:7.1f} ms ({mean / plain_mean:.2f}x)")
+    pairs = [(a, b) for a in medians for b in medians if b.startswith(a + ",decode_every=")]
+    if pairs:
+        print("\nper-step against its buffered form, paired by repeat: median steps (each repeat's), mean steps")
+    for a, b in pairs:
+        ratios = [x / y for x, y in zip(medians[a], medians[b])]
+        per_token = statistics.median(x / y for x, y in zip(means[a], means[b]))
+        print(f"{a} / {b}: {statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}); "
+              f"mean steps {per_token:.2f}x")
 
 
 def decode(args):
