@@ -33,7 +33,10 @@ outputs (2,000-3,500 new tokens, ``ignore_eos``; lengths drawn with seed 0), all
 token, vLLM's running requests (peak, and mean over engine steps: vLLM admits requests while their prompts fit and
 preempts later, so the peak alone flatters an engine short of KV space), preemptions, the ratios to plain, and
 attnkit's compressions of one request's layer in each run: how many, their mean time in the worker, their sum (its
-``attnkit_compaction_seconds`` metric). ``--new-min/--new-max`` shorten the outputs for a quick run.
+``attnkit_compaction_seconds`` metric). ``--new-min/--new-max`` shorten the outputs for a quick run. ``--plain-cap``
+adds plain vLLM at ``max_num_seqs`` = the most whole requests of the workload that fit the KV cache whichever run
+together (the longest ones counted), so none is preempted: what plain vLLM holds at once without recomputing, and
+each method's peak and mean running requests over its.
 
 ``steps``: the cost of a decode step with attnkit's methods acting while decoding: ``--requests`` requests of 300
 tokens and 200 new ones, room for all, each spec (``;``-separated) in turn, then plain again: the median time of an
@@ -158,14 +161,22 @@ def reasoning(args):
           f"({sum(news)} in all), {args.blocks} blocks of 128 tokens", flush=True)
     common = dict(max_model_len=4096, enable_prefix_caching=False, num_gpu_blocks_override=args.blocks)
     plain, ours = llm(**common), llm(**common, additional_config=ON)
-    watches = {id(e): SchedulerWatch.attach(e) for e in (plain, ours)}
+    engines = {"plain": plain}
+    if args.plain_cap:  # the longest whole requests first: any `cap` of them fit (blocks of 128 tokens)
+        sizes = sorted((-(-(len(model.tokenizer(p).input_ids) + n) // 128) for p, n in zip(prompts, news)),
+                       reverse=True)
+        cap = max(k for k in range(1, len(sizes) + 1) if sum(sizes[:k]) <= args.blocks)
+        engines[f"plain, at most {cap} running"] = llm(**common, max_num_seqs=cap)
+        print(f"plain vLLM capped at {cap} running requests: the {cap} longest whole requests take "
+              f"{sum(sizes[:cap])} of the {args.blocks} blocks", flush=True)
+    watches = {id(e): SchedulerWatch.attach(e) for e in (*engines.values(), ours)}
     specs = [s.format(b=b) for s in (args.specs or REASONING_SPECS).split(";") for b in args.budgets.split(",")]
-    names = ["plain"] + list(dict.fromkeys(specs))
+    names = list(engines) + list(dict.fromkeys(specs))
     runs = {name: [] for name in names}
     for r in range(args.repeats):
         for name in names:
-            engine = plain if name == "plain" else ours
-            runs[name].append(run_all(engine, watches[id(engine)], prompts, None if name == "plain" else name, news))
+            engine = engines.get(name, ours)
+            runs[name].append(run_all(engine, watches[id(engine)], prompts, None if name in engines else name, news))
             wall, peak, preempted, mean, compressed, compressing = runs[name][-1]
             print(f"repeat {r}: {name:70s} {wall:8.1f} s  running: peak {peak:3.0f} mean {mean:5.1f}  preemptions "
                   f"{preempted:4.0f}  {sum(news) / wall:6.1f} tok/s  compressions {compressed:6.0f} x "
@@ -178,6 +189,14 @@ def reasoning(args):
         print(f"{name:70s} wall {statistics.median(r[0] for r in rows):8.1f} s ({sooner:.2f}x sooner)  running: peak "
               f"{statistics.median(r[1] for r in rows):4.1f} ({more:.2f}x), mean {statistics.median(r[3] for r in rows):5.1f}"
               f" ({mean:.2f}x)  preemptions {statistics.median(r[2] for r in rows):.0f}")
+    capped = [name for name in engines if name != "plain"]
+    if capped:
+        print(f"\nrunning requests over {capped[0]}'s (paired by repeat)")
+        for name in names[len(engines):]:
+            peak = statistics.median(m[1] / p[1] for p, m in zip(runs[capped[0]], runs[name]))
+            mean = statistics.median(m[3] / p[3] for p, m in zip(runs[capped[0]], runs[name]))
+            sooner = statistics.median(p[0] / m[0] for p, m in zip(runs[capped[0]], runs[name]))
+            print(f"{name:70s} peak {peak:.2f}x, mean {mean:.2f}x, {sooner:.2f}x sooner")
 
 
 def steps(args):
@@ -366,6 +385,8 @@ def main():
     parser.add_argument("--budgets", default="256,512,1024", help="reasoning: token budgets for the specs' {b}")
     parser.add_argument("--new-min", type=int, default=2000)
     parser.add_argument("--new-max", type=int, default=3500)
+    parser.add_argument("--plain-cap", action="store_true", help="reasoning: plain vLLM at the most whole requests "
+                        "that fit as well (none preempted)")
     args = parser.parse_args()
     modes = {"capacity": capacity, "prefill": prefill, "off": off, "reasoning": reasoning, "steps": steps,
              "decode": decode, "throughput-child": throughput_child}

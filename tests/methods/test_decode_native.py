@@ -80,7 +80,10 @@ def test_the_same_bits_wherever_the_entries_lie(layout, size, build):
     assert torch.equal(copies[0], k) and torch.equal(copies[1], v)  # the host's gather reads the same entries
     want = decode_native.attend(q, k, v, d ** -0.5)
     strided = k.transpose(2, 3).contiguous().transpose(2, 3)  # each key's numbers n apart
-    for keys, values in ((ke, ve), (strided, v), (Entries.of(k), Entries.of(v))):
+    apart = v.transpose(2, 3).contiguous().transpose(2, 3)  # and each value's: the rows copied into a tile first
+    # the value rows read where they lie (vLLM's blocks), in a strided tensor, and copied: the same sums
+    for keys, values in ((ke, ve), (strided, v), (Entries.of(k), Entries.of(v)), (strided, apart),
+                         (Entries.of(strided), Entries.of(apart))):
         got = decode_native.attend(q, keys, values, d ** -0.5)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     # through attend_with_logits, where the kernel runs: and a copy where it does not (torch's arithmetic)

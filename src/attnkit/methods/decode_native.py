@@ -9,10 +9,10 @@ held entries, which no attention kernel returns, so the step's attention is comp
 of its block (a gather per layer and step, the largest part of a per-step step there). The kernel
 (``attnkit/native/decode.cpp``, built on first use by :mod:`attnkit.native` for ``$ATTNKIT_NATIVE_ISA``) reads each
 entry once from where it lies, given as :class:`Entries` (a storage, each entry's element offset and the distance of
-its numbers), into tiles kept in the worker's caches, and sweeps every query head of the kv group over them. Its
-arithmetic never depends on where the entries lie, so attnkit's runner (a strided cache tensor), ``AttnkitCache``
-and vLLM's blocks (read in place) give the same bits, and therefore the same tokens; it is written by hand because no
-library attends over entries addressed one by one and returns the probabilities.
+its numbers): the keys into tiles kept in the worker's caches, the value rows where they lie; every query head of the
+kv group is swept over them. Its arithmetic never depends on where the entries lie, so attnkit's runner (a strided
+cache tensor), ``AttnkitCache`` and vLLM's blocks (read in place) give the same bits, and therefore the same tokens;
+it is written by hand because no library attends over entries addressed one by one and returns the probabilities.
 
 With Keyformer's score (:class:`KeyformerScore`) the same call also computes eq. 9 of the step from its logits. The
 kernel runs on OpenMP's threads (torch's pool where torch links the same runtime), one row and kv head each.

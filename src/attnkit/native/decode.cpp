@@ -5,8 +5,9 @@
 // What and why: see attnkit/methods/decode_native.py. In short, a per-step method needs each step's attention
 // probabilities over the held entries, which no attention kernel returns, so it computes the step's attention
 // itself; in vLLM's paged cache torch must first copy every held entry out of its block. Here each entry is read
-// once from where it lies into a tile of 64 keys (keys transposed, values in rows) that stays in the worker's caches,
-// and every query head of the kv group is swept over it with the prompt kernels' micro-tiles (tile.h).
+// once from where it lies: the keys into a tile of 64 (transposed) that stays in the worker's caches, or swept in
+// their blocks where they lie transposed; the value rows where they lie, by the output's sweep. Every query head of
+// the kv group is swept with the prompt kernels' micro-tiles (tile.h).
 //
 // Addressing: entry j of row r and kv head h starts at element koff[(r * KV + h) * N + j] of `key` (voff of
 // `value`), or, without offsets, at r * ks[0] + h * ks[1] + j * ks[2] (a strided tensor [R, KV, N, D]); its numbers
@@ -59,6 +60,7 @@ struct Scratch {
     std::vector<float> slots;                       // block_logits' logits of every slot of those blocks
     std::vector<float> y;                           // Keyformer's noisy logits of one query head
     std::vector<uint32_t> kp;                       // its keys' positions as 32-bit counters
+    std::vector<const float*> vrow;                 // where a tile's value rows lie
 };
 
 typedef uint32_t vuu __attribute__((vector_size(4 * VW), aligned(4)));  // the same, at any counter's address
@@ -123,7 +125,7 @@ void load_keys(const Problem& a, Scratch& s, int64_t item, int64_t j0, int64_t n
 }
 
 // the n values of a tile as rows of DV numbers: where they lie (a strided tensor's, row stride *stride), or copied
-// into vt
+// into vt (numbers a step apart)
 const float* load_values(const Problem& a, Scratch& s, int64_t item, int64_t j0, int64_t n, int64_t* stride) {
     const int64_t r = item / a.KV, h = item % a.KV;
     if (!a.voff && a.vstep == 1) {
@@ -134,10 +136,7 @@ const float* load_values(const Problem& a, Scratch& s, int64_t item, int64_t j0,
     for (int64_t c = 0; c < n; ++c) {
         float* dst = s.vt.data() + c * a.DV;
         const float* src = a.value + start(a.voff ? a.voff + item * a.N : nullptr, a.vs, r, h, j0 + c);
-        if (a.vstep == 1)
-            for (int64_t e = 0; e < a.DV; e += VW) st(dst + e, ld(src + e));
-        else
-            for (int64_t e = 0; e < a.DV; ++e) dst[e] = src[e * a.vstep];
+        for (int64_t e = 0; e < a.DV; ++e) dst[e] = src[e * a.vstep];
     }
     return s.vt.data();
 }
@@ -274,6 +273,13 @@ void run_item(const Problem& a, Scratch& s, int64_t item) {
     std::fill(O, O + GP * DV, 0.0f);
     for (int64_t j0 = 0; j0 < a.N; j0 += BK) {
         const int64_t n = std::min(BK, a.N - j0);
+        if (a.voff && a.vstep == 1) {  // rows of adjacent numbers (vLLM's value blocks): read where they lie, not
+            const int64_t* off = a.voff + item * a.N + j0;  // copied into a tile first (written and read once more)
+            for (int64_t c = 0; c < n; ++c) s.vrow[c] = a.value + off[c];
+            for (int64_t g = 0; g < GP; g += QK_ROWS)
+                pv_rows<QK_ROWS>(L + g * NP + j0, NP, ScatteredRows{s.vrow.data()}, n, O + g * DV, DV, s.alpha.data());
+            continue;
+        }
         int64_t ldv;
         const float* V = load_values(a, s, item, j0, n, &ldv);
         for (int64_t g = 0; g < GP; g += QK_ROWS)
@@ -320,6 +326,7 @@ extern "C" int attnkit_decode_attention(const float* q, const int64_t* qs, int64
             s.q.assign(a.GP * D, 0.0f);
             s.kt.assign(D * BK, 0.0f);
             s.vt.assign(BK * DV, 0.0f);
+            s.vrow.assign(BK, nullptr);
             s.s.assign(QK_ROWS * BK, 0.0f);
             s.l.assign(a.GP * a.NP, 0.0f);
             s.o.assign(a.GP * DV, 0.0f);

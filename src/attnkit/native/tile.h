@@ -173,16 +173,30 @@ constexpr int64_t QK_ROWS = 4;   // rows of one logits micro-tile
 constexpr int QK_VECS = std::min(TV, 4);  // its vectors per row with 32 registers (16 accumulators)
 constexpr int64_t PAD = 8;       // rows are padded to a multiple of this (the output micro-tile's rows)
 
-// O[r] = O[r] * alpha[r] + sum_j P[r][j] V[j] for RW rows and NV vectors of value columns
-template <int RW, int NV>
-inline void pv_tile(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t keys, float* O, int64_t ldo,
+// the rows of values a sweep reads: row j at V + j * ldv (a tile, or a strided tensor), or where at[j] points (rows
+// that lie apart, read where they lie instead of copied into a tile first)
+struct StridedRows {
+    const float* V;
+    int64_t ldv;
+    const float* operator()(int64_t j) const { return V + j * ldv; }
+};
+struct ScatteredRows {
+    const float* const* at;
+    const float* operator()(int64_t j) const { return at[j]; }
+};
+
+// O[r] = O[r] * alpha[r] + sum_j P[r][j] V[j] for RW rows and NV vectors of value columns (from column col of each
+// row): the same arithmetic wherever the rows lie
+template <int RW, int NV, typename Rows>
+inline void pv_tile(const float* P, int64_t ldp, Rows rows, int64_t col, int64_t keys, float* O, int64_t ldo,
                     const float* alpha) {
     vf o[RW][NV];
     for (int r = 0; r < RW; ++r)
         for (int c = 0; c < NV; ++c) o[r][c] = splat(0.0f);
     for (int64_t j = 0; j < keys; ++j) {
         vf vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = ld(V + j * ldv + VW * c);
+        const float* row = rows(j) + col;
+        for (int c = 0; c < NV; ++c) vv[c] = ld(row + VW * c);
         for (int r = 0; r < RW; ++r) {
             const vf p = splat(P[r * ldp + j]);
             for (int c = 0; c < NV; ++c) o[r][c] += p * vv[c];
@@ -194,9 +208,8 @@ inline void pv_tile(const float* P, int64_t ldp, const float* V, int64_t ldv, in
 
 // pv_tile over 4 rows (PAD: 8) and all DV value columns (a multiple of 16), in micro-tiles of at most 16
 // accumulators with 32 registers, 8 with 16
-template <int ROWS>
-inline void pv_rows(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t keys, float* O, int64_t DV,
-                    const float* alpha) {
+template <int ROWS, typename Rows>
+inline void pv_rows(const float* P, int64_t ldp, Rows rows, int64_t keys, float* O, int64_t DV, const float* alpha) {
     static_assert(ROWS == 4 || ROWS == 8, "4 or 8 rows");
     constexpr int H = ROWS / 4;  // the tiles of 4 rows (of 8 where a tile has 1 or 2 vectors and 32 registers)
     const int64_t nvec = DV / VW;
@@ -204,22 +217,29 @@ inline void pv_rows(const float* P, int64_t ldp, const float* V, int64_t ldv, in
 #if ATTNKIT_REGS >= 32
     for (; c + 4 <= nvec; c += 4)
         for (int h = 0; h < H; ++h)
-            pv_tile<4, 4>(P + 4 * h * ldp, ldp, V + c * VW, ldv, keys, O + 4 * h * DV + c * VW, DV, alpha + 4 * h);
+            pv_tile<4, 4>(P + 4 * h * ldp, ldp, rows, c * VW, keys, O + 4 * h * DV + c * VW, DV, alpha + 4 * h);
     switch (nvec - c) {
         case 3:
             for (int h = 0; h < H; ++h)
-                pv_tile<4, 3>(P + 4 * h * ldp, ldp, V + c * VW, ldv, keys, O + 4 * h * DV + c * VW, DV, alpha + 4 * h);
+                pv_tile<4, 3>(P + 4 * h * ldp, ldp, rows, c * VW, keys, O + 4 * h * DV + c * VW, DV, alpha + 4 * h);
             break;
-        case 2: pv_tile<ROWS, 2>(P, ldp, V + c * VW, ldv, keys, O + c * VW, DV, alpha); break;
-        case 1: pv_tile<ROWS, 1>(P, ldp, V + c * VW, ldv, keys, O + c * VW, DV, alpha); break;
+        case 2: pv_tile<ROWS, 2>(P, ldp, rows, c * VW, keys, O + c * VW, DV, alpha); break;
+        case 1: pv_tile<ROWS, 1>(P, ldp, rows, c * VW, keys, O + c * VW, DV, alpha); break;
         default: break;
     }
 #else
     for (; c + 2 <= nvec; c += 2)
         for (int h = 0; h < H; ++h)
-            pv_tile<4, 2>(P + 4 * h * ldp, ldp, V + c * VW, ldv, keys, O + 4 * h * DV + c * VW, DV, alpha + 4 * h);
-    if (c < nvec) pv_tile<ROWS, 1>(P, ldp, V + c * VW, ldv, keys, O + c * VW, DV, alpha);
+            pv_tile<4, 2>(P + 4 * h * ldp, ldp, rows, c * VW, keys, O + 4 * h * DV + c * VW, DV, alpha + 4 * h);
+    if (c < nvec) pv_tile<ROWS, 1>(P, ldp, rows, c * VW, keys, O + c * VW, DV, alpha);
 #endif
+}
+
+// pv_rows over rows ldv apart from V
+template <int ROWS>
+inline void pv_rows(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t keys, float* O, int64_t DV,
+                    const float* alpha) {
+    pv_rows<ROWS>(P, ldp, StridedRows{V, ldv}, keys, O, DV, alpha);
 }
 
 // logits of QK_ROWS query rows (Q, row stride D, scaled already) against NV vectors of keys held transposed (Kt:
