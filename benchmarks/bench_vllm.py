@@ -181,21 +181,22 @@ def reasoning(args):
             print(f"repeat {r}: {name:70s} {wall:8.1f} s  running: peak {peak:3.0f} mean {mean:5.1f}  preemptions "
                   f"{preempted:4.0f}  {sum(news) / wall:6.1f} tok/s  compressions {compressed:6.0f} x "
                   f"{1e6 * compressing / max(compressed, 1):6.0f} us = {compressing:5.1f} s", flush=True)
+
+    def over(base, rows):  # medians of the ratios to `base`'s runs, paired by repeat: sooner, peak, mean running
+        pairs = list(zip(runs[base], rows))
+        return (statistics.median(p[0] / m[0] for p, m in pairs), statistics.median(m[1] / p[1] for p, m in pairs),
+                statistics.median(m[3] / p[3] for p, m in pairs))
+
     print("\nmedians (ratios to plain, paired by repeat)")
     for name, rows in runs.items():
-        sooner = statistics.median(p[0] / m[0] for p, m in zip(runs["plain"], rows))
-        more = statistics.median(m[1] / p[1] for p, m in zip(runs["plain"], rows))
-        mean = statistics.median(m[3] / p[3] for p, m in zip(runs["plain"], rows))
+        sooner, more, mean = over("plain", rows)
         print(f"{name:70s} wall {statistics.median(r[0] for r in rows):8.1f} s ({sooner:.2f}x sooner)  running: peak "
               f"{statistics.median(r[1] for r in rows):4.1f} ({more:.2f}x), mean {statistics.median(r[3] for r in rows):5.1f}"
               f" ({mean:.2f}x)  preemptions {statistics.median(r[2] for r in rows):.0f}")
-    capped = [name for name in engines if name != "plain"]
-    if capped:
-        print(f"\nrunning requests over {capped[0]}'s (paired by repeat)")
+    for capped in list(engines)[1:]:
+        print(f"\nrunning requests over {capped}'s (paired by repeat)")
         for name in names[len(engines):]:
-            peak = statistics.median(m[1] / p[1] for p, m in zip(runs[capped[0]], runs[name]))
-            mean = statistics.median(m[3] / p[3] for p, m in zip(runs[capped[0]], runs[name]))
-            sooner = statistics.median(p[0] / m[0] for p, m in zip(runs[capped[0]], runs[name]))
+            sooner, peak, mean = over(capped, runs[name])
             print(f"{name:70s} peak {peak:.2f}x, mean {mean:.2f}x, {sooner:.2f}x sooner")
 
 

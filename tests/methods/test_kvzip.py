@@ -272,7 +272,8 @@ def test_only_prompt_entries_stay_and_the_bytes_drop(models, arch):
     with torch.inference_mode():
         full_logits = logits_of(model, prefill(model, full_session, ids))
         logits = logits_of(model, prefill(model, session, ids))
-    # the prompt's own pass is full attention's (through the reconstruction's kernel where it is built: float32 rounding)
+    # the prompt's own pass is full attention's (through the reconstruction's kernel where it is built: float32
+    # rounding)
     assert torch.allclose(logits, full_logits, atol=1e-5) and torch.equal(logits.argmax(-1), full_logits.argmax(-1))
     for layer, full_kv in zip(session.cache.layers, full_session.cache.layers):
         keys, values, positions = layer.view()

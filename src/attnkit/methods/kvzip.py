@@ -29,8 +29,8 @@ context of at most ``chunk_size`` tokens is one chunk, where this is the formula
 inside each layer's attention call) and its hidden states are dropped, so the tokens the user gets are computed
 from the prompt's own prefill and the compressed cache: the prompt's logits are full attention's (on a CPU, where
 the reconstruction's kernel beats SDPA's, the prompt's attention runs through it too, equal within float32
-rounding), and at a budget that holds the whole prompt no reconstruction runs (exactly ``full``). The prompt's input embeddings
-are kept beside the cache until the reconstruction (``rows x n x hidden``), then released.
+rounding), and at a budget that holds the whole prompt no reconstruction runs (exactly ``full``). The prompt's input
+embeddings are kept beside the cache until the reconstruction (``rows x n x hidden``), then released.
 
 **How it runs.** The reconstruction needs every layer of the model after the whole prompt, so kvzip is a
 model-level method (:meth:`run_layers`): it runs the prompt's chunks through the decoder as usual (storing,
